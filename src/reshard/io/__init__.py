@@ -1,0 +1,1 @@
+"""Reading and writing tensor files: positioned slice reads and streaming writers."""

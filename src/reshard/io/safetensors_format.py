@@ -1,0 +1,123 @@
+"""The safetensors format: header parsing with strict validation, and a streaming writer.
+
+File layout: 8-byte little-endian header length N, N bytes of JSON ``{name: {dtype, shape, data_offsets}}``
+(plus an optional ``__metadata__`` string map), then the data buffer; offsets are relative to the buffer start.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+
+import torch
+
+from reshard.errors import CheckpointError
+from reshard.io import dtypes
+from reshard.io.tensorfile import TensorFile, TensorLocation
+
+MAX_HEADER = 100 << 20
+
+
+def read_header(path: str) -> tuple[dict[str, TensorLocation], dict[str, str]]:
+    """Parse and validate a safetensors header; returns tensor locations and ``__metadata__``."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER or 8 + n > size:
+            raise CheckpointError(f"{path}: safetensors header length {n} runs past the end of the file "
+                                  f"({size} bytes): the file is truncated or not safetensors")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: invalid safetensors header JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    base = 8 + n
+    data_size = size - base
+    tensors: dict[str, TensorLocation] = {}
+    spans = []
+    for name, info in header.items():
+        try:
+            dtype, shape, (begin, end) = info["dtype"], tuple(int(s) for s in info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: tensor '{name}' has a malformed header entry") from None
+        if not dtypes.is_known(dtype):
+            raise CheckpointError(f"{path}: tensor '{name}' has unknown dtype '{dtype}'")
+        if not (0 <= begin <= end <= data_size):
+            raise CheckpointError(f"{path}: tensor '{name}' byte range {begin}..{end} is outside the data "
+                                  f"({data_size} bytes): the file is truncated or corrupt")
+        expected = math.prod(shape) * dtypes.itemsize(dtype)
+        if end - begin != expected:
+            raise CheckpointError(f"{path}: tensor '{name}' shape {list(shape)} x {dtype} needs {expected} bytes "
+                                  f"but its byte range holds {end - begin}")
+        tensors[name] = TensorLocation(dtype=dtype, shape=shape, offset=base + begin)
+        spans.append((begin, end, name))
+    spans.sort()
+    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise CheckpointError(f"{path}: tensors '{n0}' and '{n1}' overlap in the data buffer")
+    return tensors, metadata
+
+
+class SafetensorsFile(TensorFile):
+    format = "safetensors"
+
+    def __init__(self, path: str):
+        tensors, self.metadata = read_header(path)
+        super().__init__(path, tensors)
+
+
+class SafetensorsWriter:
+    """Writes a safetensors file tensor by tensor, in the order of ``entries`` given up front.
+
+    The header is computed from the entries (name, dtype, shape) before any data; the file is written as
+    ``PATH.partial`` and renamed to ``PATH`` by :meth:`finish`.
+    """
+
+    def __init__(self, path: str, entries: list[tuple[str, str, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None):
+        self.path = path
+        self.partial = path + ".partial"
+        header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
+        offset = 0
+        self._expected = []
+        for name, dtype, shape in entries:
+            nbytes = math.prod(shape) * dtypes.itemsize(dtype)
+            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            self._expected.append((name, dtype, tuple(shape), nbytes))
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self._file = open(self.partial, "wb")
+        self._file.write(struct.pack("<Q", len(raw)) + raw)
+        self._next = 0
+        self.data_bytes = offset
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        exp_name, dtype, shape, nbytes = self._expected[self._next]
+        if name != exp_name or tuple(tensor.shape) != shape or dtypes.from_torch(tensor.dtype) != dtype:
+            raise AssertionError(f"writer expected {exp_name} {dtype}{list(shape)}, got {name} "
+                                 f"{tensor.dtype}{list(tensor.shape)}")
+        if nbytes:
+            self._file.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+        self._next += 1
+
+    def finish(self) -> None:
+        if self._next != len(self._expected):
+            raise AssertionError(f"{self.path}: {len(self._expected) - self._next} tensors were not written")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self.partial, self.path)
+
+    def abort(self) -> None:
+        self._file.close()
+        if os.path.exists(self.partial):
+            os.unlink(self.partial)

@@ -1,0 +1,312 @@
+"""torch's zip checkpoint format (``torch.save`` since 1.6): safe lazy indexing and a streaming writer.
+
+Layout: an uncompressed zip whose records are ``<prefix>/data.pkl`` (the pickled object, tensors as persistent
+ids ``('storage', StorageType, key, location, numel)``), ``byteorder``, one ``data/<key>`` record per storage
+(64-byte aligned), ``version`` and ``.data/serialization_id``.
+
+Reading never runs pickled code: ``torch.load(weights_only=True, map_location="meta")`` with an explicit
+allow-list gives the structure and, per storage, its byte offset in the file; data is then read with positioned
+reads (see :mod:`reshard.io.tensorfile`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import io
+import os
+import pickle
+import re
+import struct
+import zlib
+from typing import Any
+
+import numpy as np
+import torch
+
+from reshard.errors import CheckpointError
+from reshard.io import dtypes
+from reshard.io.tensorfile import TensorFile, TensorLocation
+
+
+class MegatronEnum:
+    """Stand-in for a Megatron enum member found in a checkpoint (``args``, rerun state): keeps its value."""
+
+    def __init__(self, value=None):
+        self.value = value
+
+    def __repr__(self):
+        return f"MegatronEnum({self.value!r})"
+
+
+_MEGATRON_ENUMS = (
+    "megatron.core.enums.ModelType",
+    "megatron.core.transformer.enums.AttnBackend",
+    "megatron.core.transformer.enums.AttnMaskType",
+    "megatron.core.transformer.enums.AttnType",
+    "megatron.core.transformer.enums.LayerType",
+    "megatron.core.transformer.enums.ModelType",
+    "megatron.core.rerun_state_machine.RerunMode",
+    "megatron.core.rerun_state_machine.RerunState",
+    "megatron.core.rerun_state_machine.RerunDiagnostic",
+)
+
+
+def _numpy_globals() -> list:
+    core = getattr(np, "_core", None) or np.core
+    items: list = [
+        (core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
+        (core.multiarray._reconstruct, "numpy._core.multiarray._reconstruct"),
+        np.ndarray,
+        np.dtype,
+    ]
+    if hasattr(core.multiarray, "scalar"):
+        items += [(core.multiarray.scalar, "numpy.core.multiarray.scalar"),
+                  (core.multiarray.scalar, "numpy._core.multiarray.scalar")]
+    dtype_classes = getattr(np, "dtypes", None)
+    if dtype_classes is not None:
+        for name in dir(dtype_classes):
+            obj = getattr(dtype_classes, name)
+            if isinstance(obj, type) and issubclass(obj, np.dtype):
+                items.append((obj, f"numpy.dtypes.{name}"))
+    return items
+
+
+def allowed_globals() -> list:
+    """Everything a Megatron-Core / Megatron-LM or HF ``.bin`` checkpoint may name besides tensors.
+
+    ``argparse.Namespace`` (the run's args), numpy's array/dtype reconstruction (numpy RNG state),
+    ``io.BytesIO`` (Transformer Engine ``_extra_state``), and stand-ins for Megatron enums. Nothing else.
+    """
+    return ([argparse.Namespace, (io.BytesIO, "_io.BytesIO"), (io.BytesIO, "io.BytesIO")]
+            + _numpy_globals() + [(MegatronEnum, name) for name in _MEGATRON_ENUMS])
+
+
+_UNSUPPORTED = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def load_structure(path: str) -> Any:
+    """Unpickle a torch zip checkpoint with every tensor on the meta device (no tensor bytes are read)."""
+    try:
+        with torch.serialization.safe_globals(allowed_globals()):
+            return torch.load(path, map_location="meta", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = _UNSUPPORTED.search(str(exc))
+        what = f"global '{found.group(1)}'" if found else str(exc).splitlines()[0]
+        raise CheckpointError(f"{path}: refusing to unpickle {what}: not on reshard's allow-list "
+                              "(reshard never runs code from a checkpoint)") from None
+    except RuntimeError as exc:
+        raise CheckpointError(f"{path}: not a readable torch checkpoint ({str(exc).splitlines()[0]})") from None
+
+
+def _location(t: torch.Tensor, path: str, name: str) -> TensorLocation:
+    storage = t.untyped_storage()
+    base = getattr(storage, "_checkpoint_offset", None)
+    if base is None:
+        raise CheckpointError(f"{path}: cannot locate the bytes of '{name}' (needs torch >= 2.5 and a zip-format file)")
+    size = t.element_size()
+    dtype = dtypes.from_torch(t.dtype)
+    offset = base + t.storage_offset() * size
+    contiguous = t.is_contiguous()
+    return TensorLocation(dtype=dtype, shape=tuple(t.shape), offset=offset,
+                          strides=None if contiguous else tuple(t.stride()),
+                          storage_bytes=storage.nbytes() - t.storage_offset() * size)
+
+
+def flatten_tensors(obj: Any, path: str, prefix: str = "") -> dict[str, TensorLocation]:
+    """Locations of every tensor inside nested dicts, named ``key/subkey/...``."""
+    out: dict[str, TensorLocation] = {}
+    if isinstance(obj, torch.Tensor):
+        out[prefix] = _location(obj, path, prefix)
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            out.update(flatten_tensors(value, path, f"{prefix}/{key}" if prefix else str(key)))
+    return out
+
+
+class TorchFile(TensorFile):
+    """A torch zip checkpoint indexed lazily; ``structure`` is the unpickled object (meta tensors)."""
+
+    format = "torch"
+
+    def __init__(self, path: str):
+        self.structure = load_structure(path)
+        super().__init__(path, flatten_tensors(self.structure, path))
+
+
+# ---------------------------------------------------------------------------------------------- writing
+
+class TensorSlot:
+    """Placeholder for a tensor in a payload to be written by :class:`TorchZipWriter`."""
+
+    def __init__(self, name: str, dtype: str, shape: tuple[int, ...]):
+        self.name, self.dtype, self.shape = name, dtype, tuple(shape)
+
+
+class _StorageRef:
+    def __init__(self, key: str, dtype: str, numel: int):
+        self.key, self.dtype, self.numel = key, dtype, numel
+
+
+class _TensorRef:
+    def __init__(self, storage: _StorageRef, shape: tuple[int, ...]):
+        self.storage, self.shape = storage, shape
+
+    def __reduce_ex__(self, protocol):
+        stride, acc = [], 1
+        for n in reversed(self.shape):
+            stride.append(acc)
+            acc *= n
+        return (torch._utils._rebuild_tensor_v2,
+                (self.storage, 0, torch.Size(self.shape), tuple(reversed(stride)), False, collections.OrderedDict()))
+
+
+def _storage_type(dtype: str):
+    name = torch.storage._dtype_to_storage_type_map()[dtypes.to_torch(dtype)]
+    return getattr(torch, name)
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj):
+        if isinstance(obj, _StorageRef):
+            return ("storage", _storage_type(obj.dtype), obj.key, "cpu", obj.numel)
+        return None
+
+
+_ZIP64_LIMIT = 0xFFFFFFFF
+_ALIGN = 64
+
+
+class TorchZipWriter:
+    """Writes a torch checkpoint one storage record at a time.
+
+    ``payload`` is the object to save with :class:`TensorSlot` placeholders; ``order`` names the slots in the
+    order their data will be passed to :meth:`write`. Nothing but one tensor is ever held. Output goes to
+    ``PATH.partial`` and is renamed by :meth:`finish`.
+    """
+
+    def __init__(self, path: str, payload: Any, order: list[str]):
+        self.path = path
+        self.partial = path + ".partial"
+        self.prefix = "archive/"
+        self._entries: list[tuple[str, int, int, int]] = []  # name, header offset, size, crc
+        self._order = list(order)
+        self._slots: dict[str, TensorSlot] = {}
+        refs = {}
+
+        def swap(obj):
+            if isinstance(obj, TensorSlot):
+                self._slots[obj.name] = obj
+                return refs[obj.name]
+            if isinstance(obj, collections.OrderedDict):
+                return collections.OrderedDict((k, swap(v)) for k, v in obj.items())
+            if isinstance(obj, dict):
+                return {k: swap(v) for k, v in obj.items()}
+            return obj
+
+        def collect(obj):
+            if isinstance(obj, TensorSlot):
+                self._slots[obj.name] = obj
+            elif isinstance(obj, dict):
+                for v in obj.values():
+                    collect(v)
+
+        collect(payload)
+        if sorted(self._slots) != sorted(self._order):
+            raise AssertionError("payload slots and write order differ")
+        for i, name in enumerate(self._order):
+            slot = self._slots[name]
+            numel = 1
+            for n in slot.shape:
+                numel *= n
+            refs[name] = _TensorRef(_StorageRef(str(i), slot.dtype, numel), slot.shape)
+        buf = io.BytesIO()
+        _Pickler(buf, protocol=2).dump(swap(payload))
+        self._file = open(self.partial, "wb")
+        self._add_record("data.pkl", buf.getvalue())
+        self._add_record("byteorder", b"little")
+        self._next = 0
+
+    # -- zip records
+    def _begin(self, name: str, size: int) -> int:
+        full = (self.prefix + name).encode()
+        offset = self._file.tell()
+        zip64 = size >= _ZIP64_LIMIT
+        extra = struct.pack("<HHQQ", 0x0001, 16, size, size) if zip64 else b""
+        used = offset + 30 + len(full) + len(extra) + 4
+        pad = -used % _ALIGN
+        extra += struct.pack("<HH", 0x4246, pad) + b"Z" * pad
+        field = 0xFFFFFFFF if zip64 else size
+        self._file.write(struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 0, 0, 0, 0x21,
+                                     0, field, field, len(full), len(extra)) + full + extra)
+        return offset
+
+    def _end(self, name: str, offset: int, size: int, crc: int) -> None:
+        here = self._file.tell()
+        self._file.seek(offset + 14)
+        self._file.write(struct.pack("<I", crc & 0xFFFFFFFF))
+        self._file.seek(here)
+        self._entries.append((name, offset, size, crc & 0xFFFFFFFF))
+
+    def _add_record(self, name: str, data: bytes) -> None:
+        offset = self._begin(name, len(data))
+        self._file.write(data)
+        self._end(name, offset, len(data), zlib.crc32(data))
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write the next tensor's bytes as its storage record."""
+        expected = self._order[self._next]
+        slot = self._slots[expected]
+        if name != expected or tuple(tensor.shape) != slot.shape or dtypes.from_torch(tensor.dtype) != slot.dtype:
+            raise AssertionError(f"writer expected {expected} {slot.dtype}{list(slot.shape)}, got {name} "
+                                 f"{tensor.dtype}{list(tensor.shape)}")
+        data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+        offset = self._begin(f"data/{self._next}", data.nbytes)
+        crc = 0
+        step = 64 << 20
+        view = memoryview(data)
+        for start in range(0, data.nbytes, step):
+            chunk = view[start:start + step]
+            crc = zlib.crc32(chunk, crc)
+            self._file.write(chunk)
+        self._end(f"data/{self._next}", offset, data.nbytes, crc)
+        self._next += 1
+
+    def finish(self) -> None:
+        if self._next != len(self._order):
+            raise AssertionError(f"{self.path}: {len(self._order) - self._next} tensors were not written")
+        self._add_record("version", b"3\n")
+        self._add_record(".data/serialization_id", os.urandom(20).hex().encode())
+        self._write_central_directory()
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self.partial, self.path)
+
+    def abort(self) -> None:
+        self._file.close()
+        if os.path.exists(self.partial):
+            os.unlink(self.partial)
+
+    def _write_central_directory(self) -> None:
+        start = self._file.tell()
+        for name, offset, size, crc in self._entries:
+            full = (self.prefix + name).encode()
+            big_size = size >= _ZIP64_LIMIT
+            big_off = offset >= _ZIP64_LIMIT
+            values = ([size, size] if big_size else []) + ([offset] if big_off else [])
+            extra = struct.pack("<HH", 0x0001, 8 * len(values)) + struct.pack(f"<{len(values)}Q", *values) \
+                if values else b""
+            self._file.write(struct.pack(
+                "<IHHHHHHIIIHHHHHII", 0x02014B50, 45, 45 if values else 20, 0, 0, 0, 0x21, crc,
+                0xFFFFFFFF if big_size else size, 0xFFFFFFFF if big_size else size, len(full), len(extra), 0, 0, 0,
+                0, 0xFFFFFFFF if big_off else offset) + full + extra)
+        end = self._file.tell()
+        count, cd_size = len(self._entries), end - start
+        if count >= 0xFFFF or start >= _ZIP64_LIMIT or cd_size >= _ZIP64_LIMIT:
+            self._file.write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, cd_size, start))
+            self._file.write(struct.pack("<IIQI", 0x07064B50, 0, end, 1))
+            self._file.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF,
+                                         0xFFFFFFFF, 0xFFFFFFFF, 0))
+        else:
+            self._file.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, cd_size, start, 0))

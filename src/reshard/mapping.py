@@ -1,0 +1,264 @@
+"""Mapping files: one TOML file per architecture family declaring every canonical weight.
+
+A weight declares its Hugging Face name template (``{layer}``), its split kind, its pack slot, its shape in
+config symbols, whether it is optional or tied, and its name in each layout. The schema is strict: unknown keys,
+kinds or symbols are errors that name the file, the key and the nearest valid key.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from reshard.errors import MappingError
+
+SPLIT_KINDS = ("replicated", "column", "row", "vocab", "qkv", "gate_up")
+PACK_SLOTS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
+WEIGHT_KEYS = {
+    "hf", "split", "slot", "shape", "optional", "tied_to", "stage",
+    "megatron", "megatron_te", "megatron_local", "vllm",
+}
+TOP_KEYS = {"family", "dims", "megatron", "weight"}
+FAMILY_KEYS = {"name", "description", "architectures"}
+DIM_KEYS = {"key", "default"}
+MEGATRON_KEYS = {"extra_state_te", "extra_state_local"}
+MEGATRON_SPECS = ("te", "local")
+
+
+def _suggest(key: str, valid) -> str:
+    close = difflib.get_close_matches(key, sorted(valid), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else f" (valid: {', '.join(sorted(valid))})"
+
+
+def _check_keys(source: str, where: str, table: dict, valid: set[str]) -> None:
+    for key in table:
+        if key not in valid:
+            raise MappingError(f"{source}: unknown key '{key}' in {where}{_suggest(key, valid)}")
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """One canonical weight: its HF name template, how it splits, and its names in other layouts."""
+
+    hf: str
+    split: str
+    shape: tuple[str, ...]
+    slot: str | None = None
+    optional: bool = False
+    tied_to: str | None = None
+    stage: str | None = None  # "first" / "last" for weights outside the layer stack
+    megatron_te: str | None = None
+    megatron_local: str | None = None
+    vllm: str | None = None
+
+    @property
+    def per_layer(self) -> bool:
+        return "{layer}" in self.hf
+
+    @property
+    def axis(self) -> int:
+        """The dimension along which ranks hold different parts (0 except row-parallel weights)."""
+        return 1 if self.split == "row" else 0
+
+    def megatron_name(self, spec: str) -> str:
+        return self.megatron_te if spec == "te" else self.megatron_local
+
+
+@dataclass
+class Family:
+    """A parsed, validated mapping file."""
+
+    name: str
+    description: str
+    architectures: tuple[str, ...]
+    dims: dict[str, tuple[str, str | None]]  # symbol -> (config key, default expression)
+    weights: tuple[WeightSpec, ...]
+    extra_state: dict[str, tuple[str, ...]] = field(default_factory=dict)  # megatron spec -> templates
+    source: str = ""
+
+    def resolve_dims(self, config: dict) -> dict[str, int]:
+        """Bind every dimension symbol to an integer from an HF-style config dict."""
+        values: dict[str, int] = {}
+        pending = dict(self.dims)
+        for _ in range(len(pending) + 1):
+            for sym, (key, default) in list(pending.items()):
+                if config.get(key) is not None:
+                    values[sym] = int(config[key])
+                elif default is None:
+                    raise MappingError(f"config is missing '{key}' (needed by mapping '{self.name}' as {sym})")
+                else:
+                    try:
+                        values[sym] = evaluate(default, values)
+                    except KeyError:
+                        continue
+                del pending[sym]
+        if pending:
+            raise MappingError(f"{self.source}: dims defaults form a cycle: {', '.join(pending)}")
+        return values
+
+    def shape_of(self, spec: WeightSpec, dims: dict[str, int]) -> tuple[int, ...]:
+        return tuple(evaluate(expr, dims) for expr in spec.shape)
+
+
+_ALLOWED_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+                ast.FloorDiv: lambda a, b: a // b}
+
+
+def evaluate(expr: str, symbols: dict[str, int]) -> int:
+    """Evaluate an integer shape expression over dimension symbols (``+ - * //`` and integers only)."""
+
+    def walk(node):
+        if isinstance(node, ast.Expression):
+            return walk(node.body)
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.Name):
+            return symbols[node.id]
+        if isinstance(node, ast.BinOp) and type(node.op) in _ALLOWED_OPS:
+            return _ALLOWED_OPS[type(node.op)](walk(node.left), walk(node.right))
+        raise MappingError(f"unsupported shape expression '{expr}': use integers, symbols and + - * //")
+
+    return walk(ast.parse(expr, mode="eval"))
+
+
+def _names_in(expr: str) -> set[str]:
+    try:
+        tree = ast.parse(expr, mode="eval")
+    except SyntaxError as exc:
+        raise MappingError(f"invalid shape expression '{expr}': {exc.msg}") from None
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+
+
+def parse_family(data: dict, source: str) -> Family:
+    """Validate a mapping file's TOML data and build a :class:`Family`."""
+    _check_keys(source, "the top level", data, TOP_KEYS)
+    for required in ("family", "dims", "weight"):
+        if required not in data:
+            raise MappingError(f"{source}: missing [{required}] table")
+    fam = data["family"]
+    _check_keys(source, "[family]", fam, FAMILY_KEYS)
+    if "name" not in fam or not fam.get("architectures"):
+        raise MappingError(f"{source}: [family] needs 'name' and a non-empty 'architectures' list")
+    dims: dict[str, tuple[str, str | None]] = {}
+    for sym, entry in data["dims"].items():
+        if not isinstance(entry, dict) or "key" not in entry:
+            raise MappingError(f"{source}: dims.{sym} must be a table with a 'key' (and optional 'default')")
+        _check_keys(source, f"dims.{sym}", entry, DIM_KEYS)
+        dims[sym] = (entry["key"], entry.get("default"))
+    extra_state: dict[str, tuple[str, ...]] = {}
+    meg = data.get("megatron", {})
+    _check_keys(source, "[megatron]", meg, MEGATRON_KEYS)
+    for spec in MEGATRON_SPECS:
+        extra_state[spec] = tuple(meg.get(f"extra_state_{spec}", ()))
+
+    weights = []
+    seen = set()
+    for i, w in enumerate(data["weight"]):
+        where = f"weight #{i + 1} ({w.get('hf', '?')})"
+        _check_keys(source, where, w, WEIGHT_KEYS)
+        for required in ("hf", "split", "shape"):
+            if required not in w:
+                raise MappingError(f"{source}: {where} is missing '{required}'")
+        if w["split"] not in SPLIT_KINDS:
+            raise MappingError(f"{source}: {where} has unknown split '{w['split']}'{_suggest(w['split'], SPLIT_KINDS)}")
+        slots = PACK_SLOTS.get(w["split"])
+        if slots and w.get("slot") not in slots:
+            raise MappingError(f"{source}: {where} needs slot one of {', '.join(slots)} for split '{w['split']}'")
+        if not slots and "slot" in w:
+            raise MappingError(f"{source}: {where} has a slot but split '{w['split']}' does not pack")
+        for expr in w["shape"]:
+            unknown = _names_in(str(expr)) - set(dims)
+            if unknown:
+                sym = sorted(unknown)[0]
+                raise MappingError(f"{source}: {where} shape uses unknown symbol '{sym}'{_suggest(sym, dims)}")
+        if w["split"] in ("row",) and len(w["shape"]) != 2:
+            raise MappingError(f"{source}: {where} is split 'row' but is not 2-D")
+        if w.get("stage") not in (None, "first", "last"):
+            raise MappingError(f"{source}: {where} stage must be 'first' or 'last'")
+        per_layer = "{layer}" in w["hf"]
+        if not per_layer and w.get("stage") is None:
+            raise MappingError(f"{source}: {where} is outside the layer stack and needs stage = 'first' or 'last'")
+        if w["hf"] in seen:
+            raise MappingError(f"{source}: {where} is declared twice")
+        seen.add(w["hf"])
+        te = w.get("megatron_te", w.get("megatron"))
+        local = w.get("megatron_local", w.get("megatron"))
+        if te is None or local is None:
+            raise MappingError(f"{source}: {where} needs 'megatron' (or both 'megatron_te' and 'megatron_local')")
+        weights.append(WeightSpec(
+            hf=w["hf"], split=w["split"], shape=tuple(str(s) for s in w["shape"]), slot=w.get("slot"),
+            optional=bool(w.get("optional", False)), tied_to=w.get("tied_to"), stage=w.get("stage"),
+            megatron_te=te, megatron_local=local, vllm=w.get("vllm"),
+        ))
+    names = {w.hf for w in weights}
+    for w in weights:
+        if w.tied_to and w.tied_to not in names:
+            raise MappingError(f"{source}: {w.hf} is tied to unknown weight '{w.tied_to}'")
+    _check_packs(weights, source)
+    return Family(name=fam["name"], description=fam.get("description", ""),
+                  architectures=tuple(fam["architectures"]), dims=dims, weights=tuple(weights),
+                  extra_state=extra_state, source=source)
+
+
+def _check_packs(weights: list[WeightSpec], source: str) -> None:
+    """Weights sharing a fused Megatron name must share a split kind and fill every slot once."""
+    for spec in MEGATRON_SPECS:
+        packs: dict[str, list[WeightSpec]] = {}
+        for w in weights:
+            packs.setdefault(w.megatron_name(spec), []).append(w)
+        for name, members in packs.items():
+            if len(members) == 1 and not members[0].slot:
+                continue
+            kinds = {m.split for m in members}
+            if len(kinds) != 1 or next(iter(kinds)) not in PACK_SLOTS:
+                raise MappingError(f"{source}: weights {', '.join(m.hf for m in members)} share Megatron name "
+                                   f"'{name}' but are not one qkv or gate_up pack")
+            slots = sorted(m.slot for m in members)
+            if slots != sorted(PACK_SLOTS[next(iter(kinds))]):
+                raise MappingError(f"{source}: pack '{name}' has slots {slots}, needs {PACK_SLOTS[next(iter(kinds))]}")
+
+
+def load_family_file(path: str | Path) -> Family:
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise MappingError(f"mapping file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise MappingError(f"{path}: invalid TOML: {exc}") from None
+    return parse_family(data, str(path))
+
+
+def shipped_mapping_names() -> list[str]:
+    root = resources.files("reshard") / "mappings"
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".toml"))
+
+
+def load_shipped(name: str) -> Family:
+    names = shipped_mapping_names()
+    if name not in names:
+        raise MappingError(f"no shipped mapping '{name}'{_suggest(name, names)}")
+    res = resources.files("reshard") / "mappings" / f"{name}.toml"
+    return parse_family(tomllib.loads(res.read_text()), f"mappings/{name}.toml")
+
+
+def family_for_architecture(architecture: str, mapping_file: str | Path | None = None) -> Family:
+    """The family whose mapping lists ``architecture``; a user's ``--mapping`` file takes precedence."""
+    if mapping_file is not None:
+        fam = load_family_file(mapping_file)
+        if architecture not in fam.architectures:
+            raise MappingError(f"mapping {mapping_file} does not list architecture '{architecture}' "
+                               f"(it lists {', '.join(fam.architectures)})")
+        return fam
+    known = []
+    for name in shipped_mapping_names():
+        fam = load_shipped(name)
+        if architecture in fam.architectures:
+            return fam
+        known.extend(fam.architectures)
+    raise MappingError(f"unknown architecture '{architecture}' (known: {', '.join(known)}); "
+                       "pass --mapping FILE with a mapping file for your family")
