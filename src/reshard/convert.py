@@ -1,0 +1,134 @@
+"""Conversion: open the source, plan every target byte, check replicas, stream, then publish atomically."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass, field
+
+from reshard.core.plan import CanonicalIndex, Plan, TargetFile, plan_tensor
+from reshard.errors import PlanError, ReshardError
+from reshard.execute import ensure_replicas_agree, execute
+from reshard.io import dtypes
+from reshard.layouts import LAYOUTS, hf, megatron, open_checkpoint
+from reshard.layouts.base import Options, Source
+
+TARGETS = ("hf", "megatron")
+
+
+@dataclass
+class ConvertResult:
+    plan: Plan
+    output: str | None
+    written: bool
+    notes: list[str] = field(default_factory=list)
+
+
+def output_dtype(source: Source, opts: Options) -> str:
+    """The dtype the output is written in: --dtype, else the source's (its embedding's) dtype."""
+    if opts.dtype:
+        return opts.dtype
+    model = source.model
+    return model.dtypes[next(iter(model.tensors))]
+
+
+def make_plan(source: Source, to: str, opts: Options) -> tuple[Plan, dict]:
+    """Plan a conversion; raises PlanError for impossible requests (nothing is written)."""
+    if to not in TARGETS:
+        raise PlanError(f"unknown target layout '{to}': use one of {', '.join(TARGETS)}")
+    model = source.model
+    dtype = output_dtype(source, opts)
+    finalize_args: dict = {}
+    if to == "hf":
+        if opts.tp != 1 or opts.pp != 1:
+            raise PlanError("the hf layout holds the full model: --tp and --pp must be 1 for --to hf")
+        specs = hf.targets(model, opts)
+    else:
+        specs, finalize_args = megatron.targets(model, opts, source, dtype)
+    index = CanonicalIndex(source.stored, {name: t.shape for name, t in model.tensors.items()})
+    files = []
+    for spec in specs:
+        tensors = []
+        for stored in spec.tensors:
+            canon = next((p.canonical for p in stored.pieces if p.canonical), None)
+            tensors.append(plan_tensor(index, stored, opts.dtype or model.dtypes.get(canon, dtype)))
+        files.append(TargetFile(spec.path, spec.format, tensors, payload=spec.payload, metadata=spec.metadata))
+    notes = []
+    dropped = source.info.get("dropped")
+    if dropped:
+        notes.append(f"dropping non-model state from the source: {', '.join(dropped)}")
+    plan = Plan(source_layout=source.layout, target_layout=to, source_files=[f.path for f in source.files],
+                files=files, checks=index.checks, notes=notes)
+    return plan, finalize_args
+
+
+def _check_destination(src: str, dst: str, overwrite: bool) -> None:
+    src_abs, dst_abs = os.path.realpath(src), os.path.realpath(dst)
+    if dst_abs == src_abs or dst_abs.startswith(src_abs + os.sep) or src_abs.startswith(dst_abs + os.sep):
+        raise PlanError(f"the output {dst} overlaps the source {src}: choose another output folder")
+    if os.path.exists(dst):
+        if not os.path.isdir(dst):
+            raise PlanError(f"{dst} exists and is not a folder")
+        if os.listdir(dst) and not overwrite:
+            raise PlanError(f"{dst} already exists and is not empty; pass --overwrite to replace it")
+
+
+def _publish(staging: str, dst: str) -> None:
+    """Move the finished staging folder into place; an old output is removed only after that."""
+    old = None
+    if os.path.exists(dst):
+        old = tempfile.mkdtemp(prefix=".reshard-old-", dir=os.path.dirname(os.path.abspath(dst)))
+        os.rmdir(old)
+        os.rename(dst, old)
+    os.rename(staging, dst)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def write_side_files(source: Source, staging: str, to: str, plan: Plan, finalize_args: dict, dtype: str) -> None:
+    for path in source.side_files:
+        shutil.copy2(path, os.path.join(staging, os.path.basename(path)))
+    if to == "hf":
+        hf.finalize(staging, source.model, plan.files, dtype)
+    else:
+        megatron.finalize(staging, finalize_args["iteration"])
+
+
+def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, dtype: str | None = None,
+            overwrite: bool = False, dry_run: bool = False, megatron_spec: str = "te",
+            max_shard_size: int = 5 * 10**9, vocab_size: int | None = None, vocab_divisor: int | None = None,
+            architecture: str | None = None, mapping: str | None = None, allow_replica_mismatch: bool = False,
+            progress: bool = False) -> ConvertResult:
+    """Convert checkpoint ``src`` to layout ``to`` at degrees ``tp`` x ``pp`` in folder ``dst``.
+
+    Everything that can be refused is refused before a byte is written; the output appears only when complete.
+    """
+    opts = Options(tp=tp, pp=pp, dtype=dtypes.parse_user_dtype(dtype), megatron_spec=megatron_spec,
+                   max_shard_size=max_shard_size, vocab_size=vocab_size, vocab_divisor=vocab_divisor,
+                   architecture=architecture, mapping=mapping, allow_replica_mismatch=allow_replica_mismatch)
+    with open_checkpoint(src, opts) as source:
+        plan, finalize_args = make_plan(source, to, opts)
+        if dry_run:
+            return ConvertResult(plan, None, False, plan.notes)
+        _check_destination(src, dst, overwrite)
+        ensure_replicas_agree(plan, source.files, allow_replica_mismatch, _warn)
+        parent = os.path.dirname(os.path.abspath(dst))
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(dst))}.reshard-partial-", dir=parent)
+        try:
+            execute(plan, source.files, staging, progress=progress)
+            write_side_files(source, staging, to, plan, finalize_args, output_dtype(source, opts))
+            _publish(staging, dst)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    return ConvertResult(plan, dst, True, plan.notes)
+
+
+__all__ = ["convert", "make_plan", "ConvertResult", "ReshardError", "LAYOUTS"]

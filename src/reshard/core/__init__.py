@@ -1,0 +1,1 @@
+"""Pure index arithmetic: canonical tensors, which ranges each rank of each layout holds, and plans."""

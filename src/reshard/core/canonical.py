@@ -1,0 +1,106 @@
+"""The canonical model: Hugging Face on-disk tensors, full (TP=1), unfused and unpadded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from reshard.errors import CheckpointError
+from reshard.mapping import Family, WeightSpec
+
+
+@dataclass(frozen=True)
+class CanonicalTensor:
+    name: str
+    spec: WeightSpec
+    layer: int | None
+    shape: tuple[int, ...]
+
+    @property
+    def axis(self) -> int:
+        return self.spec.axis
+
+
+@dataclass
+class CanonicalModel:
+    """Every canonical tensor of one model, in HF order, plus its HF-style config."""
+
+    family: Family
+    config: dict
+    dims: dict[str, int]
+    tensors: dict[str, CanonicalTensor]
+    tied: bool
+    dtypes: dict[str, str] = field(default_factory=dict)  # canonical name -> dtype (set from the source)
+
+    @property
+    def num_layers(self) -> int:
+        return self.dims["L"]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.dims["V"]
+
+    def get(self, spec: WeightSpec, layer: int | None) -> CanonicalTensor | None:
+        name = spec.hf.format(layer=layer) if spec.per_layer else spec.hf
+        return self.tensors.get(name)
+
+    def has_spec(self, spec: WeightSpec) -> bool:
+        return self.get(spec, 0 if spec.per_layer else None) is not None
+
+    def total_bytes(self) -> int:
+        from reshard.io.dtypes import itemsize
+
+        total = 0
+        for t in self.tensors.values():
+            n = itemsize(self.dtypes.get(t.name, "F32"))
+            for s in t.shape:
+                n *= s
+            total += n
+        return total
+
+
+def build_canonical(family: Family, config: dict, present_optional: set[str], tied: bool) -> CanonicalModel:
+    """Lay out the canonical tensors of ``family`` for ``config``.
+
+    ``present_optional`` holds the HF templates of optional weights the model has (e.g. q/k/v biases);
+    ``tied`` drops weights declared ``tied_to`` another (the output layer when embeddings are tied).
+    """
+    dims = family.resolve_dims(config)
+    for sym in ("L", "V"):
+        if sym not in dims:
+            raise CheckpointError(f"mapping '{family.name}' must declare dims L (layers) and V (vocab)")
+    tensors: dict[str, CanonicalTensor] = {}
+
+    def add(spec: WeightSpec, layer: int | None):
+        name = spec.hf.format(layer=layer) if layer is not None else spec.hf
+        tensors[name] = CanonicalTensor(name, spec, layer, family.shape_of(spec, dims))
+
+    def wanted(spec: WeightSpec) -> bool:
+        if spec.optional and spec.hf not in present_optional:
+            return False
+        return not (spec.tied_to and tied)
+
+    for spec in family.weights:
+        if spec.stage == "first" and wanted(spec):
+            add(spec, None)
+    for layer in range(dims["L"]):
+        for spec in family.weights:
+            if spec.per_layer and wanted(spec):
+                add(spec, layer)
+    for spec in family.weights:
+        if spec.stage == "last" and wanted(spec):
+            add(spec, None)
+    return CanonicalModel(family=family, config=dict(config), dims=dims, tensors=tensors, tied=tied)
+
+
+def match_template(family: Family, name: str) -> tuple[WeightSpec, int | None] | None:
+    """Which weight spec (and layer) an HF tensor name belongs to, or None."""
+    for spec in family.weights:
+        if spec.per_layer:
+            head, _, tail = spec.hf.partition("{layer}")
+            if name.startswith(head) and name.endswith(tail):
+                mid = name[len(head):len(name) - len(tail)]
+                if mid.isdigit():
+                    return spec, int(mid)
+        elif spec.hf == name:
+            return spec, None
+    return None

@@ -1,0 +1,163 @@
+"""Plans: for every target tensor, which byte ranges of which source tensors fill it. Plain data, no I/O.
+
+The planner intersects the target's pieces (canonical row ranges along the split axis) with the source's pieces.
+Where several source tensors hold the same canonical rows (replicated norms, tied copies, KV replicas), the
+first one in source order is read and the others become :class:`ReplicaCheck` entries, compared before writing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from reshard.core.pieces import StoredTensor
+from reshard.errors import CheckpointError
+from reshard.io.dtypes import itemsize
+
+
+@dataclass(frozen=True)
+class ReadOp:
+    """Copy ``length`` rows along ``axis`` of source tensor ``tensor`` (file ``source``) from ``src_start``
+    into the target tensor at ``dst_start``."""
+
+    source: int
+    tensor: str
+    src_start: int
+    length: int
+    dst_start: int
+
+
+@dataclass
+class TargetTensor:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    axis: int
+    reads: list[ReadOp]
+    has_padding: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * itemsize(self.dtype)
+
+
+@dataclass
+class TargetFile:
+    path: str  # relative to the output folder
+    format: str  # "safetensors" or "torch"
+    tensors: list[TargetTensor]
+    payload: Any = None  # torch files: the object to pickle, with TensorSlot placeholders
+    metadata: dict | None = None  # safetensors files: header metadata
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class ReplicaCheck:
+    """Two source ranges that must hold identical bytes (canonical rows ``start..stop`` of ``canonical``)."""
+
+    canonical: str
+    axis: int
+    first: ReadOp
+    other: ReadOp
+
+
+@dataclass
+class Plan:
+    source_layout: str
+    target_layout: str
+    source_files: list[str]
+    files: list[TargetFile]
+    checks: list[ReplicaCheck] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in self.files)
+
+    def bytes_read_per_source(self, source_tensor_row_bytes) -> dict[str, int]:
+        """Bytes each source file contributes, given ``row_bytes(source_index, tensor, axis)``."""
+        totals = dict.fromkeys(self.source_files, 0)
+        for f in self.files:
+            for t in f.tensors:
+                for op in t.reads:
+                    totals[self.source_files[op.source]] += op.length * source_tensor_row_bytes(op.source, op.tensor,
+                                                                                                t.axis)
+        return totals
+
+
+@dataclass(frozen=True)
+class _Span:
+    start: int
+    stop: int
+    source: int
+    tensor: str
+    offset: int  # position of ``start`` in the source tensor along the axis
+
+
+class CanonicalIndex:
+    """Where each canonical row range lives in the source: ``canonical -> [spans]`` plus replica checks."""
+
+    def __init__(self, stored: list[tuple[int, StoredTensor]], shapes: dict[str, tuple[int, ...]]):
+        spans: dict[str, list[_Span]] = {}
+        self.axis: dict[str, int] = {}
+        for source, tensor in stored:
+            for piece, offset in tensor.offsets():
+                if piece.canonical is None:
+                    continue
+                prev = self.axis.setdefault(piece.canonical, tensor.axis)
+                if prev != tensor.axis:
+                    raise AssertionError(f"{piece.canonical} is split on two axes")
+                spans.setdefault(piece.canonical, []).append(
+                    _Span(piece.start, piece.stop, source, tensor.name, offset))
+        self.primary: dict[str, list[_Span]] = {}
+        self.checks: list[ReplicaCheck] = []
+        for name, shape in shapes.items():
+            found = spans.get(name)
+            if not found:
+                raise CheckpointError(f"the source has no data for canonical tensor '{name}'")
+            axis = self.axis[name]
+            cover, covered, duplicates = [], 0, []
+            for span in sorted(found, key=lambda s: s.start):  # stable: source order among equal starts
+                if span.start > covered:
+                    break
+                if span.start < min(span.stop, covered):
+                    duplicates.append(span)
+                if span.stop > covered:
+                    cut = covered - span.start
+                    cover.append(_Span(covered, span.stop, span.source, span.tensor, span.offset + cut))
+                    covered = span.stop
+            if covered < shape[axis]:
+                raise CheckpointError(f"the source holds only rows 0..{covered} of '{name}' (of {shape[axis]}) "
+                                      "along its split axis: a rank file is missing or incomplete")
+            self.primary[name] = cover
+            for span in duplicates:
+                for c in cover:
+                    lo, hi = max(span.start, c.start), min(span.stop, c.stop)
+                    if lo < hi and not (c.source == span.source and c.tensor == span.tensor):
+                        self.checks.append(ReplicaCheck(
+                            name, axis, ReadOp(c.source, c.tensor, c.offset + lo - c.start, hi - lo, 0),
+                            ReadOp(span.source, span.tensor, span.offset + lo - span.start, hi - lo, 0)))
+
+    def reads_for(self, canonical: str, start: int, stop: int, dst_start: int) -> list[ReadOp]:
+        """Read operations that fill canonical rows ``[start, stop)`` at ``dst_start`` in a target tensor."""
+        ops = []
+        for span in self.primary[canonical]:
+            lo, hi = max(start, span.start), min(stop, span.stop)
+            if lo < hi:
+                ops.append(ReadOp(span.source, span.tensor, span.offset + lo - span.start, hi - lo,
+                                  dst_start + lo - start))
+        return ops
+
+
+def plan_tensor(index: CanonicalIndex, target: StoredTensor, dtype: str) -> TargetTensor:
+    reads, padded = [], False
+    for piece, offset in target.offsets():
+        if piece.canonical is None:
+            padded = True
+        else:
+            reads.extend(index.reads_for(piece.canonical, piece.start, piece.stop, offset))
+    return TargetTensor(target.name, target.shape, dtype, target.axis, reads, padded)

@@ -1,0 +1,155 @@
+"""Hugging Face layout: ``config.json`` + ``model.safetensors`` or ``model-0000i-of-0000N.safetensors`` with
+``model.safetensors.index.json`` (also reads ``pytorch_model*.bin``). Tensors are canonical: full, unfused."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+from reshard.core.canonical import CanonicalModel, build_canonical, match_template
+from reshard.core.pieces import Piece, StoredTensor
+from reshard.errors import CheckpointError
+from reshard.io import dtypes
+from reshard.io.safetensors_format import SafetensorsFile
+from reshard.io.torch_format import TorchFile
+from reshard.layouts.base import Options, Source, TargetSpec, check_shape, find_side_files
+from reshard.mapping import family_for_architecture
+
+NAME = "hf"
+INDEX = "model.safetensors.index.json"
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; recomputed at run time
+
+
+def detect(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "config.json")) and bool(_weight_files(path))
+
+
+def _weight_files(path: str) -> list[str]:
+    """The checkpoint's weight files: the index's files, else *.safetensors, else pytorch_model*.bin."""
+    for index_name in (INDEX, "pytorch_model.bin.index.json"):
+        index_path = os.path.join(path, index_name)
+        if os.path.isfile(index_path):
+            try:
+                weight_map = json.load(open(index_path))["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise CheckpointError(f"{index_path}: not a valid index (needs a 'weight_map' object)") from None
+            files = sorted(set(weight_map.values()))
+            for f in files:
+                if not os.path.isfile(os.path.join(path, f)):
+                    raise CheckpointError(f"{index_path} names {f}, which does not exist: the download is incomplete")
+            return [os.path.join(path, f) for f in files]
+    found = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    return found or sorted(glob.glob(os.path.join(path, "pytorch_model*.bin")))
+
+
+def read_config(path: str) -> dict:
+    cfg_path = os.path.join(path, "config.json")
+    try:
+        with open(cfg_path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} has no config.json: an HF checkpoint needs one") from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{cfg_path}: invalid JSON ({exc})") from None
+
+
+def architecture_of(config: dict, opts: Options) -> str:
+    if opts.architecture:
+        return opts.architecture
+    archs = config.get("architectures") or []
+    if not archs:
+        raise CheckpointError("config.json has no 'architectures'; pass --architecture (e.g. LlamaForCausalLM)")
+    return archs[0]
+
+
+def open_source(path: str, opts: Options) -> Source:
+    config = read_config(path)
+    family = family_for_architecture(architecture_of(config, opts), opts.mapping)
+    paths = _weight_files(path)
+    if not paths:
+        raise CheckpointError(f"{path} has config.json but no *.safetensors or pytorch_model*.bin weights")
+    files = [TorchFile(p) if p.endswith(".bin") else SafetensorsFile(p) for p in paths]
+    where: dict[str, int] = {}
+    for i, f in enumerate(files):
+        for name in f.tensors:
+            if name in where:
+                raise CheckpointError(f"tensor '{name}' is stored twice ({paths[where[name]]} and {paths[i]})")
+            where[name] = i
+    matched = {}
+    for name in where:
+        m = match_template(family, name)
+        if m is None:
+            if name.endswith(IGNORED_SUFFIXES):
+                continue
+            raise CheckpointError(f"{path}: tensor '{name}' is not a weight of mapping '{family.name}'; "
+                                  "pass --mapping FILE for this architecture")
+        matched[name] = m
+    present = {spec.hf for spec, _ in matched.values() if spec.optional}
+    output_spec = next((s for s in family.weights if s.tied_to), None)
+    has_output = output_spec is not None and output_spec.hf in where
+    tied = bool(config.get("tie_word_embeddings", not has_output)) if output_spec else False
+    model = build_canonical(family, config, present, tied)
+    stored = []
+    for name, tensor in model.tensors.items():
+        if name not in where:
+            raise CheckpointError(f"{path}: tensor '{name}' is missing (the config has "
+                                  f"{model.num_layers} layers; is the checkpoint complete?)")
+        loc = files[where[name]].tensors[name]
+        check_shape(paths[where[name]], name, loc.shape, tensor.shape)
+        model.dtypes[name] = loc.dtype
+        stored.append((where[name], StoredTensor(name, tensor.shape, tensor.axis,
+                                                 (Piece(name, 0, tensor.shape[tensor.axis]),))))
+    if tied and has_output:  # a tied model that still stores its head: a replica of the embedding, checked
+        spec = next(s for s in family.weights if s.hf == output_spec.tied_to)
+        emb = model.tensors[spec.hf]
+        stored.append((where[output_spec.hf], StoredTensor(output_spec.hf, emb.shape, emb.axis,
+                                                           (Piece(emb.name, 0, emb.shape[0]),))))
+    extra = set(matched) - set(model.tensors) - ({output_spec.hf} if has_output and tied else set())
+    if extra:
+        raise CheckpointError(f"{path}: tensor '{sorted(extra)[0]}' does not fit the config "
+                              f"({model.num_layers} layers); the config does not match the weights")
+    return Source(layout=NAME, root=path, model=model, files=files, stored=stored,
+                  degrees={"tp": 1, "pp": 1}, info={"config": config}, side_files=find_side_files(path))
+
+
+def targets(model: CanonicalModel, opts: Options) -> list[TargetSpec]:
+    """Canonical tensors in HF order, packed into shards of at most ``max_shard_size`` bytes."""
+    shards: list[list[StoredTensor]] = [[]]
+    size = 0
+    for name, t in model.tensors.items():
+        nbytes = dtypes.itemsize(opts.dtype or model.dtypes[name])
+        for s in t.shape:
+            nbytes *= s
+        if shards[-1] and size + nbytes > opts.max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(StoredTensor(name, t.shape, t.axis, (Piece(name, 0, t.shape[t.axis]),)))
+        size += nbytes
+    if len(shards) == 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    return [TargetSpec(n, "safetensors", s, metadata={"format": "pt"}) for n, s in zip(names, shards)]
+
+
+def output_config(model: CanonicalModel, dtype: str) -> dict:
+    config = dict(model.config)
+    config["tie_word_embeddings"] = model.tied
+    key = "dtype" if "dtype" in config and "torch_dtype" not in config else "torch_dtype"
+    config[key] = dtypes.hf_config_dtype(dtype)
+    return config
+
+
+def finalize(out: str, model: CanonicalModel, files: list, dtype: str) -> None:
+    """Write config.json, then the index last (only for a sharded output). ``files``: the plan's TargetFiles."""
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(output_config(model, dtype), f, indent=2, sort_keys=True)
+        f.write("\n")
+    if len(files) > 1:
+        weight_map = {t.name: spec.path for spec in files for t in spec.tensors}
+        total = sum(spec.nbytes for spec in files)
+        tmp = os.path.join(out, INDEX + ".partial")
+        with open(tmp, "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        os.replace(tmp, os.path.join(out, INDEX))

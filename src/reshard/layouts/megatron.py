@@ -1,0 +1,416 @@
+"""Megatron-Core ``torch`` format: ``<root>/latest_checkpointed_iteration.txt`` and
+``<root>/iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt`` (a pickled dict with ``model``, ``args``,
+``checkpoint_version``, ``iteration``; ``model0``, ``model1``, ... with a virtual pipeline).
+
+Per rank: ``linear_qkv`` grouped by KV group, ``linear_fc1`` = ``[gate_r; up_r]``, ``linear_proj`` and
+``linear_fc2`` split on dim 1, embedding and output layer split over the vocab padded to a multiple of
+``make_vocab_size_divisible_by * tp``, norms replicated; layer indices local to the pipeline stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+
+import torch
+
+from reshard.core.canonical import CanonicalModel, CanonicalTensor, build_canonical
+from reshard.core.pieces import Piece, StoredTensor
+from reshard.core.sharding import (check_megatron_degrees, even_pieces, megatron_gate_up_pieces,
+                                   megatron_padded_vocab, megatron_qkv_pieces, stage_layers, vocab_pieces)
+from reshard.errors import CheckpointError, PlanError
+from reshard.io import dtypes
+from reshard.io.torch_format import MegatronEnum, TensorSlot, TorchFile
+from reshard.layouts.base import Options, Source, TargetSpec, check_shape, find_side_files
+from reshard.mapping import Family, WeightSpec, family_for_architecture
+
+NAME = "megatron"
+TRACKER = "latest_checkpointed_iteration.txt"
+RANK_FILE = "model_optim_rng.pt"
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+
+
+# ----------------------------------------------------------------------------------------- shared rules
+
+def rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
+    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def _pieces(spec: WeightSpec, members: list[CanonicalTensor], rank: int, tp: int, groups: int,
+            padded_vocab: int) -> list[Piece]:
+    kind = spec.split
+    if kind == "replicated":
+        t = members[0]
+        return [Piece(t.name, 0, t.shape[t.axis])]
+    if kind in ("column", "row"):
+        return even_pieces(members[0], rank, tp)
+    if kind == "vocab":
+        return vocab_pieces(members[0], rank, tp, padded_vocab)
+    by_slot = {m.spec.slot: m for m in members}
+    if kind == "qkv":
+        return megatron_qkv_pieces(by_slot["q"], by_slot["k"], by_slot["v"], rank, tp, groups)
+    if kind == "gate_up":
+        return megatron_gate_up_pieces(by_slot["gate"], by_slot["up"], rank, tp)
+    raise AssertionError(kind)
+
+
+def _stored(name: str, members: list[CanonicalTensor], pieces: list[Piece]) -> StoredTensor:
+    first = members[0]
+    shape = list(first.shape)
+    shape[first.axis] = sum(p.length for p in pieces)
+    return StoredTensor(name, tuple(shape), first.axis, tuple(pieces))
+
+
+def rank_tensors(model: CanonicalModel, tp: int, rank: int, layers: list[int], first: bool, last: bool,
+                 spec_name: str, padded_vocab: int) -> list[StoredTensor]:
+    """The tensors of one TP rank of one pipeline chunk holding global ``layers`` (names local to the chunk)."""
+    family = model.family
+    groups = model.dims["ng"]
+    out: list[StoredTensor] = []
+
+    def emit(spec: WeightSpec, layer: int | None, local: int | None, name_spec: WeightSpec | None = None):
+        if spec.slot:
+            pack = [s for s in family.weights if s.megatron_name(spec_name) == spec.megatron_name(spec_name)]
+            if spec is not pack[0]:
+                return
+            members = [model.get(s, layer) for s in pack]
+            if any(m is None for m in members):
+                return
+        else:
+            member = model.get(spec, layer)
+            if member is None:
+                return
+            members = [member]
+        template = (name_spec or spec).megatron_name(spec_name)
+        name = template.format(layer=local) if local is not None else template
+        out.append(_stored(name, members, _pieces(spec, members, rank, tp, groups, padded_vocab)))
+
+    if first:
+        for spec in family.weights:
+            if spec.stage == "first":
+                emit(spec, None, None)
+    for local, layer in enumerate(layers):
+        for spec in family.weights:
+            if spec.per_layer:
+                emit(spec, layer, local)
+    if last:
+        for spec in family.weights:
+            if spec.stage != "last":
+                continue
+            if spec.tied_to and model.tied:
+                if not first:  # tied embeddings with pp > 1: the last stage keeps a copy of the embedding
+                    emb_spec = next(s for s in family.weights if s.hf == spec.tied_to)
+                    emit(emb_spec, None, None, name_spec=spec)
+            else:
+                emit(spec, None, None)
+    return out
+
+
+def extra_state_names(family: Family, spec_name: str, num_local_layers: int) -> list[str]:
+    return [t.format(layer=i) for i in range(num_local_layers) for t in family.extra_state.get(spec_name, ())]
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+def _label(folder_name: str) -> str:
+    """'iter_0000100' -> '100'; 'release' (or anything else) -> 'release'."""
+    digits = folder_name.removeprefix("iter_")
+    return str(int(digits)) if folder_name.startswith("iter_") and digits.isdigit() else "release"
+
+
+def _iteration_dir(path: str) -> tuple[str, str]:
+    """The folder holding rank folders, and the iteration label (a number or 'release')."""
+    if any(_RANK_DIR.match(n) for n in os.listdir(path)):
+        base = os.path.basename(os.path.normpath(path))
+        return path, _label(base)
+    tracker = os.path.join(path, TRACKER)
+    if os.path.isfile(tracker):
+        label = open(tracker).read().strip()
+        sub = "release" if label == "release" else f"iter_{int(label):07d}" if label.isdigit() else None
+        if sub is None:
+            raise CheckpointError(f"{tracker} holds '{label}', not an iteration number or 'release'")
+        folder = os.path.join(path, sub)
+        if not os.path.isdir(folder):
+            raise CheckpointError(f"{tracker} points at {sub}, which does not exist")
+        return folder, label
+    candidates = sorted(n for n in os.listdir(path) if n.startswith("iter_") or n == "release")
+    if len(candidates) == 1:
+        return os.path.join(path, candidates[0]), _label(candidates[0])
+    raise CheckpointError(f"{path} has no {TRACKER} and {len(candidates)} iteration folders; "
+                          "pass the iteration folder itself")
+
+
+def detect(path: str) -> bool:
+    if not os.path.isdir(path):
+        return False
+    if os.path.isfile(os.path.join(path, TRACKER)):
+        return True
+    names = os.listdir(path)
+    if any(_RANK_DIR.match(n) for n in names):
+        return True
+    return any((n.startswith("iter_") or n == "release") and os.path.isdir(os.path.join(path, n)) for n in names)
+
+
+def _checkpoint_root(path: str, iter_dir: str) -> str:
+    return path if os.path.normpath(path) != os.path.normpath(iter_dir) else os.path.dirname(iter_dir)
+
+
+def true_vocab_size(args, opts: Options, root: str) -> int:
+    """The unpadded vocab: --vocab-size, recorded HF config, args.vocab_size, config.json or tokenizer.json."""
+    if opts.vocab_size:
+        return int(opts.vocab_size)
+    hf_config = getattr(args, "hf_config", None)
+    if isinstance(hf_config, dict) and hf_config.get("vocab_size"):
+        return int(hf_config["vocab_size"])
+    if isinstance(getattr(args, "vocab_size", None), int):
+        return args.vocab_size
+    cfg = os.path.join(root, "config.json")
+    if os.path.isfile(cfg):
+        try:
+            return int(json.load(open(cfg))["vocab_size"])
+        except (KeyError, ValueError, TypeError, json.JSONDecodeError):
+            pass
+    tok = os.path.join(root, "tokenizer.json")
+    if os.path.isfile(tok):
+        data = json.load(open(tok))
+        vocab = data.get("model", {}).get("vocab", {})
+        ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
+        ids += [t["id"] for t in data.get("added_tokens", [])]
+        if ids:
+            return max(ids) + 1
+    raise CheckpointError("the Megatron checkpoint does not record its true (unpadded) vocab size; pass "
+                          "--vocab-size N or put the tokenizer.json / config.json next to the checkpoint")
+
+
+def hf_config_from_args(args, opts: Options, vocab: int) -> dict:
+    """The HF config.json a Megatron run's args describe (a recorded ``hf_config`` wins)."""
+    recorded = getattr(args, "hf_config", None)
+    if isinstance(recorded, dict):
+        config = dict(recorded)
+        config["vocab_size"] = vocab
+        return config
+    get = lambda key, default=None: getattr(args, key, default)  # noqa: E731
+    if not get("swiglu", False) or get("normalization", "LayerNorm") != "RMSNorm" \
+            or get("position_embedding_type", "learned_absolute") != "rope":
+        raise CheckpointError("this Megatron checkpoint is not a Llama-family model (needs swiglu, RMSNorm and "
+                              "rope in its args); no shipped mapping covers it")
+    qkv_bias = bool(get("add_qkv_bias", False))
+    bias = bool(get("add_bias_linear", False))
+    arch = opts.architecture or ("Qwen2ForCausalLM" if qkv_bias and not bias else "LlamaForCausalLM")
+    heads = get("num_attention_heads")
+    groups = get("num_query_groups") if get("group_query_attention", False) else heads
+    dtype = get("params_dtype")
+    if not isinstance(dtype, torch.dtype):
+        dtype = torch.bfloat16 if get("bf16") else torch.float16 if get("fp16") else torch.float32
+    config = {
+        "architectures": [arch], "model_type": MODEL_TYPES.get(arch, "llama"),
+        "hidden_size": get("hidden_size"), "intermediate_size": get("ffn_hidden_size"),
+        "num_hidden_layers": get("num_layers"), "num_attention_heads": heads,
+        "num_key_value_heads": groups or heads, "head_dim": get("kv_channels") or get("hidden_size") // heads,
+        "vocab_size": vocab, "max_position_embeddings": get("max_position_embeddings") or get("seq_length"),
+        "rms_norm_eps": get("norm_epsilon", 1e-5), "rope_theta": float(get("rotary_base", 10000)),
+        "tie_word_embeddings": not get("untie_embeddings_and_output_weights", False),
+        "hidden_act": "silu", "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    if arch != "Qwen2ForCausalLM":
+        config["attention_bias"] = bias
+        config["mlp_bias"] = bias
+    if get("use_rope_scaling", False):
+        config["rope_scaling"] = {"rope_type": "llama3", "factor": float(get("rope_scaling_factor", 8.0)),
+                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                  "original_max_position_embeddings": 8192}
+    return config
+
+
+def _scan_ranks(folder: str) -> dict[tuple[int, int], str]:
+    found: dict[tuple[int, int], str] = {}
+    for name in sorted(os.listdir(folder)):
+        m = _RANK_DIR.match(name)
+        if not m:
+            continue
+        if m.group(3) is not None:
+            raise CheckpointError(f"{folder}/{name}: expert-parallel rank folders are not supported for this family")
+        tp_rank, pp_rank = int(m.group(1)), int(m.group(2) or 0)
+        path = os.path.join(folder, name, RANK_FILE)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{os.path.join(folder, name)} has no {RANK_FILE}: the checkpoint is incomplete")
+        found[(tp_rank, pp_rank)] = path
+    if not found:
+        raise CheckpointError(f"{folder} has no mp_rank_* folders")
+    return found
+
+
+def open_source(path: str, opts: Options) -> Source:
+    folder, iteration = _iteration_dir(path)
+    root = _checkpoint_root(path, folder)
+    ranks = _scan_ranks(folder)
+    tp = max(t for t, _ in ranks) + 1
+    pp = max(p for _, p in ranks) + 1
+    missing = [rank_dir(t, p, pp) for p in range(pp) for t in range(tp) if (t, p) not in ranks]
+    if missing:
+        raise CheckpointError(f"{folder}: rank folder {missing[0]} is missing (found tp={tp}, pp={pp}); "
+                              "the checkpoint is incomplete")
+    order = [(t, p) for p in range(pp) for t in range(tp)]
+    files = [TorchFile(ranks[key]) for key in order]
+    first = files[0].structure
+    if not isinstance(first, dict) or "args" not in first:
+        raise CheckpointError(f"{files[0].path}: no 'args' in the checkpoint: cannot tell the model config")
+    args = first["args"]
+    for label, value, found in (("tensor", getattr(args, "tensor_model_parallel_size", tp), tp),
+                                ("pipeline", getattr(args, "pipeline_model_parallel_size", pp), pp)):
+        if value != found:
+            raise CheckpointError(f"{folder}: args say {label}_model_parallel_size={value} but the rank folders "
+                                  f"give {found}: the checkpoint is inconsistent or incomplete")
+    vocab = true_vocab_size(args, opts, root)
+    config = hf_config_from_args(args, opts, vocab)
+    family = family_for_architecture(opts.architecture or config["architectures"][0], opts.mapping)
+
+    # Which chunks (model / model0, model1, ...) each rank file holds, and their layer counts.
+    chunk_layers: dict[tuple[int, str], int] = {}
+    names_all: set[str] = set()
+    for (t, p), f in zip(order, files):
+        chunks = [k for k in f.structure if k == "model" or re.fullmatch(r"model\d+", str(k))]
+        if not chunks:
+            raise CheckpointError(f"{f.path}: no 'model' state dict in the checkpoint")
+        for chunk in chunks:
+            count = 0
+            for key in f.structure[chunk]:
+                names_all.add(key)
+                m = _LAYER.match(key)
+                if m:
+                    count = max(count, int(m.group(1)) + 1)
+            if t == 0:
+                chunk_layers[(p, chunk)] = count
+    chunk_keys = sorted({c for _, c in chunk_layers}, key=lambda c: -1 if c == "model" else int(c[5:]))
+    spec_name = "te" if any(n.endswith("linear_qkv.layer_norm_weight") for n in names_all) else "local"
+    starts, offset = {}, 0
+    for chunk in chunk_keys:
+        for p in range(pp):
+            starts[(p, chunk)] = offset
+            offset += chunk_layers.get((p, chunk), 0)
+    if offset != config["num_hidden_layers"]:
+        raise CheckpointError(f"{folder}: the rank files hold {offset} layers but args say "
+                              f"{config['num_hidden_layers']}: a pipeline stage is missing or inconsistent")
+
+    present = set()
+    for spec in family.weights:
+        if spec.optional and spec.megatron_name(spec_name).format(layer=0) in names_all:
+            present.add(spec.hf)
+    tied = not getattr(args, "untie_embeddings_and_output_weights", False)
+    model = build_canonical(family, config, present, tied)
+    emb_spec = next(s for s in family.weights if s.split == "vocab" and s.stage == "first")
+    emb_loc = files[0].tensors.get(f"{chunk_keys[0]}/{emb_spec.megatron_name(spec_name)}")
+    if emb_loc is None:
+        raise CheckpointError(f"{files[0].path}: no {emb_spec.megatron_name(spec_name)} in the first stage")
+    padded = emb_loc.shape[0] * tp
+    if padded < vocab:
+        raise CheckpointError(f"the embedding holds {padded} rows over tp={tp}, fewer than the vocab size {vocab}; "
+                              "--vocab-size or the recorded vocab is wrong")
+
+    stored, expected_names = [], []
+    for index, ((t, p), f) in enumerate(zip(order, files)):
+        expected_names.append(set())
+        for chunk in chunk_keys:
+            if (p, chunk) not in chunk_layers:
+                continue
+            start = starts[(p, chunk)]
+            layers = list(range(start, start + chunk_layers[(p, chunk)]))
+            is_first = p == 0 and chunk == chunk_keys[0]
+            is_last = p == pp - 1 and chunk == chunk_keys[-1]
+            for tensor in rank_tensors(model, tp, t, layers, is_first, is_last, spec_name, padded):
+                key = f"{chunk}/{tensor.name}"
+                loc = f.tensors.get(key)
+                if loc is None:
+                    raise CheckpointError(f"{f.path}: tensor '{tensor.name}' is missing from the rank file")
+                check_shape(f.path, tensor.name, loc.shape, tensor.shape)
+                stored.append((index, StoredTensor(key, tensor.shape, tensor.axis, tensor.pieces)))
+                expected_names[-1].add(key)
+                for piece in tensor.pieces:
+                    if piece.canonical:
+                        model.dtypes.setdefault(piece.canonical, loc.dtype)
+        for key in f.tensors:
+            if key.split("/")[0] in chunk_keys and key not in expected_names[-1] and "_extra_state" not in key:
+                raise CheckpointError(f"{f.path}: unexpected tensor '{key.split('/', 1)[1]}' for mapping "
+                                      f"'{family.name}' (a config / weights mismatch?)")
+    dropped = sorted({k for f in files for k in f.structure if k not in ("model", "args", "checkpoint_version",
+                                                                        "iteration") and k not in chunk_keys})
+    info = {"args": args, "iteration": iteration, "spec": spec_name, "padded_vocab": padded,
+            "vocab_divisor": getattr(args, "make_vocab_size_divisible_by", None), "dropped": dropped}
+    return Source(layout=NAME, root=root, model=model, files=files, stored=stored,
+                  degrees={"tp": tp, "pp": pp}, info=info, side_files=find_side_files(root))
+
+
+# ---------------------------------------------------------------------------------------------- writing
+
+def build_args(model: CanonicalModel, opts: Options, padded: int, divisor: int, dtype: str,
+               base: argparse.Namespace | None) -> argparse.Namespace:
+    """A faithful Megatron-LM ``args`` for the output (so ``--use-checkpoint-args`` works)."""
+    c, d = model.config, model.dims
+    values = {}
+    if base is not None:  # keep the run's own args; enum stand-ins cannot be written back without Megatron
+        values = {k: v for k, v in vars(base).items() if not isinstance(v, MegatronEnum)}
+    torch_dtype = dtypes.to_torch(dtype)
+    values.update(
+        num_layers=d["L"], hidden_size=d["H"], ffn_hidden_size=d["F"], num_attention_heads=d["nh"],
+        group_query_attention=d["ng"] != d["nh"], num_query_groups=d["ng"], kv_channels=d["d"],
+        padded_vocab_size=padded, vocab_size=d["V"], make_vocab_size_divisible_by=divisor,
+        tensor_model_parallel_size=opts.tp, pipeline_model_parallel_size=opts.pp,
+        virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=1, world_size=opts.tp * opts.pp,
+        data_parallel_size=1, swiglu=True, normalization="RMSNorm", position_embedding_type="rope",
+        use_rotary_position_embeddings=True, rotary_base=int(c.get("rope_theta", 10000)),
+        rotary_percent=1.0, rotary_interleaved=False,
+        add_bias_linear=bool(c.get("attention_bias", False)),
+        add_qkv_bias=any(s.slot == "q" and s.optional and model.has_spec(s) for s in model.family.weights),
+        untie_embeddings_and_output_weights=not model.tied,
+        max_position_embeddings=c.get("max_position_embeddings"),
+        seq_length=values.get("seq_length") or c.get("max_position_embeddings"),
+        norm_epsilon=c.get("rms_norm_eps", 1e-5), params_dtype=torch_dtype,
+        bf16=torch_dtype == torch.bfloat16, fp16=torch_dtype == torch.float16,
+        transformer_impl="transformer_engine" if opts.megatron_spec == "te" else "local",
+        apply_query_key_layer_scaling=False, attention_softmax_in_fp32=True,
+        hf_config=dict(c),
+    )
+    scaling = c.get("rope_scaling") or {}
+    if scaling.get("rope_type") == "llama3":
+        values.update(use_rope_scaling=True, rope_scaling_factor=scaling.get("factor", 8.0))
+    values.setdefault("tokenizer_type", "HuggingFaceTokenizer")
+    return argparse.Namespace(**values)
+
+
+def targets(model: CanonicalModel, opts: Options, source: Source, dtype: str) -> tuple[list[TargetSpec], dict]:
+    """Rank files for Megatron at ``opts.tp`` x ``opts.pp``; also returns what :func:`finalize` needs."""
+    if opts.megatron_spec not in ("te", "local"):
+        raise PlanError(f"unknown --megatron-spec '{opts.megatron_spec}': use te or local")
+    check_megatron_degrees(model, opts.tp, opts.pp)
+    divisor = opts.vocab_divisor or source.info.get("vocab_divisor") or 128
+    padded = megatron_padded_vocab(model.vocab_size, opts.tp, divisor)
+    iteration = source.info.get("iteration", "release") if source.layout == NAME else "release"
+    folder = "release" if iteration == "release" else f"iter_{int(iteration):07d}"
+    args = build_args(model, opts, padded, divisor, dtype, source.info.get("args") if source.layout == NAME else None)
+    specs = []
+    stages = stage_layers(model.num_layers, opts.pp)
+    for p, layers in enumerate(stages):
+        for t in range(opts.tp):
+            tensors = rank_tensors(model, opts.tp, t, list(layers), p == 0, p == opts.pp - 1,
+                                   opts.megatron_spec, padded)
+            state = collections.OrderedDict((s.name, TensorSlot(s.name, "", ())) for s in tensors)
+            for name in extra_state_names(model.family, opts.megatron_spec, len(layers)):
+                state[name] = None
+            payload = {"args": args, "checkpoint_version": 3.0,
+                       "iteration": 0 if iteration == "release" else int(iteration), "model": state}
+            specs.append(TargetSpec(f"{folder}/{rank_dir(t, p, opts.pp)}/{RANK_FILE}", "torch", tensors,
+                                    payload=payload))
+    return specs, {"iteration": iteration}
+
+
+def finalize(out: str, iteration: str) -> None:
+    """Write the tracker file last: its presence marks the checkpoint complete."""
+    tmp = os.path.join(out, TRACKER + ".partial")
+    with open(tmp, "w") as f:
+        f.write(f"{iteration}\n" if iteration != "release" else "release")
+    os.replace(tmp, os.path.join(out, TRACKER))
