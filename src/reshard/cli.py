@@ -1,0 +1,251 @@
+"""The ``reshard`` command line: thin typer commands over the Python API, one error handler."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from enum import Enum
+from typing import Optional
+
+import typer
+
+from reshard.errors import ReshardError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Reshard and convert LLM checkpoints (Hugging Face <-> Megatron-Core) at any TP/PP degree.")
+mappings_app = typer.Typer(no_args_is_help=True, help="List, show and check architecture mapping files.")
+app.add_typer(mappings_app, name="mappings")
+
+
+class Target(str, Enum):
+    hf = "hf"
+    megatron = "megatron"
+
+
+class Spec(str, Enum):
+    te = "te"
+    local = "local"
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def parse_size(text: str) -> int:
+    m = _SIZE.match(text)
+    unit = (m.group(2) or "").upper() if m else None
+    if not m or unit not in _UNITS:
+        raise ReshardError(f"cannot read size '{text}': use e.g. 5GB, 500MB or 2GiB")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+VocabOpt = typer.Option(None, "--vocab-size", help="True (unpadded) vocab size, if the Megatron source lacks it.")
+ArchOpt = typer.Option(None, "--architecture", help="HF architecture for a Megatron source (default: from args).")
+MappingOpt = typer.Option(None, "--mapping", help="A mapping TOML file for your own architecture family.")
+JsonOpt = typer.Option(False, "--json", help="Print a JSON report.")
+
+
+def _describe_plan(plan, source, out=sys.stdout) -> None:
+    print(f"plan: {plan.source_layout} -> {plan.target_layout}, {len(plan.files)} files, "
+          f"{plan.nbytes / 2**20:.1f} MiB to write", file=out)
+    for f in plan.files:
+        print(f"  {f.path}  {len(f.tensors)} tensors  {f.nbytes / 2**20:.2f} MiB", file=out)
+    print("bytes read per source file:", file=out)
+    for path, n in plan.bytes_read_per_source(source.row_bytes).items():
+        print(f"  {os.path.relpath(path, source.root)}  {n / 2**20:.2f} MiB", file=out)
+    if plan.checks:
+        print(f"replica checks: {len(plan.checks)}", file=out)
+    for note in plan.notes:
+        print(f"note: {note}", file=out)
+
+
+def _plan_json(plan, source) -> dict:
+    return {
+        "source_layout": plan.source_layout, "target_layout": plan.target_layout, "bytes": plan.nbytes,
+        "files": [{"path": f.path, "bytes": f.nbytes,
+                   "tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "reads": len(t.reads)}
+                               for t in f.tensors]} for f in plan.files],
+        "bytes_read_per_source": {os.path.relpath(p, source.root): n
+                                  for p, n in plan.bytes_read_per_source(source.row_bytes).items()},
+        "replica_checks": len(plan.checks), "notes": plan.notes,
+    }
+
+
+@app.command()
+def convert(
+    src: str = typer.Argument(..., help="Source checkpoint folder (layout detected)."),
+    dst: str = typer.Argument(..., help="Output folder."),
+    to: Target = typer.Option(..., "--to", help="Target layout."),
+    tp: int = typer.Option(1, "--tp", help="Target tensor-parallel degree."),
+    pp: int = typer.Option(1, "--pp", help="Target pipeline-parallel degree."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast to bf16, fp16 or fp32 (default: keep)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output (only once complete)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; write nothing."),
+    megatron_spec: Spec = typer.Option(Spec.te, "--megatron-spec", help="Megatron names: te (fused norms) or local."),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="HF output shard size."),
+    vocab_size: Optional[int] = VocabOpt,
+    vocab_divisor: Optional[int] = typer.Option(None, "--make-vocab-size-divisible-by",
+                                                help="Megatron vocab padding divisor (default: source's, else 128)."),
+    architecture: Optional[str] = ArchOpt,
+    mapping: Optional[str] = MappingOpt,
+    allow_replica_mismatch: bool = typer.Option(False, "--allow-replica-mismatch",
+                                                help="Take rank 0's copy when replicated tensors differ."),
+    as_json: bool = JsonOpt,
+):
+    """Convert SRC to another layout and/or TP/PP degree, streaming tensor by tensor."""
+    from reshard.conversion import convert as run_convert
+    from reshard.layouts import open_checkpoint
+    from reshard.layouts.base import Options
+
+    result = run_convert(src, dst, to=to.value, tp=tp, pp=pp, dtype=dtype, overwrite=overwrite, dry_run=dry_run,
+                         megatron_spec=megatron_spec.value, max_shard_size=parse_size(max_shard_size),
+                         vocab_size=vocab_size, vocab_divisor=vocab_divisor, architecture=architecture,
+                         mapping=mapping, allow_replica_mismatch=allow_replica_mismatch,
+                         progress=not as_json and sys.stderr.isatty())
+    if dry_run:
+        with open_checkpoint(src, Options(vocab_size=vocab_size, architecture=architecture, mapping=mapping)) as s:
+            if as_json:
+                print(json.dumps(_plan_json(result.plan, s), indent=2))
+            else:
+                _describe_plan(result.plan, s)
+        return
+    for note in result.notes:
+        print(f"note: {note}", file=sys.stderr)
+    if as_json:
+        print(json.dumps({"output": dst, "layout": to.value, "tp": tp, "pp": pp, "files": len(result.plan.files),
+                          "bytes": result.plan.nbytes}))
+    else:
+        print(f"wrote {dst}: {to.value} tp={tp} pp={pp}, {len(result.plan.files)} files, "
+              f"{result.plan.nbytes / 2**20:.1f} MiB")
+
+
+@app.command()
+def plan(
+    src: str = typer.Argument(...), to: Target = typer.Option(..., "--to"), tp: int = typer.Option(1, "--tp"),
+    pp: int = typer.Option(1, "--pp"), dtype: Optional[str] = typer.Option(None, "--dtype"),
+    megatron_spec: Spec = typer.Option(Spec.te, "--megatron-spec"),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size"), vocab_size: Optional[int] = VocabOpt,
+    architecture: Optional[str] = ArchOpt, mapping: Optional[str] = MappingOpt, as_json: bool = JsonOpt,
+):
+    """Print the conversion plan (what `convert --dry-run` prints); write nothing."""
+    convert(src, "", to, tp, pp, dtype, False, True, megatron_spec, max_shard_size, vocab_size, None,
+            architecture, mapping, False, as_json)
+
+
+@app.command()
+def verify(
+    a: str = typer.Argument(..., help="Reference checkpoint."), b: str = typer.Argument(..., help="Checkpoint to check."),
+    atol: Optional[float] = typer.Option(None, "--atol", help="Absolute tolerance when dtypes differ."),
+    rtol: Optional[float] = typer.Option(None, "--rtol", help="Relative tolerance when dtypes differ."),
+    vocab_size: Optional[int] = VocabOpt, architecture: Optional[str] = ArchOpt, mapping: Optional[str] = MappingOpt,
+    as_json: bool = JsonOpt,
+):
+    """Compare two checkpoints' canonical tensors (bit-exact unless dtypes differ). Exit 0 only when equal."""
+    from reshard.verification.digest import verify as run_verify
+
+    report = run_verify(a, b, atol=atol, rtol=rtol, vocab_size=vocab_size, architecture=architecture,
+                        mapping=mapping)
+    if as_json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        bad = [t for t in report.tensors if not t.ok]
+        print(f"{report.layout_a} {a}  vs  {report.layout_b} {b}: {len(report.tensors) - len(bad)}/"
+              f"{len(report.tensors)} tensors match")
+        for d in report.config_differences:
+            print(f"  config {d['key']}: {d['a']} != {d['b']}")
+        for t in bad[:20]:
+            extra = f" (max abs {t.max_abs:g})" if t.max_abs is not None else ""
+            print(f"  {t.status}: {t.name}{extra}")
+        print("EQUAL" if report.equal else "DIFFERENT")
+    if not report.equal:
+        raise typer.Exit(1)
+
+
+@app.command()
+def inspect(path: str = typer.Argument(...), vocab_size: Optional[int] = VocabOpt,
+            architecture: Optional[str] = ArchOpt, mapping: Optional[str] = MappingOpt, as_json: bool = JsonOpt):
+    """Show a checkpoint's layout, architecture, degrees, dtype, parameters, bytes and files per rank."""
+    from reshard.inspection import inspect as run_inspect
+
+    info = run_inspect(path, vocab_size=vocab_size, architecture=architecture, mapping=mapping)
+    if as_json:
+        print(json.dumps(info, indent=2))
+        return
+    for key, value in info.items():
+        if key == "files_per_rank":
+            print("files per rank:")
+            for rank, files in value.items():
+                print(f"  {rank}: {', '.join(files)}")
+        else:
+            print(f"{key}: {value}")
+
+
+@mappings_app.command("list")
+def mappings_list():
+    """List the shipped mapping files and their architectures."""
+    from reshard.mapping import load_shipped, shipped_mapping_names
+
+    for name in shipped_mapping_names():
+        fam = load_shipped(name)
+        print(f"{name}: {', '.join(fam.architectures)}")
+
+
+@mappings_app.command("show")
+def mappings_show(name: str = typer.Argument(..., help="A shipped mapping name (see `mappings list`).")):
+    """Print a shipped mapping file."""
+    from importlib import resources
+
+    from reshard.mapping import load_shipped
+
+    load_shipped(name)
+    print((resources.files("reshard") / "mappings" / f"{name}.toml").read_text(), end="")
+
+
+@mappings_app.command("check")
+def mappings_check(path: str = typer.Argument(..., help="A mapping TOML file.")):
+    """Validate a mapping file against the schema."""
+    from reshard.mapping import load_family_file
+
+    fam = load_family_file(path)
+    print(f"ok: {path}: family '{fam.name}', {len(fam.weights)} weights, architectures {', '.join(fam.architectures)}")
+
+
+@app.command()
+def demo(workdir: Optional[str] = typer.Option(None, "--workdir", help="Keep the demo checkpoints here."),
+         keep: bool = typer.Option(False, "--keep", help="Keep the temporary folder.")):
+    """Make a tiny Llama checkpoint and run hf -> megatron tp4 -> megatron tp2 pp2 -> hf, verifying each step."""
+    from reshard.demo import run_demo
+
+    if not run_demo(workdir, keep):
+        raise typer.Exit(1)
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=False)
+    except ReshardError as exc:
+        if os.environ.get("RESHARD_DEBUG") == "1":
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        print("error: interrupted; no output was published", file=sys.stderr)
+        sys.exit(130)
+    except Exception as exc:  # noqa: BLE001
+        import click
+
+        if isinstance(exc, click.exceptions.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        if isinstance(exc, click.exceptions.Abort):
+            sys.exit(1)
+        if os.environ.get("RESHARD_DEBUG") == "1":
+            raise
+        print(f"error: internal error: {type(exc).__name__}: {exc} (set RESHARD_DEBUG=1 for the traceback)",
+              file=sys.stderr)
+        sys.exit(1)

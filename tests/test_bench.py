@@ -1,0 +1,240 @@
+"""Tests for scripts/bench.py.  They never assert timings, only that the bench runs, writes
+bench.json / bench.md and reports positive times and RSS; each finishes in seconds."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "scripts" / "bench.py"
+SIZE = "0.002"  # GiB: hidden 64, 18 layers, vocab 1027
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("reshard_bench", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["reshard_bench"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run_bench(out: Path, *args: str, timeout: float = 240) -> tuple[dict, str]:
+    cmd = [sys.executable, str(BENCH), "--sizes", SIZE, "--repeat", "1", "--out", str(out), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    assert proc.returncode == 0, f"bench failed:\n{proc.stdout}\n{proc.stderr}"
+    data = json.loads((out / "bench.json").read_text())
+    md = (out / "bench.md").read_text()
+    assert md in proc.stdout  # the table is printed too
+    return data, md
+
+
+def summary_row(data: dict, op: str) -> dict:
+    rows = [r for r in data["summary"] if r["op"] == op and r["size"] == SIZE]
+    assert len(rows) == 1, data["summary"]
+    return rows[0]
+
+
+def md_rows(md: str, op: str) -> list[str]:
+    return [ln for ln in md.splitlines() if ln.startswith(f"| {SIZE} | {op}")]
+
+
+def assert_ok(data: dict, md: str, op: str) -> dict:
+    row = summary_row(data, op)
+    assert row["status"] == "ok", row
+    assert row["median_s"] > 0 and row["min_s"] > 0 and row["max_s"] >= row["min_s"]
+    assert row["peak_rss_bytes"] > 0 and row["peak_rss_mib"] > 0
+    assert row["gib_per_s"] > 0 and row["rss_per_largest_tensor"] > 0
+    runs = [r for r in data["runs"] if r["op"] == op]
+    assert runs and all(r["status"] == "ok" and r["wall_s"] > 0 and r["peak_rss_bytes"] > 0 for r in runs)
+    assert len(md_rows(md, op)) == 1, md
+    return row
+
+
+# ------------------------------------------------------------------- synthetic source ---
+
+
+def test_generated_checkpoint_is_a_valid_llama(tmp_path):
+    bench = load_bench()
+    from safetensors import safe_open
+
+    src, plan, generated = bench.ensure_source(tmp_path, float(SIZE), 2 << 30, log=lambda m: None)
+    assert generated
+    cfg = json.loads((src / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["torch_dtype"] == "bfloat16"
+    assert cfg["tie_word_embeddings"] is False
+    assert cfg["vocab_size"] % 128 != 0
+    assert cfg["num_attention_heads"] == 32 and cfg["num_key_value_heads"] == 8
+    assert cfg["num_attention_heads"] * cfg["head_dim"] == cfg["hidden_size"]
+    assert cfg["intermediate_size"] % 8 == 0
+
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in src.glob("*.safetensors"))
+    n = len(shards)
+    assert n >= 2 and shards == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    assert set(index["weight_map"].values()) == set(shards)
+    L = cfg["num_hidden_layers"]
+    expected = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    for i in range(L):
+        expected |= {f"model.layers.{i}.{s}.weight" for s in (
+            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")}
+    assert set(index["weight_map"]) == expected
+
+    total, largest = 0, ("", 0)
+    for shard in shards:
+        with safe_open(src / shard, framework="pt") as f:
+            for name in f.keys():
+                assert index["weight_map"][name] == shard
+                t = f.get_tensor(name)
+                assert str(t.dtype) == "torch.bfloat16"
+                assert bool((t != 0).all()), name  # non-zero filler
+                total += t.numel() * 2
+                largest = max(largest, (name, t.numel() * 2), key=lambda x: x[1])
+    assert index["metadata"]["total_size"] == total
+    assert abs(total / (float(SIZE) * 2**30) - 1) < 0.1
+    assert largest[0] == "model.embed_tokens.weight"
+    with safe_open(src / index["weight_map"]["model.layers.0.self_attn.k_proj.weight"], framework="pt") as f:
+        assert list(f.get_tensor("model.layers.0.self_attn.k_proj.weight").shape) == [8 * cfg["head_dim"], cfg["hidden_size"]]
+
+    # cached: not regenerated; a damaged shard is
+    assert bench.ensure_source(tmp_path, float(SIZE), 2 << 30, log=lambda m: None)[2] is False
+    with open(src / shards[0], "r+b") as f:
+        f.truncate(100)
+    assert bench.ensure_source(tmp_path, float(SIZE), 2 << 30, log=lambda m: None)[2] is True
+
+
+@pytest.mark.parametrize("gib", [0.002, 0.01, 1, 4, 16, 70])
+def test_shapes_are_close_to_requested_size(gib):
+    bench = load_bench()
+    shapes = bench.choose_shapes(gib)
+    assert abs(bench.param_count(shapes) * 2 / (gib * 2**30) - 1) < 0.06
+    assert shapes["vocab_size"] % 128 != 0
+    assert shapes["intermediate_size"] % 8 == 0 and shapes["num_key_value_heads"] == 8
+    specs = dict(bench.tensor_specs(shapes))
+    biggest = max(specs, key=lambda k: math.prod(specs[k]))
+    assert biggest in ("model.embed_tokens.weight", "lm_head.weight")
+
+
+# ------------------------------------------------------------ bench without converter ---
+
+
+def test_bench_cp_and_naive(tmp_path):
+    data, md = run_bench(tmp_path, "--ops", "cp", "naive")
+    cp = assert_ok(data, md, "cp")
+    naive = assert_ok(data, md, "naive")
+    assert cp["ratio_to_cp"] == pytest.approx(1.0)
+    assert naive["ratio_to_cp"] > 0
+    assert naive["peak_rss_bytes"] > cp["peak_rss_bytes"]  # torch vs. cp: not timing, just sanity
+    assert data["sizes_info"][SIZE]["largest_tensor"]["name"] == "model.embed_tokens.weight"
+    assert not (tmp_path / "work").exists()  # outputs deleted
+    assert "| size GiB | operation | median s |" in md
+
+
+# -------------------------------------------------- bench pipeline with a fake converter ---
+
+FAKE_RESHARD = textwrap.dedent(
+    r'''
+    """Stand-in for `reshard` with the CLI contract the bench relies on (not a converter)."""
+    import argparse, json, os, shutil, struct, sys
+    from pathlib import Path
+
+    if sys.argv[1:3] == ["convert", "--help"]:
+        print("usage: reshard convert SRC DST --to [hf|megatron%s] --tp N --overwrite --workers N"
+              % ("|vllm" if os.environ.get("FAKE_VLLM") else ""))
+        sys.exit(0)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("cmd"); ap.add_argument("src"); ap.add_argument("dst")
+    ap.add_argument("--to", required=True); ap.add_argument("--tp", type=int)
+    ap.add_argument("--overwrite", action="store_true"); ap.add_argument("--workers", type=int)
+    a = ap.parse_args()
+    if a.tp is not None and os.environ.get("FAKE_FAIL_TP") == str(a.tp):
+        print("boom: tp", a.tp, file=sys.stderr)
+        sys.exit(3)
+    src, dst = Path(a.src), Path(a.dst)
+    if (src / "config.json").exists():
+        cfg = json.loads((src / "config.json").read_text())
+    else:
+        cfg = json.loads((src / "fake_hf_config.json").read_text())
+    if a.to == "hf":
+        dst.mkdir()
+        (dst / "config.json").write_text(json.dumps(cfg))
+        import torch
+        from safetensors.torch import save_file
+        save_file({"model.embed_tokens.weight": torch.ones(cfg["vocab_size"], cfg["hidden_size"], dtype=torch.bfloat16)},
+                  str(dst / "model.safetensors"))
+    elif a.to == "megatron":
+        import torch
+        mult = 128 * a.tp
+        padded = -(-cfg["vocab_size"] // mult) * mult
+        dst.mkdir()
+        (dst / "latest_checkpointed_iteration.txt").write_text("release")
+        (dst / "fake_hf_config.json").write_text(json.dumps(cfg))
+        for r in range(a.tp):
+            d = dst / "release" / f"mp_rank_{r:02d}"
+            d.mkdir(parents=True)
+            sd = {"embedding.word_embeddings.weight": torch.ones(padded // a.tp, cfg["hidden_size"], dtype=torch.bfloat16)}
+            torch.save({"model": sd, "args": argparse.Namespace(tensor_model_parallel_size=a.tp),
+                        "checkpoint_version": 3.0}, d / "model_optim_rng.pt")
+    else:
+        sys.exit(2)
+    '''
+)
+
+
+def test_bench_pipeline_with_fake_converter(tmp_path, monkeypatch):
+    fake = tmp_path / "fake_reshard.py"
+    fake.write_text(FAKE_RESHARD)
+    out = tmp_path / "out"
+    monkeypatch.delenv("FAKE_VLLM", raising=False)
+    monkeypatch.setenv("FAKE_FAIL_TP", "1")
+    data, md = run_bench(
+        out, "--reshard", shlex.join([sys.executable, str(fake)]), "--workers", "2", "--keep", "--ops",
+        "cp", "hf_to_megatron_tp8", "megatron_tp8_to_tp4", "megatron_tp8_to_hf", "hf_to_megatron_tp1", "hf_to_vllm_tp4",
+    )
+    vocab, hidden = 1027, 64
+    tp8 = assert_ok(data, md, "hf_to_megatron_tp8")
+    assert tp8["largest_output_tensor_bytes"] == 2048 // 8 * hidden * 2  # padded to 128*8, read from the .pt
+    assert tp8["largest_output_tensor_bytes"] == data["sizes_info"][SIZE]["expected_megatron_largest_tensor_bytes"]["tp8"]
+    tp4 = assert_ok(data, md, "megatron_tp8_to_tp4")
+    assert tp4["source_bytes"] != data["sizes_info"][SIZE]["source_bytes"]  # measured on the TP8 checkpoint
+    to_hf = assert_ok(data, md, "megatron_tp8_to_hf")
+    assert to_hf["largest_output_tensor_bytes"] == vocab * hidden * 2
+    runs = {r["op"]: r for r in data["runs"]}
+    assert runs["hf_to_megatron_tp8"]["cmd"][-3:] == ["--overwrite", "--workers", "2"]
+    assert runs["hf_to_megatron_tp8"]["cmd"][-7:-3] == ["--to", "megatron", "--tp", "8"]
+    tp1 = summary_row(data, "hf_to_megatron_tp1")
+    assert tp1["status"] == "failed (rc=3)" and "boom" in runs["hf_to_megatron_tp1"]["error_tail"]
+    assert summary_row(data, "hf_to_vllm_tp4")["status"] == "not available"
+    assert "not available" in md_rows(md, "hf_to_vllm_tp4")[0]
+    assert (out / "outputs" / SIZE / "megatron_tp8_to_tp4" / "release" / "mp_rank_03").is_dir()  # --keep
+    assert not (out / "work").exists()
+
+
+# ------------------------------------------------------------ bench with the converter ---
+
+
+def _converter_present() -> bool:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]))
+    code = "import importlib.util, sys; sys.exit(importlib.util.find_spec('reshard.cli') is None)"
+    return subprocess.run([sys.executable, "-c", code], env=env).returncode == 0
+
+
+@pytest.mark.skipif(not _converter_present(), reason="reshard.cli not written yet")
+def test_bench_converter_ops(tmp_path):
+    data, md = run_bench(tmp_path, "--ops", "cp", "hf_to_megatron_tp8", "megatron_tp8_to_tp4", timeout=600)
+    assert data["converter"]["available"], data["converter"]
+    for op in ("cp", "hf_to_megatron_tp8", "megatron_tp8_to_tp4"):
+        row = assert_ok(data, md, op)
+        if op != "cp":
+            assert row["ratio_to_cp"] > 0
+    assert not (tmp_path / "work").exists()
