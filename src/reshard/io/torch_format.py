@@ -76,9 +76,10 @@ def allowed_globals() -> list:
     """Everything a Megatron-Core / Megatron-LM or HF ``.bin`` checkpoint may name besides tensors.
 
     ``argparse.Namespace`` (the run's args), numpy's array/dtype reconstruction (numpy RNG state),
-    ``io.BytesIO`` (Transformer Engine ``_extra_state``), and stand-ins for Megatron enums. Nothing else.
+    ``io.BytesIO`` (Transformer Engine ``_extra_state``), ``bytes`` (protocol-2 pickles of byte strings), and
+    stand-ins for Megatron enums. Nothing else.
     """
-    return ([argparse.Namespace, (io.BytesIO, "_io.BytesIO"), (io.BytesIO, "io.BytesIO")]
+    return ([argparse.Namespace, (io.BytesIO, "_io.BytesIO"), (io.BytesIO, "io.BytesIO"), bytes]
             + _numpy_globals() + [(MegatronEnum, name) for name in _MEGATRON_ENUMS])
 
 
