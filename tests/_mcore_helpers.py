@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -55,11 +56,23 @@ def run_harness(
         ]
     else:
         raise ValueError(f"unknown launcher {launcher!r}")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    # Own process group, so a timeout takes the worker ranks down with the launcher.
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise RuntimeError(
+            f"megatron-core harness timed out after {timeout}s: {' '.join(cmd)}\n"
+            f"--- stdout ---\n{stdout[-6000:]}\n--- stderr ---\n{stderr[-6000:]}"
+        ) from None
     if proc.returncode != 0:
         raise RuntimeError(
             f"megatron-core harness failed (rc={proc.returncode}): {' '.join(cmd)}\n"
-            f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
+            f"--- stdout ---\n{stdout[-6000:]}\n--- stderr ---\n{stderr[-6000:]}"
         )
     with open(Path(out_dir) / "harness_meta.json") as f:
         return json.load(f)

@@ -21,7 +21,7 @@ It writes, in OUT_DIR:
 The model follows megatron-core's *local* (non Transformer Engine) layer spec, so the norm names are
 ``input_layernorm`` / ``pre_mlp_layernorm`` rather than TE's fused ``layer_norm_weight``.
 
-The harness never touches the network: gloo binds to the loopback interface only.
+The harness never touches the network: gloo binds to the loopback interface only (GLOO_SOCKET_IFNAME=lo).
 """
 
 from __future__ import annotations
@@ -160,12 +160,12 @@ def worker(local_rank: int, cli: argparse.Namespace, init_method: str | None) ->
         # Norm weights start at 1: give every replicated (1-D) parameter seeded noise, identical on every rank,
         # so a norm-mapping mistake shows.  2-D weights already come from megatron's own seeded CPU init.
         gen = torch.Generator().manual_seed(cli.seed + 1)
-        for name, p in sorted(model.named_parameters()):
+        for _name, p in sorted(model.named_parameters()):
             if p.dim() == 1:
                 p.add_(0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
         model.output_layer.weight.mul_(OUTPUT_LAYER_SCALE)  # same factor on every rank's slice
-        # Padding rows of the embedding are never looked up (ids < TRUE_VOCAB); zero them as Megatron-LM's
-        # own converters do so they cannot leak anywhere.  Output-layer padding rows are left as they are:
+        # Padding rows of the embedding are never looked up (ids < TRUE_VOCAB); zero them (what a converter
+        # writes when it pads on the way in) so they cannot leak anywhere.  Output-layer padding rows are left as they are:
         # the reference keeps only the first TRUE_VOCAB logit columns.
         emb = model.embedding.word_embeddings
         start = emb.vocab_start_index

@@ -111,8 +111,15 @@ def rank_tensors(model: CanonicalModel, tp: int, rank: int, layers: list[int], f
     return out
 
 
-def extra_state_names(family: Family, spec_name: str, num_local_layers: int) -> list[str]:
-    return [t.format(layer=i) for i in range(num_local_layers) for t in family.extra_state.get(spec_name, ())]
+def extra_state_names(family: Family, spec_name: str, num_local_layers: int, tensor_names: list[str]) -> list[str]:
+    """``_extra_state`` keys of a rank: per-layer ones for each local layer, others where the module is held."""
+    templates = family.extra_state.get(spec_name, ())
+    names = [t.format(layer=i) for i in range(num_local_layers) for t in templates if "{layer}" in t]
+    for t in templates:
+        module = t.removesuffix("._extra_state") + "."
+        if "{layer}" not in t and any(n.startswith(module) for n in tensor_names):
+            names.append(t)
+    return names
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -399,7 +406,7 @@ def targets(model: CanonicalModel, opts: Options, source: Source, dtype: str) ->
             tensors = rank_tensors(model, opts.tp, t, list(layers), p == 0, p == opts.pp - 1,
                                    opts.megatron_spec, padded)
             state = collections.OrderedDict((s.name, TensorSlot(s.name, "", ())) for s in tensors)
-            for name in extra_state_names(model.family, opts.megatron_spec, len(layers)):
+            for name in extra_state_names(model.family, opts.megatron_spec, len(layers), list(state)):
                 state[name] = None
             payload = {"args": args, "checkpoint_version": 3.0,
                        "iteration": 0 if iteration == "release" else int(iteration), "model": state}
