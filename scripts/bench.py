@@ -627,7 +627,7 @@ def build_cmd(op: str, src: Path, dst: Path, workers: int | None, reshard: list[
 
 def probe_converter(env: dict[str, str], logs: Path, reshard: list[str]) -> dict[str, Any]:
     cmd = [*reshard, "convert", "--help"]
-    res = run_child(cmd, logs / "convert-help.log", env, timeout=300)
+    res = run_child(cmd, logs / "convert-help.log", dict(env, COLUMNS="200"), timeout=300)  # unwrapped help
     text = log_tail(logs / "convert-help.log", 200_000)
     return {
         "cmd": cmd,
@@ -914,7 +914,7 @@ def main(argv: list[str] | None = None) -> int:
                 nonlocal meg8, meg8_error
                 if OPS[op][0] == "hf":
                     return src, None
-                if meg8 is None and meg8_error is None:
+                if meg8 is None and meg8_error is None and "hf_to_megatron_tp8" not in args.ops:
                     # not produced by a timed hf_to_megatron_tp8 run: prepare it, untimed
                     dst = work / f"{key}-megatron_tp8-source"
                     rmtree(dst)
@@ -925,7 +925,9 @@ def main(argv: list[str] | None = None) -> int:
                         meg8 = dst
                     else:
                         meg8_error = f"no Megatron TP8 source (hf_to_megatron_tp8 rc={r['rc']})"
-                return meg8, meg8_error
+                if meg8 is not None:
+                    return meg8, None
+                return None, meg8_error or "no Megatron TP8 source (hf_to_megatron_tp8 did not succeed)"
 
             for rep in range(args.repeat):
                 for op in args.ops:

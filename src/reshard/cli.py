@@ -225,7 +225,9 @@ def demo(workdir: Optional[str] = typer.Option(None, "--workdir", help="Keep the
 
 def main() -> None:
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)  # click returns an Exit's code instead of raising it here
+        if isinstance(code, int) and code:
+            sys.exit(code)
     except ReshardError as exc:
         if os.environ.get("RESHARD_DEBUG") == "1":
             raise

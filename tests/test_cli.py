@@ -1,0 +1,105 @@
+"""The command line end to end: demo, inspect, plan / --dry-run, verify (exit codes and JSON)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from checkpoints import hf_config, hf_tensor_shapes, make_hf, position_coded
+
+
+def cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "reshard", *map(str, args)], capture_output=True, text=True, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    return make_hf(tmp_path_factory.mktemp("cli") / "hf", hidden=64, heads=8, kv_heads=2, ffn=96, vocab=1000, shards=3)
+
+
+def test_demo(tmp_path):
+    proc = cli("demo", "--workdir", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "demo passed" in proc.stdout and proc.stdout.count("tensors bit-exact") == 3
+    for step in ("megatron-tp4", "megatron-tp2-pp2", "hf-roundtrip"):
+        assert (tmp_path / step).is_dir()
+
+
+def test_inspect_json(hf, tmp_path):
+    proc = cli("convert", hf, tmp_path / "m", "--to", "megatron", "--tp", "2", "--pp", "2", "--dtype", "bf16")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(cli("inspect", tmp_path / "m", "--json").stdout)
+    assert (info["layout"], info["tp"], info["pp"], info["dtype"], info["architecture"]) == \
+        ("megatron", 2, 2, "BF16", "LlamaForCausalLM")
+    assert info["padded_vocab_size"] == 1024 and info["vocab_size"] == 1000
+    assert sorted(info["files_per_rank"]) == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    expected_params = sum(torch.Size(s).numel() for s in hf_tensor_shapes(json.load(open(os.path.join(hf, "config.json")))).values())
+    assert info["parameters"] == expected_params
+    info = json.loads(cli("inspect", hf, "--json").stdout)
+    assert (info["layout"], info["tp"], info["dtype"], len(info["files_per_rank"]["all"])) == ("hf", 1, "F32", 3)
+
+
+def test_dry_run_prints_plan_and_writes_nothing(hf, tmp_path):
+    proc = cli("convert", hf, tmp_path / "out", "--to", "megatron", "--tp", "2", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert "release/mp_rank_01/model_optim_rng.pt" in proc.stdout and "bytes read per source file" in proc.stdout
+    assert not (tmp_path / "out").exists()
+    plan = json.loads(cli("plan", hf, "--to", "megatron", "--tp", "2", "--json").stdout)
+    assert len(plan["files"]) == 2
+    total = sum(os.path.getsize(os.path.join(hf, f)) for f in os.listdir(hf) if f.endswith(".safetensors"))
+    read = sum(plan["bytes_read_per_source"].values())
+    assert 0 < read <= total  # padding rows are never read
+
+
+def test_verify_detects_a_single_changed_element(hf, tmp_path):
+    proc = cli("convert", hf, tmp_path / "m", "--to", "megatron", "--tp", "2")
+    assert proc.returncode == 0
+    ok = cli("verify", hf, tmp_path / "m", "--json")
+    assert ok.returncode == 0 and json.loads(ok.stdout)["equal"] is True
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in os.listdir(hf):
+        src = os.path.join(hf, name)
+        if name.endswith(".safetensors"):
+            tensors = load_file(src)
+            if "model.layers.1.self_attn.k_proj.weight" in tensors:
+                tensors["model.layers.1.self_attn.k_proj.weight"][3, 5] += 1
+            save_file(tensors, broken / name, metadata={"format": "pt"})
+        else:
+            (broken / name).write_bytes(open(src, "rb").read())
+    bad = cli("verify", tmp_path / "m", broken, "--json")
+    assert bad.returncode == 1
+    report = json.loads(bad.stdout)
+    assert report["equal"] is False
+    different = [t["name"] for t in report["tensors"] if t["status"] == "different"]
+    assert different == ["model.layers.1.self_attn.k_proj.weight"]
+    text = cli("verify", tmp_path / "m", broken)
+    assert text.returncode == 1 and "DIFFERENT" in text.stdout and "k_proj" in text.stdout
+
+
+def test_verify_reports_config_and_missing_tensors(tmp_path):
+    a = make_hf(tmp_path / "a", hidden=64, heads=8, kv_heads=2, ffn=96, vocab=1000)
+    b = make_hf(tmp_path / "b", hidden=64, heads=8, kv_heads=2, ffn=96, vocab=1000, tied=True)
+    report = json.loads(cli("verify", a, b, "--json").stdout)
+    assert {"key": "tie_word_embeddings", "a": False, "b": True} in report["config_differences"]
+    assert [t["name"] for t in report["tensors"] if t["status"] == "missing_in_b"] == ["lm_head.weight"]
+
+
+def test_pytorch_model_bin_source(tmp_path):
+    config = hf_config(hidden=64, heads=8, kv_heads=2, ffn=96, vocab=1000)
+    tensors = position_coded(hf_tensor_shapes(config))
+    src = tmp_path / "bin"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(config))
+    torch.save(tensors, src / "pytorch_model.bin")
+    proc = cli("convert", src, tmp_path / "m", "--to", "megatron", "--tp", "2")
+    assert proc.returncode == 0, proc.stderr
+    proc = cli("convert", tmp_path / "m", tmp_path / "hf", "--to", "hf")
+    out = load_file(tmp_path / "hf" / "model.safetensors")
+    assert sorted(out) == sorted(tensors) and all(out[k].equal(v) for k, v in tensors.items())
