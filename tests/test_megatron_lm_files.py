@@ -156,3 +156,26 @@ def test_disallowed_global_is_refused_by_name(model, tmp_path):
     assert "posix.system" in proc.stderr and "allow-list" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "PWNED").exists()
+
+
+def test_virtual_pipeline_checkpoint(tmp_path):
+    """pp=2 with 2 virtual chunks: stage s holds model0 (virtual stage s) and model1 (virtual stage 2 + s)."""
+    config = hf_config(hidden=64, heads=8, kv_heads=2, ffn=96, vocab=1000, layers=4)
+    hf = position_coded(hf_tensor_shapes(config))
+    tp, pp, vp = 2, 2, 2
+    root = tmp_path / "vpp"
+    for s in range(pp):
+        for r in range(tp):
+            state = {"args": megatron_lm_args(config, tp, with_vocab=True), "checkpoint_version": 3.0,
+                     "iteration": 7}
+            state["args"].pipeline_model_parallel_size = pp
+            state["args"].virtual_pipeline_model_parallel_size = vp
+            for v in range(vp):
+                state[f"model{v}"] = expected_rank_state(hf, config, tp, r, pp * vp, v * pp + s, "te")
+            folder = root / "iter_0000007" / f"mp_rank_{r:02d}_{s:03d}"
+            folder.mkdir(parents=True)
+            torch.save(state, folder / "model_optim_rng.pt")
+    (root / "latest_checkpointed_iteration.txt").write_text("7")
+    reshard.convert(str(root), str(tmp_path / "hf"), to="hf")
+    out = load_hf_tensors(tmp_path / "hf")
+    assert sorted(out) == sorted(hf) and all(torch.equal(out[n], v) for n, v in hf.items())
