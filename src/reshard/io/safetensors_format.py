@@ -15,6 +15,7 @@ import torch
 
 from reshard.errors import CheckpointError
 from reshard.io import dtypes
+from reshard.io.partial import PartialFile
 from reshard.io.tensorfile import TensorFile, TensorLocation
 
 MAX_HEADER = 100 << 20
@@ -74,7 +75,7 @@ class SafetensorsFile(TensorFile):
         super().__init__(path, tensors)
 
 
-class SafetensorsWriter:
+class SafetensorsWriter(PartialFile):
     """Writes a safetensors file tensor by tensor, in the order of ``entries`` given up front.
 
     The header is computed from the entries (name, dtype, shape) before any data; the file is written as
@@ -83,8 +84,6 @@ class SafetensorsWriter:
 
     def __init__(self, path: str, entries: list[tuple[str, str, tuple[int, ...]]],
                  metadata: dict[str, str] | None = None):
-        self.path = path
-        self.partial = path + ".partial"
         header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
         offset = 0
         self._expected = []
@@ -95,7 +94,7 @@ class SafetensorsWriter:
             offset += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
-        self._file = open(self.partial, "wb")
+        super().__init__(path)
         self._file.write(struct.pack("<Q", len(raw)) + raw)
         self._next = 0
         self.data_bytes = offset
@@ -112,12 +111,4 @@ class SafetensorsWriter:
     def finish(self) -> None:
         if self._next != len(self._expected):
             raise AssertionError(f"{self.path}: {len(self._expected) - self._next} tensors were not written")
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        os.replace(self.partial, self.path)
-
-    def abort(self) -> None:
-        self._file.close()
-        if os.path.exists(self.partial):
-            os.unlink(self.partial)
+        self.publish()

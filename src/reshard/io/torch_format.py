@@ -26,6 +26,7 @@ import torch
 
 from reshard.errors import CheckpointError
 from reshard.io import dtypes
+from reshard.io.partial import PartialFile
 from reshard.io.tensorfile import TensorFile, TensorLocation
 
 
@@ -178,7 +179,7 @@ _ZIP64_LIMIT = 0xFFFFFFFF
 _ALIGN = 64
 
 
-class TorchZipWriter:
+class TorchZipWriter(PartialFile):
     """Writes a torch checkpoint one storage record at a time.
 
     ``payload`` is the object to save with :class:`TensorSlot` placeholders; ``order`` names the slots in the
@@ -187,8 +188,6 @@ class TorchZipWriter:
     """
 
     def __init__(self, path: str, payload: Any, order: list[str]):
-        self.path = path
-        self.partial = path + ".partial"
         self.prefix = "archive/"
         self._entries: list[tuple[str, int, int, int]] = []  # name, header offset, size, crc
         self._order = list(order)
@@ -223,7 +222,7 @@ class TorchZipWriter:
             refs[name] = _TensorRef(_StorageRef(str(i), slot.dtype, numel), slot.shape)
         buf = io.BytesIO()
         _Pickler(buf, protocol=2).dump(swap(payload))
-        self._file = open(self.partial, "wb")
+        super().__init__(path)
         self._add_record("data.pkl", buf.getvalue())
         self._add_record("byteorder", b"little")
         self._next = 0
@@ -279,15 +278,7 @@ class TorchZipWriter:
         self._add_record("version", b"3\n")
         self._add_record(".data/serialization_id", os.urandom(20).hex().encode())
         self._write_central_directory()
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        os.replace(self.partial, self.path)
-
-    def abort(self) -> None:
-        self._file.close()
-        if os.path.exists(self.partial):
-            os.unlink(self.partial)
+        self.publish()
 
     def _write_central_directory(self) -> None:
         start = self._file.tell()
