@@ -131,8 +131,9 @@ def plan(
     architecture: Optional[str] = ArchOpt, mapping: Optional[str] = MappingOpt, as_json: bool = JsonOpt,
 ):
     """Print the conversion plan (what `convert --dry-run` prints); write nothing."""
-    convert(src, "", to, tp, pp, dtype, False, True, megatron_spec, max_shard_size, vocab_size, None,
-            architecture, mapping, False, as_json)
+    convert(src=src, dst="", to=to, tp=tp, pp=pp, dtype=dtype, overwrite=False, dry_run=True,
+            megatron_spec=megatron_spec, max_shard_size=max_shard_size, vocab_size=vocab_size, vocab_divisor=None,
+            architecture=architecture, mapping=mapping, allow_replica_mismatch=False, as_json=as_json)
 
 
 @app.command()
