@@ -48,28 +48,27 @@ MappingOpt = typer.Option(None, "--mapping", help="A mapping TOML file for your 
 JsonOpt = typer.Option(False, "--json", help="Print a JSON report.")
 
 
-def _describe_plan(plan, source, out=sys.stdout) -> None:
+def _describe_plan(plan, out=sys.stdout) -> None:
     print(f"plan: {plan.source_layout} -> {plan.target_layout}, {len(plan.files)} files, "
           f"{plan.nbytes / 2**20:.1f} MiB to write", file=out)
     for f in plan.files:
         print(f"  {f.path}  {len(f.tensors)} tensors  {f.nbytes / 2**20:.2f} MiB", file=out)
     print("bytes read per source file:", file=out)
-    for path, n in plan.bytes_read_per_source(source.row_bytes).items():
-        print(f"  {os.path.relpath(path, source.root)}  {n / 2**20:.2f} MiB", file=out)
+    for path, n in plan.read_bytes.items():
+        print(f"  {os.path.relpath(path, plan.source_root)}  {n / 2**20:.2f} MiB", file=out)
     if plan.checks:
         print(f"replica checks: {len(plan.checks)}", file=out)
     for note in plan.notes:
         print(f"note: {note}", file=out)
 
 
-def _plan_json(plan, source) -> dict:
+def _plan_json(plan) -> dict:
     return {
         "source_layout": plan.source_layout, "target_layout": plan.target_layout, "bytes": plan.nbytes,
         "files": [{"path": f.path, "bytes": f.nbytes,
                    "tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "reads": len(t.reads)}
                                for t in f.tensors]} for f in plan.files],
-        "bytes_read_per_source": {os.path.relpath(p, source.root): n
-                                  for p, n in plan.bytes_read_per_source(source.row_bytes).items()},
+        "bytes_read_per_source": {os.path.relpath(p, plan.source_root): n for p, n in plan.read_bytes.items()},
         "replica_checks": len(plan.checks), "notes": plan.notes,
     }
 
@@ -97,8 +96,6 @@ def convert(
 ):
     """Convert SRC to another layout and/or TP/PP degree, streaming tensor by tensor."""
     from reshard.conversion import convert as run_convert
-    from reshard.layouts import open_checkpoint
-    from reshard.layouts.base import Options
 
     result = run_convert(src, dst, to=to.value, tp=tp, pp=pp, dtype=dtype, overwrite=overwrite, dry_run=dry_run,
                          megatron_spec=megatron_spec.value, max_shard_size=parse_size(max_shard_size),
@@ -106,11 +103,10 @@ def convert(
                          mapping=mapping, allow_replica_mismatch=allow_replica_mismatch,
                          progress=not as_json and sys.stderr.isatty())
     if dry_run:
-        with open_checkpoint(src, Options(vocab_size=vocab_size, architecture=architecture, mapping=mapping)) as s:
-            if as_json:
-                print(json.dumps(_plan_json(result.plan, s), indent=2))
-            else:
-                _describe_plan(result.plan, s)
+        if as_json:
+            print(json.dumps(_plan_json(result.plan), indent=2))
+        else:
+            _describe_plan(result.plan)
         return
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)

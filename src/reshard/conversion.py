@@ -60,7 +60,8 @@ def make_plan(source: Source, to: str, opts: Options) -> tuple[Plan, dict]:
     if dropped:
         notes.append(f"dropping non-model state from the source: {', '.join(dropped)}")
     plan = Plan(source_layout=source.layout, target_layout=to, source_files=[f.path for f in source.files],
-                files=files, checks=index.checks, notes=notes)
+                files=files, checks=index.checks, notes=notes, source_root=source.root)
+    plan.count_read_bytes(source.row_bytes)
     return plan, finalize_args
 
 

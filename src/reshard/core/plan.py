@@ -73,20 +73,21 @@ class Plan:
     files: list[TargetFile]
     checks: list[ReplicaCheck] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    source_root: str = ""
+    read_bytes: dict[str, int] = field(default_factory=dict)  # source file -> bytes the plan reads from it
 
     @property
     def nbytes(self) -> int:
         return sum(f.nbytes for f in self.files)
 
-    def bytes_read_per_source(self, source_tensor_row_bytes) -> dict[str, int]:
-        """Bytes each source file contributes, given ``row_bytes(source_index, tensor, axis)``."""
+    def count_read_bytes(self, row_bytes) -> None:
+        """Fill :attr:`read_bytes`: bytes each source file contributes, given ``row_bytes(source, tensor, axis)``."""
         totals = dict.fromkeys(self.source_files, 0)
         for f in self.files:
             for t in f.tensors:
                 for op in t.reads:
-                    totals[self.source_files[op.source]] += op.length * source_tensor_row_bytes(op.source, op.tensor,
-                                                                                                t.axis)
-        return totals
+                    totals[self.source_files[op.source]] += op.length * row_bytes(op.source, op.tensor, t.axis)
+        self.read_bytes = totals
 
 
 @dataclass(frozen=True)
