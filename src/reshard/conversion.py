@@ -118,7 +118,7 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, dtype: str
         if dry_run:
             return ConvertResult(plan, None, False, plan.notes)
         _check_destination(src, dst, overwrite)
-        ensure_replicas_agree(plan, source.files, allow_replica_mismatch, _warn)
+        ensure_replicas_agree(plan, source.files, opts.allow_replica_mismatch, _warn)
         parent = os.path.dirname(os.path.abspath(dst))
         os.makedirs(parent, exist_ok=True)
         staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(dst))}.reshard-partial-", dir=parent)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from reshard.core.pieces import Piece, StoredTensor
 from reshard.errors import CheckpointError
 from reshard.mapping import Family, WeightSpec
 
@@ -18,6 +19,11 @@ class CanonicalTensor:
     @property
     def axis(self) -> int:
         return self.spec.axis
+
+    def whole(self, stored_name: str | None = None) -> StoredTensor:
+        """This tensor stored full and unfused (the HF layout), under ``stored_name`` or its own name."""
+        return StoredTensor(stored_name or self.name, self.shape, self.axis,
+                            (Piece(self.name, 0, self.shape[self.axis]),))
 
 
 @dataclass
@@ -45,17 +51,6 @@ class CanonicalModel:
 
     def has_spec(self, spec: WeightSpec) -> bool:
         return self.get(spec, 0 if spec.per_layer else None) is not None
-
-    def total_bytes(self) -> int:
-        from reshard.io.dtypes import itemsize
-
-        total = 0
-        for t in self.tensors.values():
-            n = itemsize(self.dtypes.get(t.name, "F32"))
-            for s in t.shape:
-                n *= s
-            total += n
-        return total
 
 
 def build_canonical(family: Family, config: dict, present_optional: set[str], tied: bool) -> CanonicalModel:

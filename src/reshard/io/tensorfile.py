@@ -25,7 +25,6 @@ class TensorLocation:
     shape: tuple[int, ...]
     offset: int
     strides: tuple[int, ...] | None = None
-    storage_bytes: int | None = None  # bytes of the backing storage from ``offset`` (torch files)
 
     @property
     def numel(self) -> int:

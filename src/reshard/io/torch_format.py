@@ -111,8 +111,7 @@ def _location(t: torch.Tensor, path: str, name: str) -> TensorLocation:
     offset = base + t.storage_offset() * size
     contiguous = t.is_contiguous()
     return TensorLocation(dtype=dtype, shape=tuple(t.shape), offset=offset,
-                          strides=None if contiguous else tuple(t.stride()),
-                          storage_bytes=storage.nbytes() - t.storage_offset() * size)
+                          strides=None if contiguous else tuple(t.stride()))
 
 
 def flatten_tensors(obj: Any, path: str, prefix: str = "") -> dict[str, TensorLocation]:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 
 from reshard.core.canonical import CanonicalModel, build_canonical, match_template
-from reshard.core.pieces import Piece, StoredTensor
+from reshard.core.pieces import StoredTensor
 from reshard.errors import CheckpointError
 from reshard.io import dtypes
 from reshard.io.safetensors_format import SafetensorsFile
@@ -98,13 +99,10 @@ def open_source(path: str, opts: Options) -> Source:
         loc = files[where[name]].tensors[name]
         check_shape(paths[where[name]], name, loc.shape, tensor.shape)
         model.dtypes[name] = loc.dtype
-        stored.append((where[name], StoredTensor(name, tensor.shape, tensor.axis,
-                                                 (Piece(name, 0, tensor.shape[tensor.axis]),))))
+        stored.append((where[name], tensor.whole()))
     if tied and has_output:  # a tied model that still stores its head: a replica of the embedding, checked
         spec = next(s for s in family.weights if s.hf == output_spec.tied_to)
-        emb = model.tensors[spec.hf]
-        stored.append((where[output_spec.hf], StoredTensor(output_spec.hf, emb.shape, emb.axis,
-                                                           (Piece(emb.name, 0, emb.shape[0]),))))
+        stored.append((where[output_spec.hf], model.tensors[spec.hf].whole(output_spec.hf)))
     extra = set(matched) - set(model.tensors) - ({output_spec.hf} if has_output and tied else set())
     if extra:
         raise CheckpointError(f"{path}: tensor '{sorted(extra)[0]}' does not fit the config "
@@ -118,13 +116,11 @@ def targets(model: CanonicalModel, opts: Options) -> list[TargetSpec]:
     shards: list[list[StoredTensor]] = [[]]
     size = 0
     for name, t in model.tensors.items():
-        nbytes = dtypes.itemsize(opts.dtype or model.dtypes[name])
-        for s in t.shape:
-            nbytes *= s
+        nbytes = dtypes.itemsize(opts.dtype or model.dtypes[name]) * math.prod(t.shape)
         if shards[-1] and size + nbytes > opts.max_shard_size:
             shards.append([])
             size = 0
-        shards[-1].append(StoredTensor(name, t.shape, t.axis, (Piece(name, 0, t.shape[t.axis]),)))
+        shards[-1].append(t.whole())
         size += nbytes
     if len(shards) == 1:
         names = ["model.safetensors"]
