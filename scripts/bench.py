@@ -378,8 +378,6 @@ def largest_tensor_in_dir(path: Path) -> dict[str, Any] | None:
         if best is None or nbytes > best["bytes"]:
             best = {"name": name, "bytes": int(nbytes), "shape": [int(x) for x in shape], "file": str(file.relative_to(path))}
 
-    sizes = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-             "F8_E4M3": 1, "F8_E5M2": 1}
     for f in sorted(path.rglob("*.safetensors")):
         try:
             for name, info in read_safetensors_header(f).items():
@@ -810,6 +808,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+
+def keep_output(src: Path, dst: Path) -> None:
+    """Move a finished output to ``dst`` (``--keep``), replacing what was there."""
+    rmtree(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(src), str(dst))
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out: Path = args.out.resolve()
@@ -968,19 +973,13 @@ def main(argv: list[str] | None = None) -> int:
                         rmtree(meg8)
                         dst.rename(meg8)
                     elif ok and args.keep and rep == args.repeat - 1:
-                        keep_dst = out / "outputs" / key / op
-                        rmtree(keep_dst)
-                        keep_dst.parent.mkdir(parents=True, exist_ok=True)
-                        shutil.move(str(dst), str(keep_dst))
+                        keep_output(dst, out / "outputs" / key / op)
                     else:
                         rmtree(dst)
                     save()
             if meg8 is not None:
                 if args.keep:
-                    keep_dst = out / "outputs" / key / "megatron_tp8_source"
-                    rmtree(keep_dst)
-                    keep_dst.parent.mkdir(parents=True, exist_ok=True)
-                    shutil.move(str(meg8), str(keep_dst))
+                    keep_output(meg8, out / "outputs" / key / "megatron_tp8_source")
                 else:
                     rmtree(meg8)
             save()
