@@ -14,7 +14,7 @@ import typer
 from reshard.errors import ReshardError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Reshard and convert LLM checkpoints (Hugging Face <-> Megatron-Core) at any TP/PP degree.")
+                  help="Reshard and convert LLM checkpoints (Hugging Face, Megatron-Core, vLLM) at any TP/PP degree.")
 mappings_app = typer.Typer(no_args_is_help=True, help="List, show and check architecture mapping files.")
 app.add_typer(mappings_app, name="mappings")
 
@@ -22,6 +22,7 @@ app.add_typer(mappings_app, name="mappings")
 class Target(str, Enum):
     hf = "hf"
     megatron = "megatron"
+    vllm = "vllm"
 
 
 class Spec(str, Enum):
@@ -84,7 +85,7 @@ def convert(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output (only once complete)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; write nothing."),
     megatron_spec: Spec = typer.Option(Spec.te, "--megatron-spec", help="Megatron names: te (fused norms) or local."),
-    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="HF output shard size."),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="HF shard / vLLM part size."),
     vocab_size: Optional[int] = VocabOpt,
     vocab_divisor: Optional[int] = typer.Option(None, "--make-vocab-size-divisible-by",
                                                 help="Megatron vocab padding divisor (default: source's, else 128)."),

@@ -12,10 +12,10 @@ from reshard.core.plan import CanonicalIndex, Plan, TargetFile, plan_tensor
 from reshard.errors import PlanError, ReshardError
 from reshard.execute import ensure_replicas_agree, execute
 from reshard.io import dtypes
-from reshard.layouts import LAYOUTS, hf, megatron, open_checkpoint
+from reshard.layouts import LAYOUTS, hf, megatron, open_checkpoint, vllm
 from reshard.layouts.base import Options, Source
 
-TARGETS = ("hf", "megatron")
+TARGETS = ("hf", "megatron", "vllm")
 
 
 @dataclass
@@ -45,6 +45,8 @@ def make_plan(source: Source, to: str, opts: Options) -> tuple[Plan, dict]:
         if opts.tp != 1 or opts.pp != 1:
             raise PlanError("the hf layout holds the full model: --tp and --pp must be 1 for --to hf")
         specs = hf.targets(model, opts)
+    elif to == "vllm":
+        specs, finalize_args = vllm.targets(model, opts, dtype)
     else:
         specs, finalize_args = megatron.targets(model, opts, source, dtype)
     index = CanonicalIndex(source.stored, {name: t.shape for name, t in model.tensors.items()})
@@ -97,6 +99,8 @@ def write_side_files(source: Source, staging: str, to: str, plan: Plan, finalize
         shutil.copy2(path, os.path.join(staging, os.path.basename(path)))
     if to == "hf":
         hf.finalize(staging, source.model, plan.files, dtype)
+    elif to == "vllm":
+        vllm.finalize(staging, source.model, dtype, finalize_args["tp"], finalize_args["padded_vocab"], plan.files)
     else:
         megatron.finalize(staging, finalize_args["iteration"])
 

@@ -18,6 +18,8 @@ from reshard.io.torch_format import TensorSlot, TorchZipWriter
 def assemble(tensor: TargetTensor, files: list[TensorFile]) -> torch.Tensor:
     """Build one target tensor: zeros where it is padding, source slices elsewhere (cast if dtypes differ)."""
     dtype = dtypes.to_torch(tensor.dtype)
+    if tensor.fill is not None:
+        return torch.full(tensor.shape, tensor.fill, dtype=dtype)
     if len(tensor.reads) == 1 and not tensor.has_padding:
         op = tensor.reads[0]
         data = files[op.source].read(op.tensor, tensor.axis, op.src_start, op.length)

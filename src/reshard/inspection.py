@@ -19,7 +19,12 @@ def inspect(path: str, *, vocab_size: int | None = None, architecture: str | Non
         files_per_rank: dict[str, list[str]] = collections.defaultdict(list)
         for f in source.files:
             rel = os.path.relpath(f.path, source.root)
-            rank = os.path.basename(os.path.dirname(rel)) if source.layout == "megatron" else "all"
+            if source.layout == "megatron":
+                rank = os.path.basename(os.path.dirname(rel))
+            elif source.layout == "vllm":
+                rank = "rank-" + rel.split("-")[2]
+            else:
+                rank = "all"
             files_per_rank[rank].append(rel)
         info = {
             "path": path,
@@ -44,4 +49,7 @@ def inspect(path: str, *, vocab_size: int | None = None, architecture: str | Non
         if source.layout == "megatron":
             info.update(padded_vocab_size=source.info["padded_vocab"], megatron_spec=source.info["spec"],
                         iteration=source.info["iteration"])
+        if source.layout == "vllm":
+            info.update(padded_vocab_size=source.info["padded_vocab"],
+                        recorded_tensor_parallel_size=source.info["recorded_tp"])
         return info

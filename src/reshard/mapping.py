@@ -22,10 +22,11 @@ WEIGHT_KEYS = {
     "hf", "split", "slot", "shape", "optional", "tied_to", "stage",
     "megatron", "megatron_te", "megatron_local", "vllm",
 }
-TOP_KEYS = {"family", "dims", "megatron", "weight"}
+TOP_KEYS = {"family", "dims", "megatron", "vllm", "weight"}
 FAMILY_KEYS = {"name", "description", "architectures"}
 DIM_KEYS = {"key", "default"}
 MEGATRON_KEYS = {"extra_state_te", "extra_state_local"}
+VLLM_KEYS = {"attention_scales"}
 MEGATRON_SPECS = ("te", "local")
 
 
@@ -67,6 +68,11 @@ class WeightSpec:
     def megatron_name(self, spec: str) -> str:
         return self.megatron_te if spec == "te" else self.megatron_local
 
+    @property
+    def vllm_name(self) -> str:
+        """The vLLM parameter name (defaults to the HF name; packs share one fused name)."""
+        return self.vllm or self.hf
+
 
 @dataclass
 class Family:
@@ -79,6 +85,7 @@ class Family:
     weights: tuple[WeightSpec, ...]
     extra_state: dict[str, tuple[str, ...]] = field(default_factory=dict)  # megatron spec -> templates
     source: str = ""
+    vllm_scales: tuple[str, ...] = ()  # per-layer fp32 scalar names vLLM's state dict holds (value 1.0)
 
     def resolve_dims(self, config: dict) -> dict[str, int]:
         """Bind every dimension symbol to an integer from an HF-style config dict."""
@@ -154,6 +161,12 @@ def parse_family(data: dict, source: str) -> Family:
     _check_keys(source, "[megatron]", meg, MEGATRON_KEYS)
     for spec in MEGATRON_SPECS:
         extra_state[spec] = tuple(meg.get(f"extra_state_{spec}", ()))
+    vllm = data.get("vllm", {})
+    _check_keys(source, "[vllm]", vllm, VLLM_KEYS)
+    vllm_scales = tuple(vllm.get("attention_scales", ()))
+    for name in vllm_scales:
+        if "{layer}" not in name:
+            raise MappingError(f"{source}: [vllm] attention_scales entry '{name}' needs a {{layer}} placeholder")
 
     weights = []
     seen = set()
@@ -201,25 +214,29 @@ def parse_family(data: dict, source: str) -> Family:
     _check_packs(weights, source)
     return Family(name=fam["name"], description=fam.get("description", ""),
                   architectures=tuple(fam["architectures"]), dims=dims, weights=tuple(weights),
-                  extra_state=extra_state, source=source)
+                  extra_state=extra_state, source=source, vllm_scales=vllm_scales)
 
 
 def _check_packs(weights: list[WeightSpec], source: str) -> None:
-    """Weights sharing a fused Megatron name must share a split kind and fill every slot once."""
-    for spec in MEGATRON_SPECS:
+    """Weights sharing a fused Megatron (or vLLM) name must share a split kind and fill every slot once."""
+    namings = [("Megatron", lambda w, s=spec: w.megatron_name(s)) for spec in MEGATRON_SPECS]
+    if any(w.vllm for w in weights):
+        namings.append(("vLLM", lambda w: w.vllm_name))
+    for layout, name_of in namings:
         packs: dict[str, list[WeightSpec]] = {}
         for w in weights:
-            packs.setdefault(w.megatron_name(spec), []).append(w)
+            packs.setdefault(name_of(w), []).append(w)
         for name, members in packs.items():
             if len(members) == 1 and not members[0].slot:
                 continue
             kinds = {m.split for m in members}
             if len(kinds) != 1 or next(iter(kinds)) not in PACK_SLOTS:
-                raise MappingError(f"{source}: weights {', '.join(m.hf for m in members)} share Megatron name "
+                raise MappingError(f"{source}: weights {', '.join(m.hf for m in members)} share {layout} name "
                                    f"'{name}' but are not one qkv or gate_up pack")
             slots = sorted(m.slot for m in members)
             if slots != sorted(PACK_SLOTS[next(iter(kinds))]):
-                raise MappingError(f"{source}: pack '{name}' has slots {slots}, needs {PACK_SLOTS[next(iter(kinds))]}")
+                raise MappingError(f"{source}: {layout} pack '{name}' has slots {slots}, needs "
+                                   f"{sorted(PACK_SLOTS[next(iter(kinds))])}")
 
 
 def load_family_file(path: str | Path) -> Family:

@@ -30,6 +30,8 @@ class StoredTensor:
     shape: tuple[int, ...]
     axis: int
     pieces: tuple[Piece, ...]
+    fill: float | None = None  # a constant tensor outside the canonical model (no pieces), e.g. vLLM scales
+    dtype: str | None = None  # a fixed dtype that --dtype does not change (constants)
 
     def offsets(self):
         """Yield (piece, offset along the axis) pairs."""

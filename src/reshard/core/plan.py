@@ -36,6 +36,7 @@ class TargetTensor:
     axis: int
     reads: list[ReadOp]
     has_padding: bool = False
+    fill: float | None = None  # every element is this constant (no reads)
 
     @property
     def nbytes(self) -> int:
@@ -161,4 +162,4 @@ def plan_tensor(index: CanonicalIndex, target: StoredTensor, dtype: str) -> Targ
             padded = True
         else:
             reads.extend(index.reads_for(piece.canonical, piece.start, piece.stop, offset))
-    return TargetTensor(target.name, target.shape, dtype, target.axis, reads, padded)
+    return TargetTensor(target.name, target.shape, target.dtype or dtype, target.axis, reads, padded, target.fill)

@@ -83,3 +83,54 @@ def check_megatron_degrees(model: CanonicalModel, tp: int, pp: int) -> None:
     if model.num_layers % pp:
         raise PlanError(f"{model.num_layers} layers do not split evenly over pp={pp}; choose a pp that divides "
                         f"{model.num_layers}")
+
+
+# ------------------------------------------------------------------------------------------ vLLM rules
+
+VLLM_VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
+
+
+def vllm_padded_vocab(vocab: int) -> int:
+    """vLLM pads embedding and lm_head rows to a multiple of 64 (then splits them evenly over the ranks)."""
+    return -(-vocab // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+
+
+def vllm_kv_heads(rank: int, tp: int, groups: int) -> range:
+    """KV heads held by vLLM rank ``rank``: ``groups/tp`` contiguous heads, or when tp >= groups the single
+    head ``rank // (tp/groups)``, replicated on ``tp/groups`` neighbouring ranks."""
+    if tp >= groups:
+        head = rank // (tp // groups)
+        return range(head, head + 1)
+    per = groups // tp
+    return range(rank * per, (rank + 1) * per)
+
+
+def vllm_qkv_pieces(q: CanonicalTensor, k: CanonicalTensor, v: CanonicalTensor, rank: int, tp: int,
+                    groups: int) -> list[Piece]:
+    """vLLM ``qkv_proj`` of one rank: ``[q_r; k_r; v_r]``, q the rank's contiguous 1/tp of the query heads."""
+    q_rows = q.shape[0] // tp
+    head_rows = k.shape[0] // groups
+    kv = vllm_kv_heads(rank, tp, groups)
+    lo, hi = kv.start * head_rows, kv.stop * head_rows
+    return [Piece(q.name, rank * q_rows, (rank + 1) * q_rows), Piece(k.name, lo, hi), Piece(v.name, lo, hi)]
+
+
+def check_vllm_degrees(model: CanonicalModel, tp: int) -> None:
+    """Refuse a tensor_parallel_size vLLM cannot load this model at, before anything is written."""
+    d = model.dims
+    if tp < 1:
+        raise PlanError(f"tp must be >= 1 (got {tp})")
+    if d["nh"] % tp:
+        raise PlanError(f"vLLM needs num_attention_heads % tp == 0, but {d['nh']} heads do not split over "
+                        f"tp={tp}; choose a tp that divides {d['nh']}")
+    if tp >= d["ng"] and tp % d["ng"]:
+        raise PlanError(f"tp={tp} is more than the {d['ng']} KV heads but not a multiple of them: vLLM "
+                        f"replicates KV heads only when tp % num_key_value_heads == 0")
+    if tp < d["ng"] and d["ng"] % tp:
+        raise PlanError(f"{d['ng']} KV heads do not split over tp={tp}; choose a tp that divides {d['ng']}")
+    if "F" in d and d["F"] % tp:
+        raise PlanError(f"cannot shard intermediate size {d['F']} over tp={tp}; choose a tp that divides it")
+    padded = vllm_padded_vocab(model.vocab_size)
+    if padded % tp:
+        raise PlanError(f"vLLM pads the vocab {model.vocab_size} to {padded} rows, which do not split over "
+                        f"tp={tp}; choose a tp that divides {padded}")

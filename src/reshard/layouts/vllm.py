@@ -1,0 +1,282 @@
+"""vLLM ``sharded_state``: ``model-rank-{rank}-part-{part}.safetensors`` in one folder, plus config.json,
+tokenizer files and reshard's ``reshard.json`` (vLLM itself records no TP size).
+
+Per rank, vLLM parameter names and per-rank shapes: ``qkv_proj`` = ``[q_r; k_r; v_r]`` (one KV head per rank,
+replicated on ``tp/ng`` neighbours, when tp >= ng), ``gate_up_proj`` = ``[gate_r; up_r]``, ``o_proj`` and
+``down_proj`` split on dim 1 (their biases whole on every rank), norms whole, embedding and ``lm_head`` padded to
+a multiple of 64 rows and split evenly (padding rows zero), tied embeddings stored once under the name vLLM's
+loader keeps, and four fp32 attention scale scalars (1.0) per layer that the loader requires.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+
+from reshard import __version__
+from reshard.core.canonical import CanonicalModel, CanonicalTensor, build_canonical
+from reshard.core.pieces import Piece, StoredTensor
+from reshard.core.sharding import (check_vllm_degrees, even_pieces, megatron_gate_up_pieces, vllm_padded_vocab,
+                                   vllm_qkv_pieces, vocab_pieces)
+from reshard.errors import CheckpointError, PlanError
+from reshard.io import dtypes
+from reshard.io.safetensors_format import SafetensorsFile
+from reshard.layouts import hf
+from reshard.layouts.base import Options, Source, TargetSpec, check_shape, find_side_files
+from reshard.mapping import WeightSpec, family_for_architecture
+
+NAME = "vllm"
+PATTERN = "model-rank-{rank}-part-{part}.safetensors"
+RECORD = "reshard.json"
+_FILE = re.compile(r"^model-rank-(\d+)-part-(\d+)\.safetensors$")
+SCALE_DTYPE = "F32"
+
+
+def kept_tied_name(names: list[str]) -> str:
+    """vLLM's ``ShardedStateLoader._filter_subtensors`` keeps, of tensors sharing one storage, the smallest key."""
+    return min(names)
+
+
+def _pieces(spec: WeightSpec, members: list[CanonicalTensor], rank: int, tp: int, groups: int,
+            padded_vocab: int) -> list[Piece]:
+    kind = spec.split
+    if kind == "replicated":
+        t = members[0]
+        return [Piece(t.name, 0, t.shape[t.axis])]
+    if kind in ("column", "row"):
+        return even_pieces(members[0], rank, tp)
+    if kind == "vocab":
+        return vocab_pieces(members[0], rank, tp, padded_vocab)
+    by_slot = {m.spec.slot: m for m in members}
+    if kind == "qkv":
+        return vllm_qkv_pieces(by_slot["q"], by_slot["k"], by_slot["v"], rank, tp, groups)
+    if kind == "gate_up":
+        return megatron_gate_up_pieces(by_slot["gate"], by_slot["up"], rank, tp)
+    raise AssertionError(kind)
+
+
+def _check_names(model: CanonicalModel) -> None:
+    missing = [s.hf for s in model.family.weights if s.slot and not s.vllm]
+    if missing:
+        raise PlanError(f"mapping '{model.family.name}' gives no vLLM name for packed weight {missing[0]}; "
+                        "add `vllm = ...` to it in the mapping file")
+
+
+def rank_tensors(model: CanonicalModel, tp: int, rank: int, padded_vocab: int) -> list[StoredTensor]:
+    """Every tensor of vLLM rank ``rank``, in vLLM's state-dict order, as pieces (scales as constants)."""
+    family = model.family
+    groups = model.dims["ng"]
+    out: list[StoredTensor] = []
+    head_spec = next((s for s in family.weights if s.tied_to), None)
+    emb_spec = next((s for s in family.weights if head_spec and s.hf == head_spec.tied_to), None)
+
+    def emit(spec: WeightSpec, layer: int | None, name: str | None = None) -> None:
+        if spec.slot:
+            pack = [s for s in family.weights if s.vllm_name == spec.vllm_name]
+            if spec is not pack[0]:
+                return
+            members = [model.get(s, layer) for s in pack]
+            if any(m is None for m in members):
+                return
+        else:
+            member = model.get(spec, layer)
+            if member is None:
+                return
+            members = [member]
+        pieces = _pieces(spec, members, rank, tp, groups, padded_vocab)
+        shape = list(members[0].shape)
+        shape[members[0].axis] = sum(p.length for p in pieces)
+        template = name or spec.vllm_name
+        stored_name = template.format(layer=layer) if layer is not None else template
+        out.append(StoredTensor(stored_name, tuple(shape), members[0].axis, tuple(pieces)))
+
+    for spec in family.weights:
+        if spec.stage == "first":
+            if model.tied and spec is emb_spec:
+                emit(spec, None, kept_tied_name([emb_spec.vllm_name, head_spec.vllm_name]))
+            else:
+                emit(spec, None)
+    for layer in range(model.num_layers):
+        for spec in family.weights:
+            if spec.per_layer:
+                emit(spec, layer)
+        for scale in family.vllm_scales:
+            out.append(StoredTensor(scale.format(layer=layer), (), 0, (), fill=1.0, dtype=SCALE_DTYPE))
+    for spec in family.weights:
+        if spec.stage == "last" and not (spec.tied_to and model.tied):
+            emit(spec, None)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+def detect(path: str) -> bool:
+    return os.path.isdir(path) and any(_FILE.match(n) for n in os.listdir(path))
+
+
+def _rank_files(path: str) -> dict[int, list[str]]:
+    """Rank -> its part files in part order; refuses gaps in ranks or parts."""
+    parts: dict[int, dict[int, str]] = {}
+    for name in os.listdir(path):
+        m = _FILE.match(name)
+        if m:
+            parts.setdefault(int(m.group(1)), {})[int(m.group(2))] = os.path.join(path, name)
+    tp = max(parts) + 1
+    for rank in range(tp):
+        if rank not in parts:
+            raise CheckpointError(f"{path}: no files for rank {rank} (found ranks up to {tp - 1}): "
+                                  "the vLLM checkpoint is incomplete")
+        missing = [p for p in range(max(parts[rank]) + 1) if p not in parts[rank]]
+        if missing:
+            raise CheckpointError(f"{path}: rank {rank} has no part {missing[0]} "
+                                  f"({PATTERN.format(rank=rank, part=missing[0])}): the checkpoint is incomplete")
+    return {r: [parts[r][p] for p in sorted(parts[r])] for r in range(tp)}
+
+
+def _recorded_tp(path: str, files: list[SafetensorsFile]) -> int | None:
+    """The TP size reshard recorded (reshard.json, file metadata); None for a folder vLLM wrote itself."""
+    found = set()
+    record = os.path.join(path, RECORD)
+    if os.path.isfile(record):
+        try:
+            value = json.load(open(record)).get("tensor_parallel_size")
+        except (json.JSONDecodeError, AttributeError):
+            raise CheckpointError(f"{record}: invalid JSON; delete it or fix it") from None
+        if value is not None:
+            found.add(int(value))
+    for f in files:
+        value = f.metadata.get("tensor_parallel_size")
+        if value is not None:
+            found.add(int(value))
+    if len(found) > 1:
+        raise CheckpointError(f"{path}: the recorded tensor_parallel_size values disagree ({sorted(found)}): "
+                              "files from different conversions are mixed in one folder")
+    return found.pop() if found else None
+
+
+def open_source(path: str, opts: Options) -> Source:
+    config = hf.read_config(path)
+    family = family_for_architecture(hf.architecture_of(config, opts), opts.mapping)
+    ranks = _rank_files(path)
+    tp = len(ranks)
+    files: list[SafetensorsFile] = []
+    where: list[dict[str, int]] = []
+    for rank in range(tp):
+        names: dict[str, int] = {}
+        for p in ranks[rank]:
+            f = SafetensorsFile(p)
+            files.append(f)
+            for name in f.tensors:
+                if name in names:
+                    raise CheckpointError(f"{p}: tensor '{name}' of rank {rank} is stored twice")
+                names[name] = len(files) - 1
+        where.append(names)
+    recorded = _recorded_tp(path, files)
+    if recorded is not None and recorded != tp:
+        raise CheckpointError(f"{path}: files name {tp} ranks but the checkpoint records tensor_parallel_size="
+                              f"{recorded}: rank files are missing or left over from another conversion")
+
+    head_spec = next((s for s in family.weights if s.tied_to), None)
+    emb_spec = next((s for s in family.weights if head_spec and s.hf == head_spec.tied_to), None)
+    if head_spec:
+        both = head_spec.vllm_name in where[0] and emb_spec.vllm_name in where[0]
+        tied = not both
+    else:
+        tied = False
+    present = {s.hf for s in family.weights
+               if s.optional and (s.vllm_name.format(layer=0) if s.per_layer else s.vllm_name) in where[0]}
+    model = build_canonical(family, config, present, tied)
+    _check_names(model)
+    try:
+        check_vllm_degrees(model, tp)
+    except PlanError as exc:
+        raise CheckpointError(f"{path}: the files name {tp} ranks, which this model cannot have: {exc}") from None
+
+    vocab_spec = next(s for s in family.weights if s.split == "vocab" and s.stage == "first")
+    vocab_name = kept_tied_name([emb_spec.vllm_name, head_spec.vllm_name]) if tied else vocab_spec.vllm_name
+    loc = files[where[0][vocab_name]].tensors[vocab_name] if vocab_name in where[0] else None
+    if loc is None:
+        raise CheckpointError(f"{ranks[0][0]}: no '{vocab_name}' in rank 0")
+    padded = loc.shape[0] * tp
+    if padded < model.vocab_size:
+        raise CheckpointError(f"{path}: '{vocab_name}' holds {padded} rows over {tp} ranks, fewer than the vocab "
+                              f"size {model.vocab_size}: config.json does not match the weights")
+
+    stored: list[tuple[int, StoredTensor]] = []
+    dropped = set()
+    for rank in range(tp):
+        expected = rank_tensors(model, tp, rank, padded)
+        for tensor in expected:
+            index = where[rank].get(tensor.name)
+            if index is None:
+                if tensor.fill is not None:  # a folder without scales still describes the model
+                    continue
+                raise CheckpointError(f"{path}: tensor '{tensor.name}' is missing from rank {rank}'s files")
+            loc = files[index].tensors[tensor.name]
+            check_shape(files[index].path, tensor.name, loc.shape, tensor.shape)
+            if tensor.fill is not None:
+                dropped.add(tensor.name.rsplit(".", 1)[-1])
+                continue
+            stored.append((index, tensor))
+            for piece in tensor.pieces:
+                if piece.canonical:
+                    model.dtypes.setdefault(piece.canonical, loc.dtype)
+        unexpected = set(where[rank]) - {t.name for t in expected}
+        if unexpected:
+            name = sorted(unexpected)[0]
+            raise CheckpointError(f"{files[where[rank][name]].path}: unexpected tensor '{name}' for mapping "
+                                  f"'{family.name}' (a config / weights mismatch?)")
+    info = {"config": config, "padded_vocab": padded, "recorded_tp": recorded,
+            "dropped": [f"vLLM attention scale scalars ({', '.join(sorted(dropped))})"] if dropped else []}
+    return Source(layout=NAME, root=path, model=model, files=files, stored=stored, degrees={"tp": tp, "pp": 1},
+                  info=info, side_files=find_side_files(path))
+
+
+# ---------------------------------------------------------------------------------------------- writing
+
+def targets(model: CanonicalModel, opts: Options, dtype: str) -> tuple[list[TargetSpec], dict]:
+    """Rank files for vLLM at ``opts.tp``, each rank split into parts of at most ``max_shard_size`` bytes."""
+    if opts.pp != 1:
+        raise PlanError("vLLM sharded_state files hold tensor-parallel ranks only: --pp must be 1 for --to vllm")
+    _check_names(model)
+    check_vllm_degrees(model, opts.tp)
+    padded = vllm_padded_vocab(model.vocab_size)
+    specs = []
+    for rank in range(opts.tp):
+        parts: list[list[StoredTensor]] = [[]]
+        size = 0
+        for tensor in rank_tensors(model, opts.tp, rank, padded):
+            canon = next((p.canonical for p in tensor.pieces if p.canonical), None)
+            item = dtypes.itemsize(tensor.dtype or opts.dtype or model.dtypes.get(canon, dtype))
+            nbytes = item * math.prod(tensor.shape)
+            if parts[-1] and size + nbytes > opts.max_shard_size:
+                parts.append([])
+                size = 0
+            parts[-1].append(tensor)
+            size += nbytes
+        for part, tensors in enumerate(parts):
+            metadata = {"format": "pt", "reshard_layout": NAME, "tensor_parallel_size": str(opts.tp),
+                        "rank": str(rank)}
+            specs.append(TargetSpec(PATTERN.format(rank=rank, part=part), "safetensors", tensors,
+                                    metadata=metadata))
+    return specs, {"tp": opts.tp, "padded_vocab": padded}
+
+
+def finalize(out: str, model: CanonicalModel, dtype: str, tp: int, padded_vocab: int, files: list) -> None:
+    """Write config.json, then ``reshard.json`` (the TP size vLLM does not record) last."""
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(hf.output_config(model, dtype), f, indent=2, sort_keys=True)
+        f.write("\n")
+    record = {
+        "layout": NAME, "tensor_parallel_size": tp, "pattern": PATTERN,
+        "padded_vocab_size": padded_vocab, "vocab_size": model.vocab_size,
+        "files": sorted(spec.path for spec in files), "producer": f"reshard {__version__}",
+        "load_with": f'vllm.LLM(model=DIR, load_format="sharded_state", tensor_parallel_size={tp})',
+    }
+    tmp = os.path.join(out, RECORD + ".partial")
+    with open(tmp, "w") as f:
+        json.dump(record, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, os.path.join(out, RECORD))
