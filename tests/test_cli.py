@@ -26,8 +26,8 @@ def hf(tmp_path_factory):
 def test_demo(tmp_path):
     proc = cli("demo", "--workdir", tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert "demo passed" in proc.stdout and proc.stdout.count("tensors bit-exact") == 3
-    for step in ("megatron-tp4", "megatron-tp2-pp2", "hf-roundtrip"):
+    assert "demo passed" in proc.stdout and proc.stdout.count("tensors bit-exact") == 4
+    for step in ("megatron-tp4", "megatron-tp2-pp2", "vllm-tp8", "hf-roundtrip"):
         assert (tmp_path / step).is_dir()
 
 
