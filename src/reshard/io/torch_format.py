@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import hashlib
 import io
-import os
 import pickle
 import re
 import struct
 import zlib
 from typing import Any
-
-import numpy as np
-import torch
 
 from reshard.errors import CheckpointError
 from reshard.io import dtypes
@@ -54,6 +51,8 @@ _MEGATRON_ENUMS = (
 
 
 def _numpy_globals() -> list:
+    import numpy as np
+
     core = getattr(np, "_core", None) or np.core
     items: list = [
         (core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
@@ -89,6 +88,8 @@ _UNSUPPORTED = re.compile(r"GLOBAL ([\w.]+)")
 
 def load_structure(path: str) -> Any:
     """Unpickle a torch zip checkpoint with every tensor on the meta device (no tensor bytes are read)."""
+    import torch
+
     try:
         with torch.serialization.safe_globals(allowed_globals()):
             return torch.load(path, map_location="meta", weights_only=True)
@@ -101,7 +102,7 @@ def load_structure(path: str) -> Any:
         raise CheckpointError(f"{path}: not a readable torch checkpoint ({str(exc).splitlines()[0]})") from None
 
 
-def _location(t: torch.Tensor, path: str, name: str) -> TensorLocation:
+def _location(t, path: str, name: str) -> TensorLocation:
     storage = t.untyped_storage()
     base = getattr(storage, "_checkpoint_offset", None)
     if base is None:
@@ -116,6 +117,8 @@ def _location(t: torch.Tensor, path: str, name: str) -> TensorLocation:
 
 def flatten_tensors(obj: Any, path: str, prefix: str = "") -> dict[str, TensorLocation]:
     """Locations of every tensor inside nested dicts, named ``key/subkey/...``."""
+    import torch
+
     out: dict[str, TensorLocation] = {}
     if isinstance(obj, torch.Tensor):
         out[prefix] = _location(obj, path, prefix)
@@ -144,12 +147,41 @@ class TensorSlot:
         self.name, self.dtype, self.shape = name, dtype, tuple(shape)
 
 
+class TorchGlobal:
+    """A global (``module.name``) written into a pickle by name, without importing it: ``torch.bfloat16``,
+    ``torch._utils._rebuild_tensor_v2``, storage types. Callable only so that pickle accepts it in a reduce."""
+
+    def __init__(self, module: str, name: str):
+        self.module, self.name = module, name
+
+    def __call__(self, *args):
+        raise TypeError(f"{self.module}.{self.name} is a pickle stand-in")
+
+    def __eq__(self, other):
+        return isinstance(other, TorchGlobal) and (self.module, self.name) == (other.module, other.name)
+
+    def __hash__(self):
+        return hash((self.module, self.name))
+
+
+_STORAGE_TYPES = {"F64": "DoubleStorage", "F32": "FloatStorage", "F16": "HalfStorage", "BF16": "BFloat16Storage",
+                  "I64": "LongStorage", "I32": "IntStorage", "I16": "ShortStorage", "I8": "CharStorage",
+                  "U8": "ByteStorage", "BOOL": "BoolStorage"}
+
+
+def torch_dtype_global(dtype: str) -> TorchGlobal:
+    """``torch.<dtype>`` as written by pickle (torch dtypes pickle by name)."""
+    return TorchGlobal("torch", dtypes.torch_name(dtype))
+
+
 class _StorageRef:
     def __init__(self, key: str, dtype: str, numel: int):
         self.key, self.dtype, self.numel = key, dtype, numel
 
 
 class _TensorRef:
+    """Pickles as torch does a contiguous tensor: ``_rebuild_tensor_v2(storage, 0, size, stride, False, {})``."""
+
     def __init__(self, storage: _StorageRef, shape: tuple[int, ...]):
         self.storage, self.shape = storage, shape
 
@@ -158,20 +190,39 @@ class _TensorRef:
         for n in reversed(self.shape):
             stride.append(acc)
             acc *= n
-        return (torch._utils._rebuild_tensor_v2,
-                (self.storage, 0, torch.Size(self.shape), tuple(reversed(stride)), False, collections.OrderedDict()))
+        return (TorchGlobal("torch._utils", "_rebuild_tensor_v2"),
+                (self.storage, 0, tuple(self.shape), tuple(reversed(stride)), False, collections.OrderedDict()))
 
 
-def _storage_type(dtype: str):
-    name = torch.storage._dtype_to_storage_type_map()[dtypes.to_torch(dtype)]
-    return getattr(torch, name)
+def _storage_type(dtype: str) -> TorchGlobal:
+    try:
+        return TorchGlobal("torch", _STORAGE_TYPES[dtype])
+    except KeyError:
+        raise CheckpointError(f"dtype {dtype} cannot be written to a torch checkpoint") from None
 
 
-class _Pickler(pickle.Pickler):
+def _save_torch_global(pickler, obj: TorchGlobal) -> None:
+    pickler.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
+    pickler.memoize(obj)
+
+
+class _Pickler(pickle._Pickler):
+    """The pure-Python pickler, taught to write :class:`TorchGlobal` by name (no torch import needed)."""
+
+    dispatch = dict(pickle._Pickler.dispatch)
+    dispatch[TorchGlobal] = _save_torch_global
+
     def persistent_id(self, obj):
         if isinstance(obj, _StorageRef):
             return ("storage", _storage_type(obj.dtype), obj.key, "cpu", obj.numel)
         return None
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 _ZIP64_LIMIT = 0xFFFFFFFF
@@ -215,10 +266,7 @@ class TorchZipWriter(PartialFile):
             raise AssertionError("payload slots and write order differ")
         for i, name in enumerate(self._order):
             slot = self._slots[name]
-            numel = 1
-            for n in slot.shape:
-                numel *= n
-            refs[name] = _TensorRef(_StorageRef(str(i), slot.dtype, numel), slot.shape)
+            refs[name] = _TensorRef(_StorageRef(str(i), slot.dtype, _numel(slot.shape)), slot.shape)
         buf = io.BytesIO()
         _Pickler(buf, protocol=2).dump(swap(payload))
         super().__init__(path)
@@ -252,30 +300,43 @@ class TorchZipWriter(PartialFile):
         self._file.write(data)
         self._end(name, offset, len(data), zlib.crc32(data))
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Write the next tensor's bytes as its storage record."""
+    def write(self, name: str, tensor) -> None:
+        """Write the next tensor (a torch tensor) as its storage record."""
+        self.check_next(name, dtypes.from_torch(tensor.dtype), tuple(tensor.shape))
+        self.write_bytes(name, memoryview(tensor.contiguous().reshape(-1).view(dtypes.to_torch("U8")).numpy()))
+
+    def check_next(self, name: str, dtype: str, shape: tuple[int, ...]) -> None:
         expected = self._order[self._next]
         slot = self._slots[expected]
-        if name != expected or tuple(tensor.shape) != slot.shape or dtypes.from_torch(tensor.dtype) != slot.dtype:
+        if name != expected or tuple(shape) != slot.shape or dtype != slot.dtype:
             raise AssertionError(f"writer expected {expected} {slot.dtype}{list(slot.shape)}, got {name} "
-                                 f"{tensor.dtype}{list(tensor.shape)}")
-        data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
-        offset = self._begin(f"data/{self._next}", data.nbytes)
+                                 f"{dtype}{list(shape)}")
+
+    def write_bytes(self, name: str, data: memoryview) -> None:
+        """Write the next storage record straight from ``data`` (the tensor's bytes, row-major)."""
+        expected = self._order[self._next]
+        slot = self._slots[expected]
+        nbytes = dtypes.itemsize(slot.dtype) * _numel(slot.shape)
+        if name != expected or data.nbytes != nbytes:
+            raise AssertionError(f"writer expected {expected} ({nbytes} bytes), got {name} ({data.nbytes} bytes)")
+        data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+        offset = self._begin(f"data/{self._next}", nbytes)
         crc = 0
-        step = 64 << 20
-        view = memoryview(data)
-        for start in range(0, data.nbytes, step):
-            chunk = view[start:start + step]
+        step = 16 << 20  # zlib.crc32 releases the GIL on large chunks; writes interleave with it
+        for start in range(0, nbytes, step):
+            chunk = data[start:start + step]
             crc = zlib.crc32(chunk, crc)
             self._file.write(chunk)
-        self._end(f"data/{self._next}", offset, data.nbytes, crc)
+        self._end(f"data/{self._next}", offset, nbytes, crc)
         self._next += 1
 
     def finish(self) -> None:
         if self._next != len(self._order):
             raise AssertionError(f"{self.path}: {len(self._order) - self._next} tensors were not written")
         self._add_record("version", b"3\n")
-        self._add_record(".data/serialization_id", os.urandom(20).hex().encode())
+        # torch writes a random id; ours is derived from the records, so equal content gives equal bytes
+        ident = hashlib.sha1(repr(self._entries).encode()).hexdigest()
+        self._add_record(".data/serialization_id", ident.encode())
         self._write_central_directory()
         self.publish()
 
