@@ -18,6 +18,7 @@ import io
 import pickle
 import re
 import struct
+import zipfile
 import zlib
 from typing import Any
 
@@ -25,6 +26,7 @@ from reshard.errors import CheckpointError
 from reshard.io import dtypes
 from reshard.io.partial import PartialFile
 from reshard.io.tensorfile import TensorFile, TensorLocation
+from reshard.io.torch_names import STORAGE_TYPES, TorchGlobal
 
 
 class MegatronEnum:
@@ -86,18 +88,39 @@ def allowed_globals() -> list:
 _UNSUPPORTED = re.compile(r"GLOBAL ([\w.]+)")
 
 
-def load_structure(path: str) -> Any:
-    """Unpickle a torch zip checkpoint with every tensor on the meta device (no tensor bytes are read)."""
+def load_structure(path: str) -> tuple[Any, dict[str, int] | None]:
+    """Unpickle a torch zip checkpoint without reading tensor bytes; also returns storage key -> file offset.
+
+    First without torch (:mod:`reshard.io.torch_unpickle`, tensors as LazyTensor); a checkpoint naming torch
+    globals that reader does not model is loaded with ``torch.load`` on the meta device (offsets None)."""
+    from reshard.io import torch_unpickle
+
+    try:
+        return torch_unpickle.load(path, allowed_globals())
+    except torch_unpickle.NeedsTorch:
+        pass
+    except pickle.UnpicklingError as exc:
+        _refuse(path, exc)
+    except (zipfile.BadZipFile, EOFError, ValueError) as exc:
+        raise CheckpointError(f"{path}: not a readable torch checkpoint ({exc})") from None
+    return _torch_load_meta(path), None
+
+
+def _refuse(path: str, exc: Exception):
+    found = _UNSUPPORTED.search(str(exc))
+    what = f"global '{found.group(1)}'" if found else str(exc).splitlines()[0]
+    raise CheckpointError(f"{path}: refusing to unpickle {what}: not on reshard's allow-list "
+                          "(reshard never runs code from a checkpoint)") from None
+
+
+def _torch_load_meta(path: str) -> Any:
     import torch
 
     try:
         with torch.serialization.safe_globals(allowed_globals()):
             return torch.load(path, map_location="meta", weights_only=True)
     except pickle.UnpicklingError as exc:
-        found = _UNSUPPORTED.search(str(exc))
-        what = f"global '{found.group(1)}'" if found else str(exc).splitlines()[0]
-        raise CheckpointError(f"{path}: refusing to unpickle {what}: not on reshard's allow-list "
-                              "(reshard never runs code from a checkpoint)") from None
+        _refuse(path, exc)
     except RuntimeError as exc:
         raise CheckpointError(f"{path}: not a readable torch checkpoint ({str(exc).splitlines()[0]})") from None
 
@@ -115,16 +138,32 @@ def _location(t, path: str, name: str) -> TensorLocation:
                           strides=None if contiguous else tuple(t.stride()))
 
 
-def flatten_tensors(obj: Any, path: str, prefix: str = "") -> dict[str, TensorLocation]:
+def _lazy_location(t, offsets: dict[str, int], path: str, name: str) -> TensorLocation:
+    if t.storage.key not in offsets:
+        raise CheckpointError(f"{path}: tensor '{name}' names storage record {t.storage.key}, which is missing")
+    size = dtypes.itemsize(t.dtype)
+    expected, acc = [], 1
+    for n in reversed(t.shape):
+        expected.append(acc)
+        acc *= n
+    contiguous = all(n == 1 or s == e for n, s, e in zip(t.shape, t.stride, reversed(expected)))
+    return TensorLocation(dtype=t.dtype, shape=t.shape, offset=offsets[t.storage.key] + t.offset * size,
+                          strides=None if contiguous else t.stride)
+
+
+def flatten_tensors(obj: Any, path: str, prefix: str = "", offsets: dict[str, int] | None = None
+                    ) -> dict[str, TensorLocation]:
     """Locations of every tensor inside nested dicts, named ``key/subkey/...``."""
-    import torch
+    from reshard.io.torch_unpickle import LazyTensor
 
     out: dict[str, TensorLocation] = {}
-    if isinstance(obj, torch.Tensor):
+    if isinstance(obj, LazyTensor):
+        out[prefix] = _lazy_location(obj, offsets or {}, path, prefix)
+    elif type(obj).__module__.startswith("torch") and hasattr(obj, "untyped_storage"):
         out[prefix] = _location(obj, path, prefix)
     elif isinstance(obj, dict):
         for key, value in obj.items():
-            out.update(flatten_tensors(value, path, f"{prefix}/{key}" if prefix else str(key)))
+            out.update(flatten_tensors(value, path, f"{prefix}/{key}" if prefix else str(key), offsets))
     return out
 
 
@@ -134,8 +173,8 @@ class TorchFile(TensorFile):
     format = "torch"
 
     def __init__(self, path: str):
-        self.structure = load_structure(path)
-        super().__init__(path, flatten_tensors(self.structure, path))
+        self.structure, offsets = load_structure(path)
+        super().__init__(path, flatten_tensors(self.structure, path, offsets=offsets))
 
 
 # ---------------------------------------------------------------------------------------------- writing
@@ -145,28 +184,6 @@ class TensorSlot:
 
     def __init__(self, name: str, dtype: str, shape: tuple[int, ...]):
         self.name, self.dtype, self.shape = name, dtype, tuple(shape)
-
-
-class TorchGlobal:
-    """A global (``module.name``) written into a pickle by name, without importing it: ``torch.bfloat16``,
-    ``torch._utils._rebuild_tensor_v2``, storage types. Callable only so that pickle accepts it in a reduce."""
-
-    def __init__(self, module: str, name: str):
-        self.module, self.name = module, name
-
-    def __call__(self, *args):
-        raise TypeError(f"{self.module}.{self.name} is a pickle stand-in")
-
-    def __eq__(self, other):
-        return isinstance(other, TorchGlobal) and (self.module, self.name) == (other.module, other.name)
-
-    def __hash__(self):
-        return hash((self.module, self.name))
-
-
-_STORAGE_TYPES = {"F64": "DoubleStorage", "F32": "FloatStorage", "F16": "HalfStorage", "BF16": "BFloat16Storage",
-                  "I64": "LongStorage", "I32": "IntStorage", "I16": "ShortStorage", "I8": "CharStorage",
-                  "U8": "ByteStorage", "BOOL": "BoolStorage"}
 
 
 def torch_dtype_global(dtype: str) -> TorchGlobal:
@@ -196,7 +213,7 @@ class _TensorRef:
 
 def _storage_type(dtype: str) -> TorchGlobal:
     try:
-        return TorchGlobal("torch", _STORAGE_TYPES[dtype])
+        return TorchGlobal("torch", STORAGE_TYPES[dtype])
     except KeyError:
         raise CheckpointError(f"dtype {dtype} cannot be written to a torch checkpoint") from None
 

@@ -208,11 +208,9 @@ def hf_config_from_args(args, opts: Options, vocab: int) -> dict:
     arch = opts.architecture or ("Qwen2ForCausalLM" if qkv_bias and not bias else "LlamaForCausalLM")
     heads = get("num_attention_heads")
     groups = get("num_query_groups") if get("group_query_attention", False) else heads
-    import torch  # a Megatron source was unpickled with torch: its args may hold a torch.dtype
-
-    dtype = get("params_dtype")
-    if not isinstance(dtype, torch.dtype):
-        dtype = torch.bfloat16 if get("bf16") else torch.float16 if get("fp16") else torch.float32
+    dtype = str(get("params_dtype"))  # a torch.dtype or its stand-in: both print as torch.<name>
+    if dtype not in ("torch.bfloat16", "torch.float16", "torch.float32"):
+        dtype = "torch.bfloat16" if get("bf16") else "torch.float16" if get("fp16") else "torch.float32"
     config = {
         "architectures": [arch], "model_type": MODEL_TYPES.get(arch, "llama"),
         "hidden_size": get("hidden_size"), "intermediate_size": get("ffn_hidden_size"),
