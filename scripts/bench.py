@@ -685,11 +685,31 @@ def summarize(runs: list[dict], sizes_info: dict[str, dict]) -> list[dict]:
             largest_output_tensor_bytes=out_bytes,
             largest_output_tensor=out_largest,
             rss_per_largest_tensor=peak / src_largest,
+            rss_bound_bytes=2 * src_largest + GIB // 2,
+            within_rss_bound=peak <= 2 * src_largest + GIB // 2,
             rss_per_largest_output_tensor=(peak / out_bytes) if out_bytes else None,
             output_bytes=ok[-1].get("output_bytes"),
         )
         summary.append(row)
     return summary
+
+
+def flatness(summary: list[dict]) -> list[dict]:
+    """Per operation: peak RSS at the largest size over the smallest (flat = within 10%)."""
+    by_op: dict[str, list[dict]] = {}
+    for row in summary:
+        if row.get("ok_runs"):
+            by_op.setdefault(row["op"], []).append(row)
+    out = []
+    for op in OPS:
+        rows = sorted(by_op.get(op, []), key=lambda r: r["size_gib"])
+        if len(rows) < 2:
+            continue
+        growth = rows[-1]["peak_rss_bytes"] / rows[0]["peak_rss_bytes"]
+        tensor_growth = rows[-1]["largest_source_tensor_bytes"] / rows[0]["largest_source_tensor_bytes"]
+        out.append({"op": op, "from_gib": rows[0]["size_gib"], "to_gib": rows[-1]["size_gib"],
+                    "rss_growth": growth, "largest_tensor_growth": tensor_growth, "flat": growth <= 1.10})
+    return out
 
 
 def _fmt_s(x: float) -> str:
@@ -722,13 +742,14 @@ def render_markdown(result: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "| size GiB | operation | median s | min–max s | × cp | GiB/s | peak RSS MiB | RSS / largest tensor |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| size GiB | operation | median s | min–max s | × cp | GiB/s | peak RSS MiB | RSS / largest tensor | "
+        "≤ 2×largest + 0.5 GiB |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|:---:|",
     ]
     for row in sorted(result["summary"], key=lambda r: (r["size_gib"], list(OPS).index(r["op"]))):
         size = row["size"]
         if row["ok_runs"] == 0:
-            lines.append(f"| {size} | {row['op']} | {row['status']} | | | | | |")
+            lines.append(f"| {size} | {row['op']} | {row['status']} | | | | | | |")
             continue
         ratio = f"{row['ratio_to_cp']:.2f}" if row["ratio_to_cp"] is not None else "n/a"
         per = f"{row['rss_per_largest_tensor']:.2f}"
@@ -738,8 +759,15 @@ def render_markdown(result: dict[str, Any]) -> str:
         op = row["op"] if row["status"] == "ok" else f"{row['op']} ({row['status']})"
         lines.append(
             f"| {size} | {op} | {_fmt_s(row['median_s'])} | {_fmt_s(row['min_s'])}–{_fmt_s(row['max_s'])} | {ratio} | "
-            f"{row['gib_per_s']:.3g} | {row['peak_rss_mib']:.0f} | {per} |"
+            f"{row['gib_per_s']:.3g} | {row['peak_rss_mib']:.0f} | {per} | "
+            f"{'yes' if row['within_rss_bound'] else 'NO'} |"
         )
+    flat = flatness(result["summary"])
+    if flat:
+        lines += ["", "Peak RSS growth from the smallest to the largest size (flat = within 10%):", ""]
+        lines += [f"- {f['op']}: {f['from_gib']:g} -> {f['to_gib']:g} GiB: x{f['rss_growth']:.2f} "
+                  f"({'flat' if f['flat'] else 'grows'}; largest tensor x{f['largest_tensor_growth']:.2f})"
+                  for f in flat]
     lines += [
         "",
         "Peak RSS is `ru_maxrss` of the child from `os.wait4` (the max over the child and the descendants it "
@@ -860,6 +888,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def save() -> None:
         result["summary"] = summarize(result["runs"], result["sizes_info"])
+        result["flatness"] = flatness(result["summary"])
         tmp = out / "bench.json.tmp"
         tmp.write_text(json.dumps(result, indent=1) + "\n")
         os.replace(tmp, out / "bench.json")

@@ -94,6 +94,7 @@ def convert(
     allow_replica_mismatch: bool = typer.Option(False, "--allow-replica-mismatch",
                                                 help="Take rank 0's copy when replicated tensors differ."),
     as_json: bool = JsonOpt,
+    workers: int = typer.Option(1, "--workers", help="Processes that write target files (same output bytes)."),
 ):
     """Convert SRC to another layout and/or TP/PP degree, streaming tensor by tensor."""
     from reshard.conversion import convert as run_convert
@@ -102,7 +103,7 @@ def convert(
                          megatron_spec=megatron_spec.value, max_shard_size=parse_size(max_shard_size),
                          vocab_size=vocab_size, vocab_divisor=vocab_divisor, architecture=architecture,
                          mapping=mapping, allow_replica_mismatch=allow_replica_mismatch,
-                         progress=not as_json and sys.stderr.isatty())
+                         progress=not as_json and sys.stderr.isatty(), workers=workers)
     if dry_run:
         if as_json:
             print(json.dumps(_plan_json(result.plan), indent=2))
@@ -130,7 +131,7 @@ def plan(
     """Print the conversion plan (what `convert --dry-run` prints); write nothing."""
     convert(src=src, dst="", to=to, tp=tp, pp=pp, dtype=dtype, overwrite=False, dry_run=True,
             megatron_spec=megatron_spec, max_shard_size=max_shard_size, vocab_size=vocab_size, vocab_divisor=None,
-            architecture=architecture, mapping=mapping, allow_replica_mismatch=False, as_json=as_json)
+            architecture=architecture, mapping=mapping, allow_replica_mismatch=False, as_json=as_json, workers=1)
 
 
 @app.command()

@@ -109,11 +109,14 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, dtype: str
             overwrite: bool = False, dry_run: bool = False, megatron_spec: str = "te",
             max_shard_size: int = 5 * 10**9, vocab_size: int | None = None, vocab_divisor: int | None = None,
             architecture: str | None = None, mapping: str | None = None, allow_replica_mismatch: bool = False,
-            progress: bool = False) -> ConvertResult:
+            progress: bool = False, workers: int = 1) -> ConvertResult:
     """Convert checkpoint ``src`` to layout ``to`` at degrees ``tp`` x ``pp`` in folder ``dst``.
 
     Everything that can be refused is refused before a byte is written; the output appears only when complete.
+    ``workers`` > 1 splits the target files over that many processes; the output bytes are the same.
     """
+    if workers < 1:
+        raise PlanError(f"--workers must be at least 1 (got {workers})")
     opts = Options(tp=tp, pp=pp, dtype=dtypes.parse_user_dtype(dtype), megatron_spec=megatron_spec,
                    max_shard_size=max_shard_size, vocab_size=vocab_size, vocab_divisor=vocab_divisor,
                    architecture=architecture, mapping=mapping, allow_replica_mismatch=allow_replica_mismatch)
@@ -127,7 +130,7 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, dtype: str
         os.makedirs(parent, exist_ok=True)
         staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(dst))}.reshard-partial-", dir=parent)
         try:
-            execute(plan, source.files, staging, progress=progress)
+            execute(plan, source.files, staging, progress=progress, workers=workers)
             write_side_files(source, staging, to, plan, finalize_args, output_dtype(source, opts))
             _publish(staging, dst)
         except BaseException:

@@ -1,22 +1,37 @@
-"""Runs a plan: assembles each target tensor from positioned source reads and streams it to its file."""
+"""Runs a plan: assembles target tensors from positioned source reads and streams them to their files.
+
+Target files with the same tensor names (the TP ranks of one pipeline stage) are written in lockstep: step k
+fills the k-th tensor of every file of the group, so a source tensor they share (a row-parallel weight split on
+dim 1) is read once for all of them. A step's tensors are gathered into one of two reusable buffers while a
+writer thread writes the previous step from the other one (no per-tensor allocation, reads overlap writes).
+Peak memory is two steps (about two full tensors) plus a bounded scratch buffer, whatever the model or file size.
+"""
 
 from __future__ import annotations
 
 import os
+import queue
+import threading
+from dataclasses import dataclass
 
-import torch
-from tqdm import tqdm
+import numpy as np
 
-from reshard.core.plan import Plan, ReplicaCheck, TargetFile, TargetTensor
+from reshard.core.plan import Plan, ReadOp, ReplicaCheck, TargetFile, TargetTensor
 from reshard.errors import CheckpointError
 from reshard.io import dtypes
+from reshard.io.gather import Gatherer, direct
 from reshard.io.safetensors_format import SafetensorsWriter
 from reshard.io.tensorfile import TensorFile
 from reshard.io.torch_format import TensorSlot, TorchZipWriter
 
+_ALIGN = 64
 
-def assemble(tensor: TargetTensor, files: list[TensorFile]) -> torch.Tensor:
-    """Build one target tensor: zeros where it is padding, source slices elsewhere (cast if dtypes differ)."""
+
+def assemble(tensor: TargetTensor, files: list[TensorFile]):
+    """Build one target tensor as a torch tensor: zeros where it is padding, source slices elsewhere (cast if
+    dtypes differ). Used for casts and by the verifier; the executor's byte path is :mod:`reshard.io.gather`."""
+    import torch
+
     dtype = dtypes.to_torch(tensor.dtype)
     if tensor.fill is not None:
         return torch.full(tensor.shape, tensor.fill, dtype=dtype)
@@ -32,23 +47,43 @@ def assemble(tensor: TargetTensor, files: list[TensorFile]) -> torch.Tensor:
     return buf
 
 
-def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+def bits_equal(a, b) -> bool:
+    import torch
+
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
+def read_slice(op: ReadOp, axis: int, files: list[TensorFile], gatherer: Gatherer) -> tuple[TargetTensor, np.ndarray]:
+    """The bytes of ``op``'s slice of its source tensor (torch-free)."""
+    loc = files[op.source].tensors[op.tensor]
+    shape = tuple(op.length if i == axis else n for i, n in enumerate(loc.shape))
+    tensor = TargetTensor(op.tensor, shape, loc.dtype, axis, [ReadOp(op.source, op.tensor, op.src_start,
+                                                                      op.length, 0)])
+    data = np.empty(tensor.nbytes, np.uint8)
+    if direct(tensor, files):
+        gatherer.fill([(tensor, data)])
+    else:
+        data[:] = assemble(tensor, files).contiguous().reshape(-1).view(dtypes.to_torch("U8")).numpy()
+    return tensor, data
+
+
 def run_replica_checks(checks: list[ReplicaCheck], files: list[TensorFile], source_names: list[str]) -> list[str]:
     """Compare every replica against the copy that will be read; returns one message per mismatch."""
     problems = []
+    gatherer = Gatherer(files)
     for check in checks:
-        a = files[check.first.source].read(check.first.tensor, check.axis, check.first.src_start, check.first.length)
-        b = files[check.other.source].read(check.other.tensor, check.axis, check.other.src_start, check.other.length)
-        if not bits_equal(a, b):
-            diff = (a.double() - b.double()).abs().max().item() if a.shape == b.shape else float("nan")
-            problems.append(f"replicas of '{check.canonical}' differ: {check.first.tensor} in "
-                            f"{source_names[check.first.source]} vs {check.other.tensor} in "
-                            f"{source_names[check.other.source]} (max difference {diff:g})")
+        ta, a = read_slice(check.first, check.axis, files, gatherer)
+        tb, b = read_slice(check.other, check.axis, files, gatherer)
+        if ta.dtype == tb.dtype and ta.shape == tb.shape and np.array_equal(a, b):
+            continue
+        x = assemble(ta, files)
+        y = assemble(tb, files)
+        diff = (x.double() - y.double()).abs().max().item() if x.shape == y.shape else float("nan")
+        problems.append(f"replicas of '{check.canonical}' differ: {check.first.tensor} in "
+                        f"{source_names[check.first.source]} vs {check.other.tensor} in "
+                        f"{source_names[check.other.source]} (max difference {diff:g})")
     return problems
 
 
@@ -61,32 +96,207 @@ def _fill_slots(payload, tensors: dict[str, TargetTensor]):
             _fill_slots(value, tensors)
 
 
-def write_file(target: TargetFile, files: list[TensorFile], out_dir: str, bar: tqdm | None = None) -> None:
+def open_writer(target: TargetFile, out_dir: str):
     path = os.path.join(out_dir, target.path)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     if target.format == "safetensors":
-        writer = SafetensorsWriter(path, [(t.name, t.dtype, t.shape) for t in target.tensors], target.metadata)
-    else:
-        _fill_slots(target.payload, {t.name: t for t in target.tensors})
-        writer = TorchZipWriter(path, target.payload, [t.name for t in target.tensors])
-    try:
-        for tensor in target.tensors:
-            data = assemble(tensor, files)
-            writer.write(tensor.name, data)
-            del data
-            if bar is not None:
-                bar.update(tensor.nbytes)
-        writer.finish()
-    except BaseException:
-        writer.abort()
-        raise
+        return SafetensorsWriter(path, [(t.name, t.dtype, t.shape) for t in target.tensors], target.metadata)
+    _fill_slots(target.payload, {t.name: t for t in target.tensors})
+    return TorchZipWriter(path, target.payload, [t.name for t in target.tensors])
 
 
-def execute(plan: Plan, files: list[TensorFile], out_dir: str, progress: bool = True) -> None:
+# ---------------------------------------------------------------------------------------------- scheduling
+
+def _aligned(n: int) -> int:
+    return n + (-n % _ALIGN)
+
+
+def step_bytes(files: list[TargetFile], k: int) -> int:
+    return sum(_aligned(f.tensors[k].nbytes) for f in files)
+
+
+def largest_tensor(plan: Plan, files: list[TensorFile]) -> int:
+    """Bytes of the largest tensor the plan reads or writes."""
+    read = {(op.source, op.tensor) for f in plan.files for t in f.tensors for op in t.reads}
+    sizes = [files[s].tensors[name].nbytes for s, name in read] + [t.nbytes for f in plan.files for t in f.tensors]
+    return max(sizes, default=0)
+
+
+def lockstep_groups(files: list[TargetFile], limit: int) -> list[list[int]]:
+    """Indices of target files grouped by identical tensor names (in first-appearance order), each group cut so
+    that one step (the k-th tensor of every file in it) holds at most ``limit`` bytes plus 10% (vocab padding)."""
+    by_names: dict[tuple, list[int]] = {}
+    for i, f in enumerate(files):
+        by_names.setdefault((f.format, tuple(t.name for t in f.tensors)), []).append(i)
+    cap = limit + limit // 10 + _ALIGN * len(files)
+    groups = []
+    for members in by_names.values():
+        current: list[int] = []
+        for i in members:
+            if current and step_size([files[j] for j in current + [i]]) > cap:
+                groups.append(current)
+                current = []
+            current.append(i)
+        groups.append(current)
+    return groups
+
+
+def step_size(files: list[TargetFile]) -> int:
+    """The largest step of files written in lockstep."""
+    return max((step_bytes(files, k) for k in range(len(files[0].tensors))), default=0)
+
+
+def _split_for_workers(groups: list[list[int]], workers: int) -> list[list[int]]:
+    """Halve the largest groups until there are at least ``workers`` units (or every unit is one file)."""
+    units = [list(g) for g in groups]
+    while len(units) < workers:
+        big = max(range(len(units)), key=lambda i: len(units[i]))
+        if len(units[big]) < 2:
+            break
+        g = units.pop(big)
+        units[big:big] = [g[:len(g) // 2], g[len(g) // 2:]]
+    return units
+
+
+def assign(units: list[list[int]], files: list[TargetFile], workers: int) -> list[list[list[int]]]:
+    """Balance units over workers by bytes (largest first, ties to the lowest worker): deterministic."""
+    loads = [0] * workers
+    shares: list[list[list[int]]] = [[] for _ in range(workers)]
+    for unit in sorted(units, key=lambda u: -sum(files[i].nbytes for i in u)):
+        w = min(range(workers), key=lambda j: (loads[j], j))
+        shares[w].append(unit)
+        loads[w] += sum(files[i].nbytes for i in unit)
+    return [s for s in shares if s]
+
+
+# ---------------------------------------------------------------------------------------------- one process
+
+@dataclass
+class _Job:
+    writes: list  # (writer, name, memoryview)
+    buffer: np.ndarray | None
+    finish: list  # writers to finish after the writes
+    done_bytes: int
+
+
+class _WriterThread(threading.Thread):
+    """Writes jobs in order; returns each job's buffer to ``free``; the first error stops all writing."""
+
+    def __init__(self, free: queue.Queue, report):
+        super().__init__(daemon=True, name="reshard-writer")
+        self.jobs: queue.Queue = queue.Queue()
+        self.free, self.report = free, report
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            try:
+                if self.error is None:
+                    for writer, name, view in job.writes:
+                        writer.write_bytes(name, view)
+                    for writer in job.finish:
+                        writer.finish()
+                    if job.done_bytes:
+                        self.report(job.done_bytes)
+            except BaseException as exc:  # handed to the reading thread
+                self.error = exc
+            finally:
+                if job.buffer is not None:
+                    self.free.put(job.buffer)
+
+
+class _Run:
+    """Executes lockstep units in one process with two ping-pong step buffers."""
+
+    def __init__(self, files: list[TensorFile], targets: list[TargetFile], out_dir: str, report):
+        self.files, self.targets, self.out_dir, self.report = files, targets, out_dir, report
+        self.gather = Gatherer(files)
+        self.free: queue.Queue = queue.Queue()
+        self.writer = _WriterThread(self.free, report)
+        self.open: list = []
+
+    def run(self, units: list[list[int]]) -> None:
+        size = max((step_size([self.targets[i] for i in unit]) for unit in units), default=0)
+        for _ in range(2):
+            self.free.put(np.empty(size, np.uint8))
+        self.writer.start()
+        try:
+            for unit in units:
+                self._unit(unit)
+            self._drain()
+        except BaseException:
+            self._drain()
+            for w in self.open:
+                w.abort()
+            raise
+
+    def _drain(self) -> None:
+        if self.writer.is_alive():
+            self.writer.jobs.put(None)
+            self.writer.join()
+
+    def _take_buffer(self) -> np.ndarray:
+        while True:
+            self._raise_writer_error()
+            try:
+                return self.free.get(timeout=0.2)
+            except queue.Empty:
+                continue
+
+    def _raise_writer_error(self) -> None:
+        if self.writer.error is not None:
+            raise self.writer.error
+
+    def _unit(self, unit: list[int]) -> None:
+        targets = [self.targets[i] for i in unit]
+        writers = []
+        for t in targets:
+            writers.append(open_writer(t, self.out_dir))
+            self.open.append(writers[-1])
+        for k in range(len(targets[0].tensors)):
+            buffer = self._take_buffer()
+            items, writes, pos = [], [], 0
+            for target, writer in zip(targets, writers):
+                tensor = target.tensors[k]
+                dest = buffer[pos:pos + tensor.nbytes]
+                pos += _aligned(tensor.nbytes)
+                if direct(tensor, self.files):
+                    items.append((tensor, dest))
+                else:
+                    data = assemble(tensor, self.files)
+                    dest[:] = data.contiguous().reshape(-1).view(dtypes.to_torch("U8")).numpy()
+                writes.append((writer, tensor.name, memoryview(dest)))
+            self.gather.fill(items)
+            self.writer.jobs.put(_Job(writes, buffer, [], sum(t.tensors[k].nbytes for t in targets)))
+        self.writer.jobs.put(_Job([], None, writers, 0))
+        self._raise_writer_error()
+
+
+def run_units(plan: Plan, files: list[TensorFile], out_dir: str, units: list[list[int]], report) -> None:
+    _Run(files, plan.files, out_dir, report).run(units)
+
+
+def execute(plan: Plan, files: list[TensorFile], out_dir: str, progress: bool = True, workers: int = 1) -> None:
+    """Write every target file of ``plan`` under ``out_dir``; with ``workers > 1`` files are split over that
+    many processes (see :mod:`reshard.workers`). The bytes written do not depend on ``workers``."""
+    from tqdm import tqdm
+
+    groups = lockstep_groups(plan.files, largest_tensor(plan, files))
+    if workers > 1:
+        from reshard.workers import run_in_workers
+
+        shares = assign(_split_for_workers(groups, workers), plan.files, workers)
+        if len(shares) > 1:
+            run_in_workers(shares, lambda share, report: run_units(plan, files, out_dir, share, report),
+                           files, plan.nbytes, progress)
+            return
+        groups = shares[0] if shares else []
     with tqdm(total=plan.nbytes, unit="B", unit_scale=True, unit_divisor=1024, desc="converting",
               disable=not progress, leave=False) as bar:
-        for target in plan.files:
-            write_file(target, files, out_dir, bar)
+        run_units(plan, files, out_dir, groups, bar.update)
 
 
 def ensure_replicas_agree(plan: Plan, files: list[TensorFile], allow_mismatch: bool, warn) -> None:

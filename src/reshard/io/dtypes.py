@@ -1,44 +1,52 @@
-"""Dtype names: safetensors strings are the lingua franca between plans, headers and torch."""
+"""Dtype names: safetensors strings are the lingua franca between plans, headers and torch.
+
+torch is imported only when a torch dtype is asked for, so that converting without a cast never loads it.
+"""
 
 from __future__ import annotations
 
-import torch
-
 from reshard.errors import ReshardError
 
-_TORCH = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-if hasattr(torch, "float8_e4m3fn"):
-    _TORCH["F8_E4M3"] = torch.float8_e4m3fn
-    _TORCH["F8_E5M2"] = torch.float8_e5m2
-_NAME = {v: k for k, v in _TORCH.items()}
+_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+          "F8_E4M3": 1, "F8_E5M2": 1}
+_TORCH_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+                "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 _USER = {"bf16": "BF16", "bfloat16": "BF16", "fp16": "F16", "float16": "F16", "half": "F16",
          "fp32": "F32", "float32": "F32", "float": "F32"}
 
 
-def to_torch(name: str) -> torch.dtype:
+def torch_name(name: str) -> str:
+    """torch's attribute name of a dtype (``BF16`` -> ``bfloat16``)."""
     try:
-        return _TORCH[name]
+        return _TORCH_NAMES[name]
     except KeyError:
-        raise ReshardError(f"unknown dtype '{name}' (known: {', '.join(_TORCH)})") from None
+        raise ReshardError(f"unknown dtype '{name}' (known: {', '.join(_SIZES)})") from None
 
 
-def from_torch(dtype: torch.dtype) -> str:
-    try:
-        return _NAME[dtype]
-    except KeyError:
-        raise ReshardError(f"unsupported torch dtype {dtype}") from None
+def to_torch(name: str):
+    import torch
+
+    return getattr(torch, torch_name(name))
+
+
+def from_torch(dtype) -> str:
+    text = str(dtype).removeprefix("torch.")
+    for name, tname in _TORCH_NAMES.items():
+        if tname == text:
+            return name
+    raise ReshardError(f"unsupported torch dtype {dtype}")
 
 
 def itemsize(name: str) -> int:
-    return to_torch(name).itemsize
+    try:
+        return _SIZES[name]
+    except KeyError:
+        raise ReshardError(f"unknown dtype '{name}' (known: {', '.join(_SIZES)})") from None
 
 
 def is_known(name: str) -> bool:
-    return name in _TORCH
+    return name in _SIZES
 
 
 def parse_user_dtype(text: str | None) -> str | None:
@@ -53,4 +61,4 @@ def parse_user_dtype(text: str | None) -> str | None:
 
 def hf_config_dtype(name: str) -> str:
     """The config.json spelling (``torch_dtype``) of a dtype."""
-    return str(to_torch(name)).removeprefix("torch.")
+    return torch_name(name)

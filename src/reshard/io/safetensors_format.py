@@ -11,8 +11,6 @@ import math
 import os
 import struct
 
-import torch
-
 from reshard.errors import CheckpointError
 from reshard.io import dtypes
 from reshard.io.partial import PartialFile
@@ -99,13 +97,24 @@ class SafetensorsWriter(PartialFile):
         self._next = 0
         self.data_bytes = offset
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        exp_name, dtype, shape, nbytes = self._expected[self._next]
-        if name != exp_name or tuple(tensor.shape) != shape or dtypes.from_torch(tensor.dtype) != dtype:
-            raise AssertionError(f"writer expected {exp_name} {dtype}{list(shape)}, got {name} "
-                                 f"{tensor.dtype}{list(tensor.shape)}")
+    def write(self, name: str, tensor) -> None:
+        """Write the next tensor (a torch tensor)."""
+        self.check_next(name, dtypes.from_torch(tensor.dtype), tuple(tensor.shape))
+        self.write_bytes(name, memoryview(tensor.contiguous().reshape(-1).view(dtypes.to_torch("U8")).numpy()))
+
+    def check_next(self, name: str, dtype: str, shape: tuple[int, ...]) -> None:
+        exp_name, exp_dtype, exp_shape, _ = self._expected[self._next]
+        if name != exp_name or tuple(shape) != exp_shape or dtype != exp_dtype:
+            raise AssertionError(f"writer expected {exp_name} {exp_dtype}{list(exp_shape)}, got {name} "
+                                 f"{dtype}{list(shape)}")
+
+    def write_bytes(self, name: str, data: memoryview) -> None:
+        """Write the next tensor straight from ``data`` (its bytes, row-major)."""
+        exp_name, _, _, nbytes = self._expected[self._next]
+        if name != exp_name or data.nbytes != nbytes:
+            raise AssertionError(f"writer expected {exp_name} ({nbytes} bytes), got {name} ({data.nbytes} bytes)")
         if nbytes:
-            self._file.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+            self._file.write(data)
         self._next += 1
 
     def finish(self) -> None:

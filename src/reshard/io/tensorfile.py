@@ -1,7 +1,8 @@
 """Positioned reads of tensor slices from a file, without mapping or loading the whole file.
 
 A :class:`TensorFile` knows, for each tensor, its dtype, shape and the byte offset of its first element. Reads
-use ``os.preadv`` straight into a fresh tensor's memory, so resident memory is the slice read, never the file.
+use ``os.preadv`` straight into the caller's memory (a fresh tensor, or a reusable buffer in the executor), so
+resident memory is the slice read, never the file. torch is imported only by :meth:`TensorFile.read`.
 """
 
 from __future__ import annotations
@@ -9,8 +10,6 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-
-import torch
 
 from reshard.io import dtypes
 
@@ -35,9 +34,13 @@ class TensorLocation:
         return self.numel * dtypes.itemsize(self.dtype)
 
 
-def _read_exact(fd: int, out: torch.Tensor, offset: int, path: str) -> None:
+def _read_exact(fd: int, out, offset: int, path: str) -> None:
     """Fill the uint8 tensor ``out`` from ``fd`` at ``offset``."""
-    view = memoryview(out.numpy()).cast("B")
+    read_into(fd, memoryview(out.numpy()).cast("B"), offset, path)
+
+
+def read_into(fd: int, view: memoryview, offset: int, path: str) -> None:
+    """Fill the byte view ``view`` from ``fd`` at ``offset`` (positioned reads; the GIL is released)."""
     done = 0
     total = len(view)
     while done < total:
@@ -76,7 +79,7 @@ class TensorFile:
     def __exit__(self, *exc):
         self.close()
 
-    def read(self, name: str, axis: int = 0, start: int = 0, length: int | None = None) -> torch.Tensor:
+    def read(self, name: str, axis: int = 0, start: int = 0, length: int | None = None):
         """Return ``tensor[start:start+length]`` along ``axis`` (0 or 1) as a new contiguous tensor."""
         loc = self.tensors[name]
         shape = loc.shape
@@ -91,15 +94,19 @@ class TensorFile:
             return self._read_rows(loc, row, start, length).view(length, *shape[1:])
         return self._read_columns(loc, start, length)
 
-    def _read_rows(self, loc: TensorLocation, row_numel: int, start: int, count: int) -> torch.Tensor:
+    def _read_rows(self, loc: TensorLocation, row_numel: int, start: int, count: int):
+        import torch
+
         size = dtypes.itemsize(loc.dtype)
         raw = torch.empty(row_numel * count * size, dtype=torch.uint8)
         if raw.numel():
             _read_exact(self.fd, raw, loc.offset + start * row_numel * size, self.path)
         return raw.view(dtypes.to_torch(loc.dtype))
 
-    def _read_columns(self, loc: TensorLocation, start: int, length: int) -> torch.Tensor:
+    def _read_columns(self, loc: TensorLocation, start: int, length: int):
         """Read ``[:, start:start+length, ...]``: whole-row blocks through a bounded scratch buffer."""
+        import torch
+
         rows, cols = loc.shape[0], loc.shape[1]
         inner = math.prod(loc.shape[2:])
         size = dtypes.itemsize(loc.dtype)
@@ -120,8 +127,10 @@ class TensorFile:
                 _read_exact(self.fd, flat[r].view(torch.uint8), base + r * row_bytes, self.path)
         return out
 
-    def _read_strided(self, loc: TensorLocation, axis: int, start: int, length: int) -> torch.Tensor:
+    def _read_strided(self, loc: TensorLocation, axis: int, start: int, length: int):
         """Non-contiguous tensors (views into a shared torch storage): read the span, then index."""
+        import torch
+
         size = dtypes.itemsize(loc.dtype)
         span = 1 + sum((n - 1) * s for n, s in zip(loc.shape, loc.strides) if n > 0)
         flat = self._read_rows(loc, 1, 0, span) if size else None

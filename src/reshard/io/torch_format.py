@@ -13,21 +13,20 @@ from __future__ import annotations
 
 import argparse
 import collections
+import hashlib
 import io
-import os
 import pickle
 import re
 import struct
+import zipfile
 import zlib
 from typing import Any
-
-import numpy as np
-import torch
 
 from reshard.errors import CheckpointError
 from reshard.io import dtypes
 from reshard.io.partial import PartialFile
 from reshard.io.tensorfile import TensorFile, TensorLocation
+from reshard.io.torch_names import STORAGE_TYPES, TorchGlobal
 
 
 class MegatronEnum:
@@ -54,6 +53,8 @@ _MEGATRON_ENUMS = (
 
 
 def _numpy_globals() -> list:
+    import numpy as np
+
     core = getattr(np, "_core", None) or np.core
     items: list = [
         (core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
@@ -87,21 +88,44 @@ def allowed_globals() -> list:
 _UNSUPPORTED = re.compile(r"GLOBAL ([\w.]+)")
 
 
-def load_structure(path: str) -> Any:
-    """Unpickle a torch zip checkpoint with every tensor on the meta device (no tensor bytes are read)."""
+def load_structure(path: str) -> tuple[Any, dict[str, int] | None]:
+    """Unpickle a torch zip checkpoint without reading tensor bytes; also returns storage key -> file offset.
+
+    First without torch (:mod:`reshard.io.torch_unpickle`, tensors as LazyTensor); a checkpoint naming torch
+    globals that reader does not model is loaded with ``torch.load`` on the meta device (offsets None)."""
+    from reshard.io import torch_unpickle
+
+    try:
+        return torch_unpickle.load(path, allowed_globals())
+    except torch_unpickle.NeedsTorch:
+        pass
+    except pickle.UnpicklingError as exc:
+        _refuse(path, exc)
+    except (zipfile.BadZipFile, EOFError, ValueError) as exc:
+        raise CheckpointError(f"{path}: not a readable torch checkpoint ({exc})") from None
+    return _torch_load_meta(path), None
+
+
+def _refuse(path: str, exc: Exception):
+    found = _UNSUPPORTED.search(str(exc))
+    what = f"global '{found.group(1)}'" if found else str(exc).splitlines()[0]
+    raise CheckpointError(f"{path}: refusing to unpickle {what}: not on reshard's allow-list "
+                          "(reshard never runs code from a checkpoint)") from None
+
+
+def _torch_load_meta(path: str) -> Any:
+    import torch
+
     try:
         with torch.serialization.safe_globals(allowed_globals()):
             return torch.load(path, map_location="meta", weights_only=True)
     except pickle.UnpicklingError as exc:
-        found = _UNSUPPORTED.search(str(exc))
-        what = f"global '{found.group(1)}'" if found else str(exc).splitlines()[0]
-        raise CheckpointError(f"{path}: refusing to unpickle {what}: not on reshard's allow-list "
-                              "(reshard never runs code from a checkpoint)") from None
+        _refuse(path, exc)
     except RuntimeError as exc:
         raise CheckpointError(f"{path}: not a readable torch checkpoint ({str(exc).splitlines()[0]})") from None
 
 
-def _location(t: torch.Tensor, path: str, name: str) -> TensorLocation:
+def _location(t, path: str, name: str) -> TensorLocation:
     storage = t.untyped_storage()
     base = getattr(storage, "_checkpoint_offset", None)
     if base is None:
@@ -114,14 +138,32 @@ def _location(t: torch.Tensor, path: str, name: str) -> TensorLocation:
                           strides=None if contiguous else tuple(t.stride()))
 
 
-def flatten_tensors(obj: Any, path: str, prefix: str = "") -> dict[str, TensorLocation]:
+def _lazy_location(t, offsets: dict[str, int], path: str, name: str) -> TensorLocation:
+    if t.storage.key not in offsets:
+        raise CheckpointError(f"{path}: tensor '{name}' names storage record {t.storage.key}, which is missing")
+    size = dtypes.itemsize(t.dtype)
+    expected, acc = [], 1
+    for n in reversed(t.shape):
+        expected.append(acc)
+        acc *= n
+    contiguous = all(n == 1 or s == e for n, s, e in zip(t.shape, t.stride, reversed(expected)))
+    return TensorLocation(dtype=t.dtype, shape=t.shape, offset=offsets[t.storage.key] + t.offset * size,
+                          strides=None if contiguous else t.stride)
+
+
+def flatten_tensors(obj: Any, path: str, prefix: str = "", offsets: dict[str, int] | None = None
+                    ) -> dict[str, TensorLocation]:
     """Locations of every tensor inside nested dicts, named ``key/subkey/...``."""
+    from reshard.io.torch_unpickle import LazyTensor
+
     out: dict[str, TensorLocation] = {}
-    if isinstance(obj, torch.Tensor):
+    if isinstance(obj, LazyTensor):
+        out[prefix] = _lazy_location(obj, offsets or {}, path, prefix)
+    elif type(obj).__module__.startswith("torch") and hasattr(obj, "untyped_storage"):
         out[prefix] = _location(obj, path, prefix)
     elif isinstance(obj, dict):
         for key, value in obj.items():
-            out.update(flatten_tensors(value, path, f"{prefix}/{key}" if prefix else str(key)))
+            out.update(flatten_tensors(value, path, f"{prefix}/{key}" if prefix else str(key), offsets))
     return out
 
 
@@ -131,8 +173,8 @@ class TorchFile(TensorFile):
     format = "torch"
 
     def __init__(self, path: str):
-        self.structure = load_structure(path)
-        super().__init__(path, flatten_tensors(self.structure, path))
+        self.structure, offsets = load_structure(path)
+        super().__init__(path, flatten_tensors(self.structure, path, offsets=offsets))
 
 
 # ---------------------------------------------------------------------------------------------- writing
@@ -144,12 +186,19 @@ class TensorSlot:
         self.name, self.dtype, self.shape = name, dtype, tuple(shape)
 
 
+def torch_dtype_global(dtype: str) -> TorchGlobal:
+    """``torch.<dtype>`` as written by pickle (torch dtypes pickle by name)."""
+    return TorchGlobal("torch", dtypes.torch_name(dtype))
+
+
 class _StorageRef:
     def __init__(self, key: str, dtype: str, numel: int):
         self.key, self.dtype, self.numel = key, dtype, numel
 
 
 class _TensorRef:
+    """Pickles as torch does a contiguous tensor: ``_rebuild_tensor_v2(storage, 0, size, stride, False, {})``."""
+
     def __init__(self, storage: _StorageRef, shape: tuple[int, ...]):
         self.storage, self.shape = storage, shape
 
@@ -158,20 +207,39 @@ class _TensorRef:
         for n in reversed(self.shape):
             stride.append(acc)
             acc *= n
-        return (torch._utils._rebuild_tensor_v2,
-                (self.storage, 0, torch.Size(self.shape), tuple(reversed(stride)), False, collections.OrderedDict()))
+        return (TorchGlobal("torch._utils", "_rebuild_tensor_v2"),
+                (self.storage, 0, tuple(self.shape), tuple(reversed(stride)), False, collections.OrderedDict()))
 
 
-def _storage_type(dtype: str):
-    name = torch.storage._dtype_to_storage_type_map()[dtypes.to_torch(dtype)]
-    return getattr(torch, name)
+def _storage_type(dtype: str) -> TorchGlobal:
+    try:
+        return TorchGlobal("torch", STORAGE_TYPES[dtype])
+    except KeyError:
+        raise CheckpointError(f"dtype {dtype} cannot be written to a torch checkpoint") from None
 
 
-class _Pickler(pickle.Pickler):
+def _save_torch_global(pickler, obj: TorchGlobal) -> None:
+    pickler.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
+    pickler.memoize(obj)
+
+
+class _Pickler(pickle._Pickler):
+    """The pure-Python pickler, taught to write :class:`TorchGlobal` by name (no torch import needed)."""
+
+    dispatch = dict(pickle._Pickler.dispatch)
+    dispatch[TorchGlobal] = _save_torch_global
+
     def persistent_id(self, obj):
         if isinstance(obj, _StorageRef):
             return ("storage", _storage_type(obj.dtype), obj.key, "cpu", obj.numel)
         return None
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 _ZIP64_LIMIT = 0xFFFFFFFF
@@ -215,10 +283,7 @@ class TorchZipWriter(PartialFile):
             raise AssertionError("payload slots and write order differ")
         for i, name in enumerate(self._order):
             slot = self._slots[name]
-            numel = 1
-            for n in slot.shape:
-                numel *= n
-            refs[name] = _TensorRef(_StorageRef(str(i), slot.dtype, numel), slot.shape)
+            refs[name] = _TensorRef(_StorageRef(str(i), slot.dtype, _numel(slot.shape)), slot.shape)
         buf = io.BytesIO()
         _Pickler(buf, protocol=2).dump(swap(payload))
         super().__init__(path)
@@ -252,30 +317,43 @@ class TorchZipWriter(PartialFile):
         self._file.write(data)
         self._end(name, offset, len(data), zlib.crc32(data))
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Write the next tensor's bytes as its storage record."""
+    def write(self, name: str, tensor) -> None:
+        """Write the next tensor (a torch tensor) as its storage record."""
+        self.check_next(name, dtypes.from_torch(tensor.dtype), tuple(tensor.shape))
+        self.write_bytes(name, memoryview(tensor.contiguous().reshape(-1).view(dtypes.to_torch("U8")).numpy()))
+
+    def check_next(self, name: str, dtype: str, shape: tuple[int, ...]) -> None:
         expected = self._order[self._next]
         slot = self._slots[expected]
-        if name != expected or tuple(tensor.shape) != slot.shape or dtypes.from_torch(tensor.dtype) != slot.dtype:
+        if name != expected or tuple(shape) != slot.shape or dtype != slot.dtype:
             raise AssertionError(f"writer expected {expected} {slot.dtype}{list(slot.shape)}, got {name} "
-                                 f"{tensor.dtype}{list(tensor.shape)}")
-        data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
-        offset = self._begin(f"data/{self._next}", data.nbytes)
+                                 f"{dtype}{list(shape)}")
+
+    def write_bytes(self, name: str, data: memoryview) -> None:
+        """Write the next storage record straight from ``data`` (the tensor's bytes, row-major)."""
+        expected = self._order[self._next]
+        slot = self._slots[expected]
+        nbytes = dtypes.itemsize(slot.dtype) * _numel(slot.shape)
+        if name != expected or data.nbytes != nbytes:
+            raise AssertionError(f"writer expected {expected} ({nbytes} bytes), got {name} ({data.nbytes} bytes)")
+        data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+        offset = self._begin(f"data/{self._next}", nbytes)
         crc = 0
-        step = 64 << 20
-        view = memoryview(data)
-        for start in range(0, data.nbytes, step):
-            chunk = view[start:start + step]
+        step = 16 << 20  # zlib.crc32 releases the GIL on large chunks; writes interleave with it
+        for start in range(0, nbytes, step):
+            chunk = data[start:start + step]
             crc = zlib.crc32(chunk, crc)
             self._file.write(chunk)
-        self._end(f"data/{self._next}", offset, data.nbytes, crc)
+        self._end(f"data/{self._next}", offset, nbytes, crc)
         self._next += 1
 
     def finish(self) -> None:
         if self._next != len(self._order):
             raise AssertionError(f"{self.path}: {len(self._order) - self._next} tensors were not written")
         self._add_record("version", b"3\n")
-        self._add_record(".data/serialization_id", os.urandom(20).hex().encode())
+        # torch writes a random id; ours is derived from the records, so equal content gives equal bytes
+        ident = hashlib.sha1(repr(self._entries).encode()).hexdigest()
+        self._add_record(".data/serialization_id", ident.encode())
         self._write_central_directory()
         self.publish()
 

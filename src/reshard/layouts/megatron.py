@@ -15,15 +15,12 @@ import json
 import os
 import re
 
-import torch
-
 from reshard.core.canonical import CanonicalModel, CanonicalTensor, build_canonical
 from reshard.core.pieces import Piece, StoredTensor
 from reshard.core.sharding import (check_megatron_degrees, even_pieces, megatron_gate_up_pieces,
                                    megatron_padded_vocab, megatron_qkv_pieces, stage_layers, vocab_pieces)
 from reshard.errors import CheckpointError, PlanError
-from reshard.io import dtypes
-from reshard.io.torch_format import MegatronEnum, TensorSlot, TorchFile
+from reshard.io.torch_format import MegatronEnum, TensorSlot, TorchFile, torch_dtype_global
 from reshard.layouts.base import Options, Source, TargetSpec, check_shape, find_side_files
 from reshard.mapping import Family, WeightSpec, family_for_architecture
 
@@ -211,9 +208,9 @@ def hf_config_from_args(args, opts: Options, vocab: int) -> dict:
     arch = opts.architecture or ("Qwen2ForCausalLM" if qkv_bias and not bias else "LlamaForCausalLM")
     heads = get("num_attention_heads")
     groups = get("num_query_groups") if get("group_query_attention", False) else heads
-    dtype = get("params_dtype")
-    if not isinstance(dtype, torch.dtype):
-        dtype = torch.bfloat16 if get("bf16") else torch.float16 if get("fp16") else torch.float32
+    dtype = str(get("params_dtype"))  # a torch.dtype or its stand-in: both print as torch.<name>
+    if dtype not in ("torch.bfloat16", "torch.float16", "torch.float32"):
+        dtype = "torch.bfloat16" if get("bf16") else "torch.float16" if get("fp16") else "torch.float32"
     config = {
         "architectures": [arch], "model_type": MODEL_TYPES.get(arch, "llama"),
         "hidden_size": get("hidden_size"), "intermediate_size": get("ffn_hidden_size"),
@@ -361,7 +358,6 @@ def build_args(model: CanonicalModel, opts: Options, padded: int, divisor: int, 
     values = {}
     if base is not None:  # keep the run's own args; enum stand-ins cannot be written back without Megatron
         values = {k: v for k, v in vars(base).items() if not isinstance(v, MegatronEnum)}
-    torch_dtype = dtypes.to_torch(dtype)
     values.update(
         num_layers=d["L"], hidden_size=d["H"], ffn_hidden_size=d["F"], num_attention_heads=d["nh"],
         group_query_attention=d["ng"] != d["nh"], num_query_groups=d["ng"], kv_channels=d["d"],
@@ -376,8 +372,8 @@ def build_args(model: CanonicalModel, opts: Options, padded: int, divisor: int, 
         untie_embeddings_and_output_weights=not model.tied,
         max_position_embeddings=c.get("max_position_embeddings"),
         seq_length=values.get("seq_length") or c.get("max_position_embeddings"),
-        norm_epsilon=c.get("rms_norm_eps", 1e-5), params_dtype=torch_dtype,
-        bf16=torch_dtype == torch.bfloat16, fp16=torch_dtype == torch.float16,
+        norm_epsilon=c.get("rms_norm_eps", 1e-5), params_dtype=torch_dtype_global(dtype),
+        bf16=dtype == "BF16", fp16=dtype == "F16",
         transformer_impl="transformer_engine" if opts.megatron_spec == "te" else "local",
         apply_query_key_layer_scaling=False, attention_softmax_in_fp32=True,
         hf_config=dict(c),

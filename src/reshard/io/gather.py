@@ -1,0 +1,114 @@
+"""Fills a byte buffer with one target tensor from positioned source reads, without torch.
+
+A target tensor is seen as ``(outer, n, unit)``: ``outer`` = the product of the dims before its split axis,
+``n`` = the axis length, ``unit`` = bytes of the dims after it. A read op copies ``length`` indices along the
+axis; when ``outer == 1`` (split on dim 0) or the op spans whole rows of both tensors, the source bytes are
+contiguous and are read straight into the buffer with ``os.preadv``. Otherwise (a column slice of a row-parallel
+weight) every op on the same source tensor is served from one pass over it: blocks of whole rows are read into a
+bounded scratch buffer and each op's columns are copied out with numpy (which releases the GIL).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from reshard.core.plan import ReadOp, TargetTensor
+from reshard.io import dtypes
+from reshard.io.tensorfile import TensorFile, read_into
+
+SCRATCH_BYTES = 32 << 20
+
+
+def _split(shape: tuple[int, ...], axis: int, itemsize: int) -> tuple[int, int, int]:
+    if not shape:
+        return 1, 1, itemsize
+    return math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:]) * itemsize
+
+
+def _units(array: np.ndarray, unit: int) -> np.ndarray:
+    """View the last (byte) axis as one wider integer when it divides, so numpy copies whole elements."""
+    for width in (8, 4, 2):
+        if unit % width == 0:
+            return array.view(f"u{width}")
+    return array
+
+
+def direct(tensor: TargetTensor, files: list[TensorFile]) -> bool:
+    """Whether raw bytes can be copied: no cast, and every source tensor is stored contiguously."""
+    for op in tensor.reads:
+        loc = files[op.source].tensors[op.tensor]
+        if loc.dtype != tensor.dtype or loc.strides is not None or len(loc.shape) != len(tensor.shape):
+            return False
+    return True
+
+
+class Gatherer:
+    """Reads target tensors into caller-owned byte buffers; keeps one reusable scratch buffer."""
+
+    def __init__(self, files: list[TensorFile]):
+        self.files = files
+        self._scratch = np.empty(0, np.uint8)
+
+    def scratch(self, nbytes: int) -> np.ndarray:
+        if self._scratch.nbytes < nbytes:
+            self._scratch = np.empty(nbytes, np.uint8)
+        return self._scratch
+
+    def fill(self, items: list[tuple[TargetTensor, np.ndarray]]) -> None:
+        """Fill each ``dest`` (a uint8 array of ``tensor.nbytes``) with its tensor; ops that need a column slice
+        of the same source tensor are grouped so that the source is read once for all of them."""
+        columns: dict[tuple[int, str], list[tuple[ReadOp, TargetTensor, np.ndarray]]] = {}
+        for tensor, dest in items:
+            size = dtypes.itemsize(tensor.dtype)
+            outer, n, unit = _split(tensor.shape, tensor.axis, size)
+            if tensor.has_padding:
+                self._zero_padding(tensor, dest.reshape(outer, n, unit))
+            for op in tensor.reads:
+                loc = self.files[op.source].tensors[op.tensor]
+                s_outer, s_n, s_unit = _split(loc.shape, tensor.axis, size)
+                whole_rows = op.length == s_n == n
+                if outer == 1 or whole_rows:
+                    begin = op.dst_start * unit if outer == 1 else 0
+                    src = loc.offset + (op.src_start * s_unit if outer == 1 else 0)
+                    read_into(self.files[op.source].fd, memoryview(dest[begin:begin + op.length * unit * outer]),
+                              src, self.files[op.source].path)
+                else:
+                    columns.setdefault((op.source, op.tensor), []).append((op, tensor, dest))
+        for (source, name), ops in columns.items():
+            self._scatter_columns(source, name, ops)
+
+    @staticmethod
+    def _zero_padding(tensor: TargetTensor, dest3: np.ndarray) -> None:
+        covered = sorted((op.dst_start, op.dst_start + op.length) for op in tensor.reads)
+        pos = 0
+        for lo, hi in covered + [(dest3.shape[1], dest3.shape[1])]:
+            if lo > pos:
+                dest3[:, pos:lo, :] = 0
+            pos = max(pos, hi)
+
+    def _scatter_columns(self, source: int, name: str, ops: list[tuple[ReadOp, TargetTensor, np.ndarray]]) -> None:
+        file = self.files[source]
+        loc = file.tensors[name]
+        axis = ops[0][1].axis
+        rows, n, unit = _split(loc.shape, axis, dtypes.itemsize(loc.dtype))
+        lo = min(op.src_start for op, _, _ in ops)
+        hi = max(op.src_start + op.length for op, _, _ in ops)
+        row_bytes = n * unit
+        block = max(1, SCRATCH_BYTES // max(row_bytes, 1))
+        scratch = self.scratch(min(block, rows) * row_bytes)
+        targets = []
+        for op, tensor, dest in ops:
+            t_outer, t_n, t_unit = _split(tensor.shape, axis, dtypes.itemsize(tensor.dtype))
+            targets.append((op, _units(dest.reshape(t_outer, t_n, t_unit), unit)))
+        for r0 in range(0, rows, block):
+            count = min(block, rows - r0)
+            # bytes from (r0, lo) to (r0 + count - 1, hi): rows of the block, trimmed at both ends
+            first = lo * unit
+            last = (count - 1) * row_bytes + hi * unit
+            read_into(file.fd, memoryview(scratch[first:last]), loc.offset + r0 * row_bytes + first, file.path)
+            src3 = _units(scratch[:count * row_bytes].reshape(count, n, unit), unit)
+            for op, dest3 in targets:
+                dest3[r0:r0 + count, op.dst_start:op.dst_start + op.length] = \
+                    src3[:, op.src_start:op.src_start + op.length]

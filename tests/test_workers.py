@@ -1,0 +1,81 @@
+"""--workers N: the output bytes do not depend on the worker count, and a worker's failure fails the run."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import reshard
+from reshard.errors import ReshardError
+from tests.checkpoints import load_hf_tensors, make_hf
+
+
+def tree_bytes(root) -> dict[str, bytes]:
+    out = {}
+    for folder, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(folder, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, root)] = f.read()
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_source(tmp_path_factory):
+    return make_hf(tmp_path_factory.mktemp("src") / "hf", shards=2, dtype=torch.bfloat16, vocab=1003)
+
+
+def test_workers_give_identical_bytes(hf_source, tmp_path):
+    meg = {}
+    for workers in (1, 2, 3):
+        out = tmp_path / f"meg-w{workers}"
+        reshard.convert(hf_source, str(out), to="megatron", tp=2, pp=2, workers=workers)
+        meg[workers] = tree_bytes(out)
+    assert len(meg[1]) >= 5  # 4 rank files and the tracker
+    assert meg[2] == meg[1] and meg[3] == meg[1]
+    back = {}
+    for workers in (1, 2):
+        out = tmp_path / f"hf-w{workers}"
+        reshard.convert(str(tmp_path / "meg-w1"), str(out), to="hf", max_shard_size=20_000, workers=workers)
+        back[workers] = tree_bytes(out)
+    assert sum(name.endswith(".safetensors") for name in back[1]) >= 2
+    assert back[2] == back[1]
+    original, converted = load_hf_tensors(hf_source), load_hf_tensors(tmp_path / "hf-w2")
+    assert original.keys() == converted.keys()
+    for name, tensor in original.items():
+        assert torch.equal(tensor.view(torch.int16), converted[name].view(torch.int16)), name
+
+
+def test_worker_failure_fails_the_run(hf_source, tmp_path, monkeypatch):
+    from reshard.io import safetensors_format, torch_format
+
+    def broken(self, name, data):
+        raise OSError(28, "No space left on device", self.partial)
+
+    monkeypatch.setattr(torch_format.TorchZipWriter, "write_bytes", broken)
+    monkeypatch.setattr(safetensors_format.SafetensorsWriter, "write_bytes", broken)
+    out = tmp_path / "out"
+    with pytest.raises(OSError) as info:
+        reshard.convert(hf_source, str(out), to="megatron", tp=2, pp=2, workers=2)
+    assert info.value.errno == 28
+    assert not out.exists()
+    assert not [p for p in os.listdir(tmp_path) if "reshard-partial" in p]
+
+
+def test_workers_must_be_positive(hf_source, tmp_path):
+    with pytest.raises(ReshardError, match="--workers"):
+        reshard.convert(hf_source, str(tmp_path / "o"), to="megatron", tp=2, workers=0)
+
+
+def test_conversion_does_not_import_torch(hf_source, tmp_path):
+    """torch takes seconds to import: a conversion without a cast runs on numpy and positioned I/O alone."""
+    import subprocess
+    import sys
+
+    code = ("import sys, reshard; reshard.convert(sys.argv[1], sys.argv[2], to='megatron', tp=2); "
+            "reshard.convert(sys.argv[2], sys.argv[3], to='hf'); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, hf_source, str(tmp_path / "m"), str(tmp_path / "h")],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
