@@ -68,6 +68,7 @@ OPS: dict[str, tuple[str, list[str] | None]] = {
     "megatron_tp8_to_hf": ("megatron_tp8", ["--to", "hf"]),
     "hf_to_megatron_tp1": ("hf", ["--to", "megatron", "--tp", "1"]),
     "hf_to_vllm_tp4": ("hf", ["--to", "vllm", "--tp", "4"]),
+    "hf_to_vllm_tp8": ("hf", ["--to", "vllm", "--tp", "8"]),
     "naive": ("hf", None),
 }
 CONVERTER_OPS = [name for name, (_, args) in OPS.items() if args is not None]
@@ -912,7 +913,7 @@ def main(argv: list[str] | None = None) -> int:
             return None
         if not conv["available"]:
             return f"converter unavailable (convert --help rc={conv.get('rc')})"
-        if op == "hf_to_vllm_tp4" and not conv["vllm"]:
+        if op.startswith("hf_to_vllm") and not conv["vllm"]:
             return "not available"
         return None
 

@@ -19,6 +19,7 @@ from reshard.io import dtypes
 from reshard.io.tensorfile import TensorFile, read_into
 
 SCRATCH_BYTES = 32 << 20
+_NUMPY_FLOATS = {"F64": "<f8", "F32": "<f4", "F16": "<f2"}  # constants (vLLM scales) are filled with numpy
 
 
 def _split(shape: tuple[int, ...], axis: int, itemsize: int) -> tuple[int, int, int]:
@@ -37,6 +38,8 @@ def _units(array: np.ndarray, unit: int) -> np.ndarray:
 
 def direct(tensor: TargetTensor, files: list[TensorFile]) -> bool:
     """Whether raw bytes can be copied: no cast, and every source tensor is stored contiguously."""
+    if tensor.fill is not None:
+        return tensor.dtype in _NUMPY_FLOATS
     for op in tensor.reads:
         loc = files[op.source].tensors[op.tensor]
         if loc.dtype != tensor.dtype or loc.strides is not None or len(loc.shape) != len(tensor.shape):
@@ -61,6 +64,9 @@ class Gatherer:
         of the same source tensor are grouped so that the source is read once for all of them."""
         columns: dict[tuple[int, str], list[tuple[ReadOp, TargetTensor, np.ndarray]]] = {}
         for tensor, dest in items:
+            if tensor.fill is not None:
+                dest.view(_NUMPY_FLOATS[tensor.dtype])[:] = tensor.fill
+                continue
             size = dtypes.itemsize(tensor.dtype)
             outer, n, unit = _split(tensor.shape, tensor.axis, size)
             if tensor.has_padding:

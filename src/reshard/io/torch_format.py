@@ -88,22 +88,16 @@ def allowed_globals() -> list:
 _UNSUPPORTED = re.compile(r"GLOBAL ([\w.]+)")
 
 
-def load_structure(path: str) -> tuple[Any, dict[str, int] | None]:
-    """Unpickle a torch zip checkpoint without reading tensor bytes; also returns storage key -> file offset.
+def load_structure(path: str) -> Any:
+    """Unpickle a torch zip checkpoint with ``torch.load(weights_only=True)`` and reshard's allow-list, every
+    tensor on the meta device (no tensor bytes are read; each storage keeps its ``_checkpoint_offset``).
 
-    First without torch (:mod:`reshard.io.torch_unpickle`, tensors as LazyTensor); a checkpoint naming torch
-    globals that reader does not model is loaded with ``torch.load`` on the meta device (offsets None)."""
-    from reshard.io import torch_unpickle
-
+    This is the only unpickling reshard does: a hand-written restricted unpickler would skip torch's import
+    (seconds) but is exactly the kind of code that must not be trusted with a stranger's pickle."""
     try:
-        return torch_unpickle.load(path, allowed_globals())
-    except torch_unpickle.NeedsTorch:
-        pass
-    except pickle.UnpicklingError as exc:
-        _refuse(path, exc)
+        return _torch_load_meta(path)
     except (zipfile.BadZipFile, EOFError, ValueError) as exc:
         raise CheckpointError(f"{path}: not a readable torch checkpoint ({exc})") from None
-    return _torch_load_meta(path), None
 
 
 def _refuse(path: str, exc: Exception):
@@ -138,32 +132,14 @@ def _location(t, path: str, name: str) -> TensorLocation:
                           strides=None if contiguous else tuple(t.stride()))
 
 
-def _lazy_location(t, offsets: dict[str, int], path: str, name: str) -> TensorLocation:
-    if t.storage.key not in offsets:
-        raise CheckpointError(f"{path}: tensor '{name}' names storage record {t.storage.key}, which is missing")
-    size = dtypes.itemsize(t.dtype)
-    expected, acc = [], 1
-    for n in reversed(t.shape):
-        expected.append(acc)
-        acc *= n
-    contiguous = all(n == 1 or s == e for n, s, e in zip(t.shape, t.stride, reversed(expected)))
-    return TensorLocation(dtype=t.dtype, shape=t.shape, offset=offsets[t.storage.key] + t.offset * size,
-                          strides=None if contiguous else t.stride)
-
-
-def flatten_tensors(obj: Any, path: str, prefix: str = "", offsets: dict[str, int] | None = None
-                    ) -> dict[str, TensorLocation]:
+def flatten_tensors(obj: Any, path: str, prefix: str = "") -> dict[str, TensorLocation]:
     """Locations of every tensor inside nested dicts, named ``key/subkey/...``."""
-    from reshard.io.torch_unpickle import LazyTensor
-
     out: dict[str, TensorLocation] = {}
-    if isinstance(obj, LazyTensor):
-        out[prefix] = _lazy_location(obj, offsets or {}, path, prefix)
-    elif type(obj).__module__.startswith("torch") and hasattr(obj, "untyped_storage"):
+    if type(obj).__module__.startswith("torch") and hasattr(obj, "untyped_storage"):
         out[prefix] = _location(obj, path, prefix)
     elif isinstance(obj, dict):
         for key, value in obj.items():
-            out.update(flatten_tensors(value, path, f"{prefix}/{key}" if prefix else str(key), offsets))
+            out.update(flatten_tensors(value, path, f"{prefix}/{key}" if prefix else str(key)))
     return out
 
 
@@ -173,8 +149,8 @@ class TorchFile(TensorFile):
     format = "torch"
 
     def __init__(self, path: str):
-        self.structure, offsets = load_structure(path)
-        super().__init__(path, flatten_tensors(self.structure, path, offsets=offsets))
+        self.structure = load_structure(path)
+        super().__init__(path, flatten_tensors(self.structure, path))
 
 
 # ---------------------------------------------------------------------------------------------- writing

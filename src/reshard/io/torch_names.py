@@ -1,15 +1,11 @@
-"""torch globals by name, so that pickles can be read and written without importing torch."""
+"""torch globals by name, so that rank files can be written without importing torch."""
 
 from __future__ import annotations
-
-from reshard.io.dtypes import _TORCH_NAMES
 
 # safetensors dtype -> torch storage class written in a checkpoint's persistent ids
 STORAGE_TYPES = {"F64": "DoubleStorage", "F32": "FloatStorage", "F16": "HalfStorage", "BF16": "BFloat16Storage",
                  "I64": "LongStorage", "I32": "IntStorage", "I16": "ShortStorage", "I8": "CharStorage",
                  "U8": "ByteStorage", "BOOL": "BoolStorage"}
-STORAGE_DTYPES = {v: k for k, v in STORAGE_TYPES.items()}
-TORCH_DTYPE_NAMES = frozenset(_TORCH_NAMES.values()) | {"float", "half", "double", "long", "int", "short"}
 
 
 class TorchGlobal:
