@@ -49,7 +49,8 @@ MappingOpt = typer.Option(None, "--mapping", help="A mapping TOML file for your 
 JsonOpt = typer.Option(False, "--json", help="Print a JSON report.")
 
 
-def _describe_plan(plan, out=sys.stdout) -> None:
+def _describe_plan(plan, out=None) -> None:
+    out = out or sys.stdout
     print(f"plan: {plan.source_layout} -> {plan.target_layout}, {len(plan.files)} files, "
           f"{plan.nbytes / 2**20:.1f} MiB to write", file=out)
     for f in plan.files:
@@ -61,6 +62,12 @@ def _describe_plan(plan, out=sys.stdout) -> None:
         print(f"replica checks: {len(plan.checks)}", file=out)
     for note in plan.notes:
         print(f"note: {note}", file=out)
+
+
+def _describe_download(download: dict, out=None) -> None:
+    out = out or sys.stdout
+    print(f"bytes to download: {download['bytes']} ({download['bytes'] / 2**20:.1f} MiB, {download['files']} files "
+          "not in the cache); this plan read headers only", file=out)
 
 
 def _plan_json(plan) -> dict:
@@ -95,10 +102,16 @@ def convert(
                                                 help="Take rank 0's copy when replicated tensors differ."),
     as_json: bool = JsonOpt,
     workers: int = typer.Option(1, "--workers", help="Processes that write target files (same output bytes)."),
+    push_to: Optional[str] = typer.Option(None, "--push-to", help="Upload the output to this Hub repo (ORG/NAME)."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="Branch for --push-to (created when missing)."),
 ):
-    """Convert SRC to another layout and/or TP/PP degree, streaming tensor by tensor."""
+    """Convert SRC (a folder or hf://ORG/NAME[@REV]) to another layout and/or TP/PP degree, streaming."""
     from reshard.conversion import convert as run_convert
 
+    if push_to:
+        from reshard.hub import parse_repo_id
+
+        parse_repo_id(push_to, revision)  # a bad repo id fails before anything is written
     result = run_convert(src, dst, to=to.value, tp=tp, pp=pp, dtype=dtype, overwrite=overwrite, dry_run=dry_run,
                          megatron_spec=megatron_spec.value, max_shard_size=parse_size(max_shard_size),
                          vocab_size=vocab_size, vocab_divisor=vocab_divisor, architecture=architecture,
@@ -106,9 +119,11 @@ def convert(
                          progress=not as_json and sys.stderr.isatty(), workers=workers)
     if dry_run:
         if as_json:
-            print(json.dumps(_plan_json(result.plan), indent=2))
+            print(json.dumps({**_plan_json(result.plan), "download": result.download}, indent=2))
         else:
             _describe_plan(result.plan)
+            if result.download is not None:
+                _describe_download(result.download)
         return
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
@@ -118,6 +133,8 @@ def convert(
     else:
         print(f"wrote {dst}: {to.value} tp={tp} pp={pp}, {len(result.plan.files)} files, "
               f"{result.plan.nbytes / 2**20:.1f} MiB")
+    if push_to:
+        push(folder=dst, repo_id=push_to, revision=revision, private=False, create_pr=False, commit_message=None)
 
 
 @app.command()
@@ -131,7 +148,8 @@ def plan(
     """Print the conversion plan (what `convert --dry-run` prints); write nothing."""
     convert(src=src, dst="", to=to, tp=tp, pp=pp, dtype=dtype, overwrite=False, dry_run=True,
             megatron_spec=megatron_spec, max_shard_size=max_shard_size, vocab_size=vocab_size, vocab_divisor=None,
-            architecture=architecture, mapping=mapping, allow_replica_mismatch=False, as_json=as_json, workers=1)
+            architecture=architecture, mapping=mapping, allow_replica_mismatch=False, as_json=as_json, workers=1,
+            push_to=None, revision=None)
 
 
 @app.command()
@@ -180,6 +198,44 @@ def inspect(path: str = typer.Argument(...), vocab_size: Optional[int] = VocabOp
                 print(f"  {rank}: {', '.join(files)}")
         else:
             print(f"{key}: {value}")
+
+
+@app.command()
+def pull(
+    repo_id: str = typer.Argument(..., help="ORG/NAME or hf://ORG/NAME[@REV]."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="Branch, tag or commit (default: main)."),
+    local_dir: Optional[str] = typer.Option(None, "--local-dir", help="Download into this folder, not the cache."),
+    include: Optional[list[str]] = typer.Option(None, "--include", help="Also download files matching this glob."),
+):
+    """Download what a conversion needs (safetensors + index, config, tokenizer) through the HF cache."""
+    from reshard.hub import parse_repo_id
+    from reshard.hub.download import pull as run_pull
+
+    ref = parse_repo_id(repo_id, revision)
+    pulled = run_pull(ref, local_dir=local_dir, include=tuple(include or ()))
+    print(f"pulled {ref} (commit {pulled.commit[:12]}): {len(pulled.files)} files, "
+          f"{pulled.nbytes / 2**20:.1f} MiB", file=sys.stderr)
+    print(pulled.path)
+
+
+@app.command()
+def push(
+    folder: str = typer.Argument(..., help="A finished reshard output folder."),
+    repo_id: str = typer.Argument(..., help="ORG/NAME (created when missing)."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="Branch to push to (created when missing)."),
+    private: bool = typer.Option(False, "--private", help="Create the repo private."),
+    create_pr: bool = typer.Option(False, "--create-pr", help="Open a pull request instead of committing."),
+    commit_message: Optional[str] = typer.Option(None, "--commit-message", help="Commit message."),
+):
+    """Upload a converted checkpoint with a reshard.json manifest and a model-card section."""
+    from reshard.hub.push import push as run_push
+
+    pushed = run_push(folder, repo_id, revision=revision, private=private, create_pr=create_pr,
+                      commit_message=commit_message)
+    if not pushed.changed:
+        print(f"{pushed.repo_id}@{pushed.revision} already has these files: nothing to commit")
+    else:
+        print(f"pushed {folder} to {pushed.repo_id}@{pushed.revision}: {pushed.pr_url or pushed.url}")
 
 
 @mappings_app.command("list")

@@ -12,7 +12,8 @@ from reshard.core.plan import CanonicalIndex, Plan, TargetFile, plan_tensor
 from reshard.errors import PlanError, ReshardError
 from reshard.execute import ensure_replicas_agree, execute
 from reshard.io import dtypes
-from reshard.layouts import LAYOUTS, hf, megatron, open_checkpoint, vllm
+from reshard.hub import open_source
+from reshard.layouts import LAYOUTS, hf, megatron, vllm
 from reshard.layouts.base import Options, Source
 
 TARGETS = ("hf", "megatron", "vllm")
@@ -24,6 +25,7 @@ class ConvertResult:
     output: str | None
     written: bool
     notes: list[str] = field(default_factory=list)
+    download: dict | None = None  # hf:// plans: {"files", "bytes"} a conversion would download
 
 
 def output_dtype(source: Source, opts: Options) -> str:
@@ -120,11 +122,11 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, dtype: str
     opts = Options(tp=tp, pp=pp, dtype=dtypes.parse_user_dtype(dtype), megatron_spec=megatron_spec,
                    max_shard_size=max_shard_size, vocab_size=vocab_size, vocab_divisor=vocab_divisor,
                    architecture=architecture, mapping=mapping, allow_replica_mismatch=allow_replica_mismatch)
-    with open_checkpoint(src, opts) as source:
+    with open_source(src, opts, need_weights=not dry_run) as source:
         plan, finalize_args = make_plan(source, to, opts)
         if dry_run:
-            return ConvertResult(plan, None, False, plan.notes)
-        _check_destination(src, dst, overwrite)
+            return ConvertResult(plan, None, False, plan.notes, source.info.get("download"))
+        _check_destination(source.root, dst, overwrite)
         ensure_replicas_agree(plan, source.files, opts.allow_replica_mismatch, _warn)
         parent = os.path.dirname(os.path.abspath(dst))
         os.makedirs(parent, exist_ok=True)
@@ -132,6 +134,10 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, dtype: str
         try:
             execute(plan, source.files, staging, progress=progress, workers=workers)
             write_side_files(source, staging, to, plan, finalize_args, output_dtype(source, opts))
+            if "hub" in source.info:  # provenance for `reshard push`
+                from reshard.hub.manifest import write_manifest
+
+                write_manifest(staging, {"source": source.info["hub"]})
             _publish(staging, dst)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)

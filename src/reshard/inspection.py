@@ -6,14 +6,14 @@ import collections
 import math
 import os
 
-from reshard.layouts import open_checkpoint
+from reshard.hub import open_source
 from reshard.layouts.base import Options
 
 
 def inspect(path: str, *, vocab_size: int | None = None, architecture: str | None = None,
             mapping: str | None = None) -> dict:
     opts = Options(vocab_size=vocab_size, architecture=architecture, mapping=mapping)
-    with open_checkpoint(path, opts) as source:
+    with open_source(path, opts) as source:
         model = source.model
         dtype_counts = collections.Counter(model.dtypes.values())
         files_per_rank: dict[str, list[str]] = collections.defaultdict(list)

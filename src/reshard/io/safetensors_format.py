@@ -31,6 +31,12 @@ def read_header(path: str) -> tuple[dict[str, TensorLocation], dict[str, str]]:
             raise CheckpointError(f"{path}: safetensors header length {n} runs past the end of the file "
                                   f"({size} bytes): the file is truncated or not safetensors")
         raw = f.read(n)
+    return parse_header(path, raw, size)
+
+
+def parse_header(path: str, raw: bytes, size: int) -> tuple[dict[str, TensorLocation], dict[str, str]]:
+    """Validate the JSON header ``raw`` of a ``size``-byte safetensors file named ``path`` (local or remote)."""
+    n = len(raw)
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

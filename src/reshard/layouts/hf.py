@@ -13,6 +13,7 @@ from reshard.core.pieces import StoredTensor
 from reshard.errors import CheckpointError
 from reshard.io import dtypes
 from reshard.io.safetensors_format import SafetensorsFile
+from reshard.io.tensorfile import TensorFile
 from reshard.io.torch_format import TorchFile
 from reshard.layouts.base import Options, Source, TargetSpec, check_shape, find_side_files
 from reshard.mapping import family_for_architecture
@@ -66,11 +67,17 @@ def architecture_of(config: dict, opts: Options) -> str:
 
 def open_source(path: str, opts: Options) -> Source:
     config = read_config(path)
-    family = family_for_architecture(architecture_of(config, opts), opts.mapping)
     paths = _weight_files(path)
     if not paths:
         raise CheckpointError(f"{path} has config.json but no *.safetensors or pytorch_model*.bin weights")
     files = [TorchFile(p) if p.endswith(".bin") else SafetensorsFile(p) for p in paths]
+    return build_source(path, config, files, opts, find_side_files(path))
+
+
+def build_source(path: str, config: dict, files: list[TensorFile], opts: Options, side_files: list[str]) -> Source:
+    """The canonical view of HF tensor files whose headers are already parsed (local files or remote headers)."""
+    family = family_for_architecture(architecture_of(config, opts), opts.mapping)
+    paths = [f.path for f in files]
     where: dict[str, int] = {}
     for i, f in enumerate(files):
         for name in f.tensors:
@@ -108,7 +115,7 @@ def open_source(path: str, opts: Options) -> Source:
         raise CheckpointError(f"{path}: tensor '{sorted(extra)[0]}' does not fit the config "
                               f"({model.num_layers} layers); the config does not match the weights")
     return Source(layout=NAME, root=path, model=model, files=files, stored=stored,
-                  degrees={"tp": 1, "pp": 1}, info={"config": config}, side_files=find_side_files(path))
+                  degrees={"tp": 1, "pp": 1}, info={"config": config}, side_files=side_files)
 
 
 def targets(model: CanonicalModel, opts: Options) -> list[TargetSpec]:

@@ -13,7 +13,7 @@ import torch
 
 from reshard.core.plan import CanonicalIndex, TargetTensor
 from reshard.execute import assemble, bits_equal
-from reshard.layouts import open_checkpoint
+from reshard.hub import open_source
 from reshard.layouts.base import Options, Source
 
 CONFIG_KEYS = ("rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings", "hidden_act")
@@ -110,7 +110,7 @@ def verify(a: str, b: str, *, atol: float | None = None, rtol: float | None = No
            ) -> VerifyReport:
     """Compare checkpoints ``a`` and ``b`` (any layouts, any degrees) tensor by tensor."""
     opts = Options(vocab_size=vocab_size, architecture=architecture, mapping=mapping)
-    with open_checkpoint(a, opts) as sa, open_checkpoint(b, opts) as sb:
+    with open_source(a, opts) as sa, open_source(b, opts) as sb:
         report = VerifyReport(a, b, sa.layout, sb.layout)
         ca, cb = _config_view(sa), _config_view(sb)
         for key in sorted(set(ca) | set(cb)):
