@@ -102,6 +102,6 @@ def format_report(r: dict) -> str:
              + (f", argmax >= {tol['min_argmax_agreement']}" if tol["min_argmax_agreement"] else "") + ")",
              f"logits: max abs {r['max_abs']:.3g}, max rel {r['max_rel']:.3g}, argmax agreement "
              f"{r['argmax_agreement']:.4f}, KL(A||B) {r['kl_mean']:.3g}"]
-    lines += [f"  {p}" for p in r["problems"]]
+    lines += [f"  {p}" for p in r["problems"]] + [f"  note: {n}" for n in r.get("notes", [])]
     lines.append("FORWARD EQUAL" if r["ok"] else f"FORWARD DIFFERENT (first divergence: {r['first_divergence']})")
     return "\n".join(lines)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import re
 
-import torch
 
 from reshard.errors import CheckpointError, ReshardError
 from reshard.io.torch_format import TorchFile
