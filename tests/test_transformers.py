@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import reshard
+from helpers import tiny_transformers_model
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e .[test]")
 
@@ -19,15 +20,7 @@ CASES = {
 
 def tiny_model(kind):
     cls_name, extra = CASES[kind]
-    config = getattr(transformers, cls_name)(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                             num_attention_heads=8, vocab_size=1003, max_position_embeddings=128,
-                                             **extra)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():  # seeded noise on every parameter so norms and biases matter
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return model
+    return tiny_transformers_model(transformers, cls_name, **extra)
 
 
 @pytest.mark.parametrize("kind", sorted(CASES))

@@ -1,3 +1,4 @@
 from reshard.cli import main
 
-main()
+if __name__ == "__main__":  # spawned worker processes import this module as __mp_main__
+    main()

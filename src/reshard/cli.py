@@ -155,12 +155,38 @@ def plan(
 @app.command()
 def verify(
     a: str = typer.Argument(..., help="Reference checkpoint."), b: str = typer.Argument(..., help="Checkpoint to check."),
-    atol: Optional[float] = typer.Option(None, "--atol", help="Absolute tolerance when dtypes differ."),
-    rtol: Optional[float] = typer.Option(None, "--rtol", help="Relative tolerance when dtypes differ."),
+    atol: Optional[float] = typer.Option(None, "--atol", help="Absolute tolerance when dtypes differ (--forward: on "
+                                         "logits)."),
+    rtol: Optional[float] = typer.Option(None, "--rtol", help="Relative tolerance when dtypes differ (--forward: on "
+                                         "logits)."),
     vocab_size: Optional[int] = VocabOpt, architecture: Optional[str] = ArchOpt, mapping: Optional[str] = MappingOpt,
     as_json: bool = JsonOpt,
+    forward: bool = typer.Option(False, "--forward", help="Run a tensor-parallel forward pass on both and compare "
+                                 "logits (B at --nproc ranks, each reading only its own shard files)."),
+    nproc: Optional[int] = typer.Option(None, "--nproc", help="--forward: TP degree for B (default: B's own)."),
+    backend: Optional[str] = typer.Option(None, "--backend", help="--forward: gloo or nccl (default: nccl when "
+                                          "CUDA is available)."),
+    seq_len: int = typer.Option(16, "--seq-len", help="--forward: tokens per sequence."),
+    batch: int = typer.Option(2, "--batch", help="--forward: sequences."),
+    seed: int = typer.Option(0, "--seed", help="--forward: seed of the random token ids."),
+    prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="--forward: token ids file (JSON list(s) "
+                                             "or whitespace-separated ints per line)."),
+    compute_dtype: str = typer.Option("fp32", "--compute-dtype", help="--forward: fp32, bf16 or fp16."),
+    timeout: float = typer.Option(300.0, "--timeout", help="--forward: seconds before hung workers are killed."),
 ):
-    """Compare two checkpoints' canonical tensors (bit-exact unless dtypes differ). Exit 0 only when equal."""
+    """Compare two checkpoints' canonical tensors (bit-exact unless dtypes differ). Exit 0 only when equal.
+
+    With --forward: compare the logits of a tensor-parallel forward pass instead (exit 0 only within tolerance)."""
+    if forward:
+        from reshard.verification.forward import format_report, verify_forward
+
+        result = verify_forward(a, b, nproc=nproc, backend=backend, seq_len=seq_len, batch=batch, seed=seed,
+                                prompt_ids=prompt_ids, compute_dtype=compute_dtype, atol=atol, rtol=rtol,
+                                timeout=timeout, vocab_size=vocab_size, architecture=architecture, mapping=mapping)
+        print(json.dumps(result, indent=2) if as_json else format_report(result))
+        if not result["ok"]:
+            raise typer.Exit(1)
+        return
     from reshard.verification.digest import verify as run_verify
 
     report = run_verify(a, b, atol=atol, rtol=rtol, vocab_size=vocab_size, architecture=architecture,
@@ -271,7 +297,7 @@ def mappings_check(path: str = typer.Argument(..., help="A mapping TOML file."))
 @app.command()
 def demo(workdir: Optional[str] = typer.Option(None, "--workdir", help="Keep the demo checkpoints here."),
          keep: bool = typer.Option(False, "--keep", help="Keep the temporary folder.")):
-    """Make a tiny Llama checkpoint and run hf -> megatron tp4 -> megatron tp2 pp2 -> vllm tp8 -> hf, verifying each step."""
+    """Make a tiny Llama checkpoint and run hf -> megatron tp4 -> vllm tp8 -> megatron tp2 pp2 -> hf, verifying each step."""
     from reshard.demo import run_demo
 
     if not run_demo(workdir, keep):

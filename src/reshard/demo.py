@@ -1,6 +1,7 @@
 """``reshard demo``: a tiny seeded Llama checkpoint (GQA, vocab needing padding) through
-hf -> megatron tp4 -> megatron tp2 pp2 -> vllm tp8 (KV heads replicated) -> hf, each step verified against the
-original."""
+hf -> megatron tp4 -> vllm tp8 (KV heads replicated) -> megatron tp2 pp2 -> hf, each step verified against the
+original; the last step is also run forward with tensor parallelism over 2 processes and its logits compared with
+the source's."""
 
 from __future__ import annotations
 
@@ -52,6 +53,17 @@ def make_demo_checkpoint(path: str, seed: int = 0) -> str:
     return path
 
 
+def _forward_check(src: str, dst: str) -> bool:
+    """The last step's output run with tensor parallelism over 2 processes against the source at TP=1."""
+    from reshard.verification.forward import verify_forward
+
+    r = verify_forward(src, dst, nproc=2)
+    print(f"forward check: {os.path.basename(dst)} at tp=2 ({r['backend']}) vs source at tp=1: max |logit diff| "
+          f"{r['max_abs']:.2g}, argmax agreement {r['argmax_agreement']:.3f} -> "
+          f"{'equal within ' + r['tolerance']['basis'] + ' tolerance' if r['ok'] else 'DIFFERENT'}")
+    return bool(r["ok"])
+
+
 def run_demo(workdir: str | None = None, keep: bool = False) -> bool:
     from reshard.conversion import convert
     from reshard.verification.digest import verify
@@ -59,8 +71,8 @@ def run_demo(workdir: str | None = None, keep: bool = False) -> bool:
     base = workdir or tempfile.mkdtemp(prefix="reshard-demo-")
     try:
         src = make_demo_checkpoint(os.path.join(base, "hf"))
-        steps = [("megatron-tp4", "megatron", 4, 1), ("megatron-tp2-pp2", "megatron", 2, 2),
-                 ("vllm-tp8", "vllm", 8, 1), ("hf-roundtrip", "hf", 1, 1)]
+        steps = [("megatron-tp4", "megatron", 4, 1), ("vllm-tp8", "vllm", 8, 1),
+                 ("megatron-tp2-pp2", "megatron", 2, 2), ("hf-roundtrip", "hf", 1, 1)]
         print(f"demo model: Llama, 4 layers, 8 heads / 4 KV heads, vocab 1003 (Megatron pads it), fp32, in {base}")
         print(f"{'step':<34}{'layout':<10}{'tp':>3}{'pp':>4}{'files':>7}{'MiB':>8}{'seconds':>9}  verify vs source")
         ok = True
@@ -77,7 +89,8 @@ def run_demo(workdir: str | None = None, keep: bool = False) -> bool:
             print(f"{prev.split(os.sep)[-1] + ' -> ' + name:<34}{layout:<10}{tp:>3}{pp:>4}{len(result.plan.files):>7}"
                   f"{result.plan.nbytes / 2**20:>8.2f}{took:>9.2f}  {verdict}")
             prev = dst
-        print("demo passed: every step is bit-exact" if ok else "demo FAILED")
+        ok &= _forward_check(src, prev)
+        print("demo passed: every step is bit-exact and computes the same logits" if ok else "demo FAILED")
         return ok
     finally:
         if workdir is None and not keep:

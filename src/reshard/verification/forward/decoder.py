@@ -1,0 +1,182 @@
+"""A reference Llama-family decoder with Megatron-style tensor parallelism (pure torch + torch.distributed).
+
+Per rank: vocab-parallel embedding (ids outside the rank's rows masked to zero, then all-reduce); RMSNorm
+(HF order: ``weight * (x * rsqrt(mean(x^2) + eps))``); column-parallel q/k/v (local heads, optional biases),
+rotate-half RoPE with ``rope_theta`` and ``rope_scaling`` (``linear``, ``llama3``), causal attention with GQA
+(local q head j reads local KV head ``j // (local q heads / local KV heads)``), row-parallel ``o_proj`` with one
+all-reduce; column-parallel gate/up, SiLU, row-parallel ``down_proj`` with one all-reduce; final norm;
+vocab-parallel head whose logits are all-gathered over the padded vocab. Row-parallel biases are added once,
+after the all-reduce. Everything is computed in ``compute_dtype`` (fp32 by default).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from reshard.errors import ReshardError
+from reshard.verification.forward.rank_weights import DecoderConfig, LayerWeights, RankWeights
+
+
+class TPGroup:
+    """The tensor-parallel group a decoder runs over; ``size == 1`` needs no process group at all."""
+
+    def __init__(self, size: int = 1, group=None):
+        self.size, self.group = size, group
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return t
+
+    def gather_last_dim(self, t: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return t
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+@dataclass
+class ForwardOutput:
+    """Gathered logits over the padded vocab, and the full hidden state after each sub-block."""
+
+    logits: torch.Tensor  # [batch, seq, padded vocab]
+    states: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # (block name, hidden [b, s, H])
+
+
+def rope_inv_freq(config: DecoderConfig) -> torch.Tensor:
+    """HF's inverse frequencies for ``rope_theta`` and the ``rope_scaling`` types this decoder supports."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = config.rope_scaling
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ReshardError(f"rope_scaling type '{kind}' is not supported by the forward verifier (supported: "
+                       "default, linear, llama3); verify this checkpoint with the digest check instead")
+
+
+def rope_cos_sin(config: DecoderConfig, seq_len: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = rope_inv_freq(config).to(device)
+    positions = torch.arange(seq_len, device=device, dtype=torch.float32)
+    freqs = positions[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, w, b)
+
+
+def attention_mask(seq_len: int, window: int | None, device) -> torch.Tensor:
+    """True where query i may attend key j: ``j <= i`` (and ``j > i - window`` with a sliding window)."""
+    i = torch.arange(seq_len, device=device)[:, None]
+    j = torch.arange(seq_len, device=device)[None, :]
+    allowed = j <= i
+    if window:
+        allowed &= j > i - window
+    return allowed
+
+
+def attention(x: torch.Tensor, w: LayerWeights, config: DecoderConfig, cos, sin, mask, tp: TPGroup) -> torch.Tensor:
+    b, s, _ = x.shape
+    d = config.head_dim
+    q = _linear(x, w.q, w.q_bias).view(b, s, -1, d).transpose(1, 2)
+    k = _linear(x, w.k, w.k_bias).view(b, s, -1, d).transpose(1, 2)
+    v = _linear(x, w.v, w.v_bias).view(b, s, -1, d).transpose(1, 2)
+    q = q * cos + rotate_half(q) * sin
+    k = k * cos + rotate_half(k) * sin
+    local_q, local_kv = q.shape[1], k.shape[1]
+    if local_q % local_kv:
+        raise ReshardError(f"rank holds {local_q} query heads and {local_kv} KV heads: not a GQA grouping")
+    k = k.repeat_interleave(local_q // local_kv, dim=1)
+    v = v.repeat_interleave(local_q // local_kv, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * d ** -0.5
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(probs, v).transpose(1, 2).reshape(b, s, local_q * d)
+    out = tp.all_reduce(_linear(out, w.o))
+    return out + w.o_bias if w.o_bias is not None else out
+
+
+def mlp(x: torch.Tensor, w: LayerWeights, tp: TPGroup) -> torch.Tensor:
+    h = F.silu(_linear(x, w.gate, w.gate_bias)) * _linear(x, w.up, w.up_bias)
+    out = tp.all_reduce(_linear(h, w.down))
+    return out + w.down_bias if w.down_bias is not None else out
+
+
+def embed(ids: torch.Tensor, table: torch.Tensor, start: int, tp: TPGroup) -> torch.Tensor:
+    local = ids - start
+    outside = (local < 0) | (local >= table.shape[0])
+    out = F.embedding(local.masked_fill(outside, 0), table)
+    out = out.masked_fill(outside[..., None], 0.0)
+    return tp.all_reduce(out)
+
+
+def cast_weights(weights: RankWeights, dtype: torch.dtype, device) -> RankWeights:
+    """Move and cast every tensor of ``weights`` (in place) for computation."""
+    def conv(t):
+        return None if t is None else t.to(device=device, dtype=dtype)
+
+    weights.embedding = conv(weights.embedding)
+    weights.final_norm = conv(weights.final_norm)
+    weights.lm_head = conv(weights.lm_head)
+    for layer in weights.layers:
+        for name in layer.__dataclass_fields__:
+            setattr(layer, name, conv(getattr(layer, name)))
+    return weights
+
+
+def forward(weights: RankWeights, ids: torch.Tensor, tp: TPGroup, record: bool = True) -> ForwardOutput:
+    """Run the decoder on token ``ids`` ``[batch, seq]``; weights already cast to the compute dtype/device."""
+    config = weights.config
+    dtype = weights.embedding.dtype
+    out = ForwardOutput(logits=torch.empty(0))
+    x = embed(ids, weights.embedding, weights.vocab_start, tp)
+    if record:
+        out.states.append(("embedding", x.detach().cpu()))
+    cos, sin = rope_cos_sin(config, ids.shape[1], ids.device, dtype)
+    mask = attention_mask(ids.shape[1], config.sliding_window, ids.device)
+    for i, layer in enumerate(weights.layers):
+        x = x + attention(rms_norm(x, layer.input_norm, config.eps), layer, config, cos, sin, mask, tp)
+        if record:
+            out.states.append((f"layer {i} attention", x.detach().cpu()))
+        x = x + mlp(rms_norm(x, layer.post_norm, config.eps), layer, tp)
+        if record:
+            out.states.append((f"layer {i} mlp", x.detach().cpu()))
+    x = rms_norm(x, weights.final_norm, config.eps)
+    head = weights.embedding if weights.lm_head is None else weights.lm_head
+    out.logits = tp.gather_last_dim(_linear(x, head)).cpu()
+    return out

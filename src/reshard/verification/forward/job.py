@@ -1,0 +1,113 @@
+"""What every process of a forward check does: run A, then B, each on the first ``degree`` ranks of the world,
+each rank loading only its own shard; rank 0 then compares and builds the report.
+
+A side whose degree is 1 runs on rank 0 alone without collectives; a side with ``1 < degree < world`` runs on a
+process group of ranks ``0..degree-1`` (created by every rank, in the same order).
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from reshard.layouts.base import Options
+from reshard.verification.forward import decoder, report
+from reshard.verification.forward.rank_weights import load_rank
+
+COMPUTE_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp64": torch.float64,
+                  "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+                  "float16": torch.float16}
+
+
+@dataclass
+class Side:
+    path: str
+    layout: str
+    degree: int
+
+
+@dataclass
+class ForwardJob:
+    """Everything a worker needs (plain data: it is pickled to spawned processes)."""
+
+    a: Side
+    b: Side
+    input_ids: list[list[int]]
+    vocab: int
+    opts: Options = field(default_factory=Options)
+    compute_dtype: str = "fp32"
+    backend: str = "gloo"
+    atol: float | None = None
+    rtol: float | None = None
+    timeout: float = 300.0
+
+    @property
+    def world(self) -> int:
+        return max(self.a.degree, self.b.degree)
+
+
+def device_for(backend: str, rank: int):
+    """NCCL: ``cuda:<local rank>`` (LOCAL_RANK under torchrun, else the rank); gloo: CPU."""
+    if backend == "nccl":
+        import os
+
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def _groups(degrees: set[int], world: int) -> dict[int, decoder.TPGroup]:
+    groups = {}
+    for k in sorted(degrees):
+        if k == 1:
+            groups[k] = decoder.TPGroup()
+        elif k == world:
+            groups[k] = decoder.TPGroup(k, None)
+        else:
+            groups[k] = decoder.TPGroup(k, dist.new_group(list(range(k))))
+    return groups
+
+
+def run_job(job: ForwardJob, rank: int, world: int) -> dict | None:
+    """Run both sides; rank 0 returns the report dict, other ranks None."""
+    device = device_for(job.backend, rank)
+    compute = COMPUTE_DTYPES[job.compute_dtype]
+    ids = torch.tensor(job.input_ids, dtype=torch.long, device=device)
+    groups = _groups({job.a.degree, job.b.degree}, world)
+    runs = {}
+    for label, side in (("a", job.a), ("b", job.b)):
+        if rank >= side.degree:
+            continue
+        weights = load_rank(side.layout, side.path, rank, side.degree, job.opts)
+        stored = weights.dtype
+        info = {"world": side.degree, "padded_vocab": weights.padded_vocab, "dtype": stored,
+                "files_rank0": weights.files, "vocab": weights.vocab_size}
+        decoder.cast_weights(weights, compute, device)
+        with torch.no_grad():
+            out = decoder.forward(weights, ids, groups[side.degree], record=rank == 0)
+        del weights
+        gc.collect()
+        if rank == 0:
+            runs[label] = {**info, "logits": out.logits, "states": out.states}
+    if rank != 0:
+        return None
+    a, b = runs["a"], runs["b"]
+    tol = report.tolerance(a["dtype"], b["dtype"], compute, job.atol, job.rtol)
+    result = {
+        "a": {"path": job.a.path, "layout": job.a.layout, "tp": job.a.degree, "dtype": _name(a["dtype"]),
+              "padded_vocab": a["padded_vocab"], "rank0_files": a["files_rank0"]},
+        "b": {"path": job.b.path, "layout": job.b.layout, "tp": job.b.degree, "dtype": _name(b["dtype"]),
+              "padded_vocab": b["padded_vocab"], "rank0_files": b["files_rank0"]},
+        "backend": job.backend, "compute_dtype": _name(compute), "batch": len(job.input_ids),
+        "seq_len": len(job.input_ids[0]), "vocab": job.vocab, "tolerance": tol,
+    }
+    result.update(report.compare(a, b, job.vocab, tol))
+    return result
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,188 @@
+"""One tensor-parallel rank's weights in decoder form, read from a checkpoint's own rank files.
+
+``RANK_LOADERS[layout](path, rank, world, opts) -> RankWeights``. A loader reads only what rank ``rank`` of
+``world`` holds: Megatron reads its own ``mp_rank_{rank:02d}[_{stage:03d}]`` files, an HF checkpoint (TP=1 on
+disk) is sliced by row / column ranges. The decoder never sees a layout: only these plain local tensors.
+
+Local tensors (``nh``/``ng`` heads, ``d`` head dim, ``H`` hidden, ``F`` intermediate, over ``world`` ranks):
+``q`` ``[nh/world*d, H]``; ``k``, ``v`` ``[max(ng/world, 1)*d, H]`` (one replicated KV head when
+``world > ng``: KV head ``rank // (world/ng)``); ``o`` ``[H, nh/world*d]`` (a column slice, row-parallel);
+``gate``, ``up`` ``[F/world, H]``; ``down`` ``[H, F/world]``; ``embedding`` / ``lm_head`` rows
+``[vocab_start, vocab_start + rows)`` of the padded vocab (rows at or past the true vocab are padding).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from reshard.errors import CheckpointError, ReshardError
+from reshard.layouts.base import Options
+
+
+@dataclass
+class DecoderConfig:
+    """What the decoder needs from an HF-style config (same for every rank)."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    layers: int
+    vocab: int
+    eps: float
+    rope_theta: float
+    rope_scaling: dict | None = None
+    sliding_window: int | None = None
+    architecture: str = ""
+
+    @classmethod
+    def from_hf(cls, config: dict) -> "DecoderConfig":
+        heads = int(config["num_attention_heads"])
+        rope = config.get("rope_parameters") or {}
+        theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
+        scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        arch = (config.get("architectures") or [""])[0]
+        window = config.get("sliding_window")
+        if arch == "Qwen2ForCausalLM" and not config.get("use_sliding_window", False):
+            window = None
+        return cls(hidden=int(config["hidden_size"]), heads=heads,
+                   kv_heads=int(config.get("num_key_value_heads") or heads),
+                   head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
+                   layers=int(config["num_hidden_layers"]), vocab=int(config["vocab_size"]),
+                   eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
+                   rope_scaling=dict(scaling) if scaling else None,
+                   sliding_window=int(window) if window else None, architecture=arch)
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    q_bias: torch.Tensor | None = None
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None  # replicated, added once after the all-reduce
+    gate_bias: torch.Tensor | None = None
+    up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None  # replicated, added once after the all-reduce
+
+
+@dataclass
+class RankWeights:
+    """This rank's tensors. ``lm_head`` None means tied: the head is the embedding slice."""
+
+    config: DecoderConfig
+    rank: int
+    world: int
+    embedding: torch.Tensor
+    vocab_start: int
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor | None
+    lm_head_start: int
+    padded_vocab: int
+    dtype: torch.dtype
+    files: list[str] = field(default_factory=list)  # the files this rank read
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab
+
+
+# ------------------------------------------------------------------------------ shared per-rank rules
+
+def check_world(config: DecoderConfig, world: int, intermediate: int) -> None:
+    """Refuse a TP degree the decoder cannot run the model at (before any file is read)."""
+    nh, ng = config.heads, config.kv_heads
+    if world < 1:
+        raise ReshardError(f"--nproc must be >= 1 (got {world})")
+    if nh % world:
+        raise ReshardError(f"cannot run {nh} attention heads over {world} ranks: choose --nproc dividing {nh}")
+    if ng % world and world % ng:
+        raise ReshardError(f"cannot place {ng} KV heads on {world} ranks: --nproc must divide {ng} or be a "
+                           f"multiple of it")
+    if intermediate % world:
+        raise ReshardError(f"cannot split intermediate size {intermediate} over {world} ranks: choose --nproc "
+                           f"dividing it")
+
+
+def kv_heads_of_rank(kv_heads: int, rank: int, world: int) -> range:
+    """KV heads rank ``rank`` holds: ``ng/world`` of them, or one replica (head ``rank // (world/ng)``)."""
+    if world <= kv_heads:
+        per = kv_heads // world
+        return range(rank * per, (rank + 1) * per)
+    head = rank // (world // kv_heads)
+    return range(head, head + 1)
+
+
+def split_grouped_qkv(t: torch.Tensor, q_per_group: int, head_dim: int) -> tuple[torch.Tensor, ...]:
+    """Megatron ``linear_qkv`` rows of one rank: per local KV group ``[q heads of the group; k; v]``."""
+    rest = t.shape[1:]
+    grouped = t.reshape(-1, (q_per_group + 2) * head_dim, *rest)
+    q = grouped[:, :q_per_group * head_dim].reshape(-1, *rest)
+    k = grouped[:, q_per_group * head_dim:(q_per_group + 1) * head_dim].reshape(-1, *rest)
+    v = grouped[:, (q_per_group + 1) * head_dim:].reshape(-1, *rest)
+    return q, k, v
+
+
+def split_stacked_qkv(t: torch.Tensor, q_rows: int, kv_rows: int) -> tuple[torch.Tensor, ...]:
+    """A rank's ``[q_r; k_r; v_r]`` (vLLM ``qkv_proj``, TensorRT-LLM ``qkv``)."""
+    if t.shape[0] != q_rows + 2 * kv_rows:
+        raise CheckpointError(f"fused qkv has {t.shape[0]} rows, expected {q_rows} + 2 x {kv_rows}")
+    return t[:q_rows], t[q_rows:q_rows + kv_rows], t[q_rows + kv_rows:]
+
+
+def split_halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rank's ``[gate_r; up_r]`` (Megatron ``linear_fc1``, vLLM ``gate_up_proj``)."""
+    if t.shape[0] % 2:
+        raise CheckpointError(f"fused gate/up has an odd row count {t.shape[0]}")
+    gate, up = t.chunk(2, dim=0)
+    return gate, up
+
+
+def padded_vocab_for(vocab: int, multiple: int) -> int:
+    return math.ceil(vocab / multiple) * multiple
+
+
+def vocab_rows(vocab: int, padded: int, rank: int, world: int) -> tuple[int, int, int]:
+    """(start, real rows, padding rows) of rank ``rank`` over a vocab padded to ``padded``."""
+    per = padded // world
+    start = rank * per
+    real = max(0, min(start + per, vocab) - start)
+    return start, real, per - real
+
+
+# ---------------------------------------------------------------------------------------------- registry
+
+def _hf(path: str, rank: int, world: int, opts: Options) -> RankWeights:
+    from reshard.verification.forward import hf_rank
+
+    return hf_rank.load_rank(path, rank, world, opts)
+
+
+def _megatron(path: str, rank: int, world: int, opts: Options) -> RankWeights:
+    from reshard.verification.forward import megatron_rank
+
+    return megatron_rank.load_rank(path, rank, world, opts)
+
+
+# layout name -> load_rank(path, rank, world, opts); each imports its layout's reader lazily.
+RANK_LOADERS: dict[str, Callable[[str, int, int, Options], RankWeights]] = {"hf": _hf, "megatron": _megatron}
+
+
+def load_rank(layout: str, path: str, rank: int, world: int, opts: Options) -> RankWeights:
+    if layout not in RANK_LOADERS:
+        raise ReshardError(f"forward verification cannot read the '{layout}' layout (supported: "
+                           f"{', '.join(sorted(RANK_LOADERS))})")
+    return RANK_LOADERS[layout](path, rank, world, opts)
