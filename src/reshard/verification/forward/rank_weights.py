@@ -1,8 +1,8 @@
 """One tensor-parallel rank's weights in decoder form, read from a checkpoint's own rank files.
 
 ``RANK_LOADERS[layout](path, rank, world, opts) -> RankWeights``. A loader reads only what rank ``rank`` of
-``world`` holds: Megatron reads its own ``mp_rank_{rank:02d}[_{stage:03d}]`` files, an HF checkpoint (TP=1 on
-disk) is sliced by row / column ranges. The decoder never sees a layout: only these plain local tensors.
+``world`` holds: Megatron reads its own ``mp_rank_{rank:02d}[_{stage:03d}]`` files, vLLM its own
+``model-rank-{rank}-part-*.safetensors``, an HF checkpoint (TP=1 on disk) is sliced by row / column ranges. The decoder never sees a layout: only these plain local tensors.
 
 Local tensors (``nh``/``ng`` heads, ``d`` head dim, ``H`` hidden, ``F`` intermediate, over ``world`` ranks):
 ``q`` ``[nh/world*d, H]``; ``k``, ``v`` ``[max(ng/world, 1)*d, H]`` (one replicated KV head when
@@ -177,8 +177,15 @@ def _megatron(path: str, rank: int, world: int, opts: Options) -> RankWeights:
     return megatron_rank.load_rank(path, rank, world, opts)
 
 
+def _vllm(path: str, rank: int, world: int, opts: Options) -> RankWeights:
+    from reshard.verification.forward import vllm_rank
+
+    return vllm_rank.load_rank(path, rank, world, opts)
+
+
 # layout name -> load_rank(path, rank, world, opts); each imports its layout's reader lazily.
-RANK_LOADERS: dict[str, Callable[[str, int, int, Options], RankWeights]] = {"hf": _hf, "megatron": _megatron}
+RANK_LOADERS: dict[str, Callable[[str, int, int, Options], RankWeights]] = {
+    "hf": _hf, "megatron": _megatron, "vllm": _vllm}
 
 
 def load_rank(layout: str, path: str, rank: int, world: int, opts: Options) -> RankWeights:
