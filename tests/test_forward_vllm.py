@@ -5,7 +5,6 @@ own KV-head replica; a corrupted replica or swapped heads on one rank must fail.
 from __future__ import annotations
 
 import pytest
-import torch
 from safetensors.torch import save_file
 
 import reshard
