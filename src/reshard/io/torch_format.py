@@ -97,8 +97,11 @@ def load_structure(path: str) -> Any:
         what = f"global '{found.group(1)}'" if found else str(exc).splitlines()[0]
         raise CheckpointError(f"{path}: refusing to unpickle {what}: not on reshard's allow-list "
                               "(reshard never runs code from a checkpoint)") from None
-    except RuntimeError as exc:
-        raise CheckpointError(f"{path}: not a readable torch checkpoint ({str(exc).splitlines()[0]})") from None
+    except OSError:
+        raise
+    except Exception as exc:  # noqa: BLE001  a truncated zip, a corrupt pickle stream, a bad storage record...
+        first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        raise CheckpointError(f"{path}: not a readable torch checkpoint ({first})") from None
 
 
 def _location(t: torch.Tensor, path: str, name: str) -> TensorLocation:
