@@ -158,6 +158,8 @@ def verify(
               f"{len(report.tensors)} tensors match")
         for d in report.config_differences:
             print(f"  config {d['key']}: {d['a']} != {d['b']}")
+        for problem in report.replica_differences[:20]:
+            print(f"  {problem}")
         for t in bad[:20]:
             extra = f" (max abs {t.max_abs:g})" if t.max_abs is not None else ""
             print(f"  {t.status}: {t.name}{extra}")
@@ -235,6 +237,8 @@ def main() -> None:
     signal.signal(signal.SIGTERM, _terminated)
     try:
         code = app(standalone_mode=False)  # click returns an Exit's code instead of raising it here
+        if code == 130:  # typer turns Ctrl-C (and our SIGTERM handler) into exit code 130
+            print("error: interrupted; no output was published", file=sys.stderr)
         if isinstance(code, int) and code:
             sys.exit(code)
     except ReshardError as exc:
