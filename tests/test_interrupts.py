@@ -112,3 +112,17 @@ def test_sigterm_cleans_up(sources, tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "interrupted" in err, err
     assert not dst.exists() and leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2-exchange", "two-renames"])
+def test_overwrite_publishes_with_and_without_atomic_exchange(sources, tmp_path, monkeypatch, exchange):
+    import reshard.staging
+
+    if not exchange:  # a filesystem without RENAME_EXCHANGE
+        monkeypatch.setattr(reshard.staging, "_exchange", lambda a, b: False)
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "old.txt").write_text("old")
+    assert run_main("convert", sources["hf"], dst, "--to", "megatron", "--tp", "2", "--overwrite").returncode == 0
+    assert not (dst / "old.txt").exists() and leftovers(tmp_path) == []
+    assert run_main("verify", sources["hf"], dst).returncode == 0
