@@ -13,8 +13,13 @@ import typer
 
 from reshard.errors import ReshardError
 
+EXIT_CODES = ("Exit codes: 0 ok; 1 verification found differences (or an internal error); 2 bad input or "
+              "usage (malformed or hostile checkpoint, impossible request, existing output without --overwrite); "
+              "3 I/O error (disk full, file size limit, permissions); 130 interrupted (Ctrl-C, SIGTERM). "
+              "Errors are one line on stderr; RESHARD_DEBUG=1 shows the traceback.")
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Reshard and convert LLM checkpoints (Hugging Face, Megatron-Core, vLLM) at any TP/PP degree.")
+                  help="Reshard and convert LLM checkpoints (Hugging Face, Megatron-Core, vLLM) at any TP/PP degree.",
+                  epilog=EXIT_CODES)
 mappings_app = typer.Typer(no_args_is_help=True, help="List, show and check architecture mapping files.")
 app.add_typer(mappings_app, name="mappings")
 
@@ -199,6 +204,8 @@ def verify(
               f"{len(report.tensors)} tensors match")
         for d in report.config_differences:
             print(f"  config {d['key']}: {d['a']} != {d['b']}")
+        for problem in report.replica_differences[:20]:
+            print(f"  {problem}")
         for t in bad[:20]:
             extra = f" (max abs {t.max_abs:g})" if t.max_abs is not None else ""
             print(f"  {t.status}: {t.name}{extra}")
@@ -304,9 +311,18 @@ def demo(workdir: Optional[str] = typer.Option(None, "--workdir", help="Keep the
         raise typer.Exit(1)
 
 
+def _terminated(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM cleans up like Ctrl-C: the staging folder is removed, nothing published
+
+
 def main() -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         code = app(standalone_mode=False)  # click returns an Exit's code instead of raising it here
+        if code == 130:  # typer turns Ctrl-C (and our SIGTERM handler) into exit code 130
+            print("error: interrupted; no output was published", file=sys.stderr)
         if isinstance(code, int) and code:
             sys.exit(code)
     except ReshardError as exc:
@@ -316,6 +332,13 @@ def main() -> None:
         sys.exit(exc.exit_code)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
+    except OSError as exc:
+        if os.environ.get("RESHARD_DEBUG") == "1":
+            raise
+        from reshard.errors import os_error_message
+
+        print(f"error: {os_error_message(exc)}", file=sys.stderr)
+        sys.exit(3)
     except KeyboardInterrupt:
         print("error: interrupted; no output was published", file=sys.stderr)
         sys.exit(130)

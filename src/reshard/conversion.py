@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import tempfile
 from dataclasses import dataclass, field
 
 from reshard.core.plan import CanonicalIndex, Plan, TargetFile, plan_tensor
@@ -15,6 +14,7 @@ from reshard.io import dtypes
 from reshard.hub import open_source
 from reshard.layouts import LAYOUTS, hf, megatron, vllm
 from reshard.layouts.base import Options, Source
+from reshard.staging import check_destination, staged_output
 
 TARGETS = ("hf", "megatron", "vllm")
 
@@ -69,29 +69,6 @@ def make_plan(source: Source, to: str, opts: Options) -> tuple[Plan, dict]:
     return plan, finalize_args
 
 
-def _check_destination(src: str, dst: str, overwrite: bool) -> None:
-    src_abs, dst_abs = os.path.realpath(src), os.path.realpath(dst)
-    if dst_abs == src_abs or dst_abs.startswith(src_abs + os.sep) or src_abs.startswith(dst_abs + os.sep):
-        raise PlanError(f"the output {dst} overlaps the source {src}: choose another output folder")
-    if os.path.exists(dst):
-        if not os.path.isdir(dst):
-            raise PlanError(f"{dst} exists and is not a folder")
-        if os.listdir(dst) and not overwrite:
-            raise PlanError(f"{dst} already exists and is not empty; pass --overwrite to replace it")
-
-
-def _publish(staging: str, dst: str) -> None:
-    """Move the finished staging folder into place; an old output is removed only after that."""
-    old = None
-    if os.path.exists(dst):
-        old = tempfile.mkdtemp(prefix=".reshard-old-", dir=os.path.dirname(os.path.abspath(dst)))
-        os.rmdir(old)
-        os.rename(dst, old)
-    os.rename(staging, dst)
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def _warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr)
 
@@ -126,22 +103,15 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, dtype: str
         plan, finalize_args = make_plan(source, to, opts)
         if dry_run:
             return ConvertResult(plan, None, False, plan.notes, source.info.get("download"))
-        _check_destination(source.root, dst, overwrite)
+        check_destination(source.root, dst, overwrite)
         ensure_replicas_agree(plan, source.files, opts.allow_replica_mismatch, _warn)
-        parent = os.path.dirname(os.path.abspath(dst))
-        os.makedirs(parent, exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(dst))}.reshard-partial-", dir=parent)
-        try:
+        with staged_output(source.root, dst, overwrite) as staging:  # lock, stage, publish by rename (staging.py)
             execute(plan, source.files, staging, progress=progress, workers=workers)
             write_side_files(source, staging, to, plan, finalize_args, output_dtype(source, opts))
             if "hub" in source.info:  # provenance for `reshard push`
                 from reshard.hub.manifest import write_manifest
 
                 write_manifest(staging, {"source": source.info["hub"]})
-            _publish(staging, dst)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
     return ConvertResult(plan, dst, True, plan.notes)
 
 

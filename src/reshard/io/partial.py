@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from reshard.pause_points import pause_point
+
 
 class PartialFile:
     """Opens ``path + '.partial'`` for writing; :meth:`publish` fsyncs and renames, :meth:`abort` deletes."""
@@ -16,10 +18,18 @@ class PartialFile:
     def publish(self) -> None:
         self._file.flush()
         os.fsync(self._file.fileno())
+        pause_point("partial")
         self._file.close()
         os.replace(self.partial, self.path)
+        pause_point("file")
 
     def abort(self) -> None:
-        self._file.close()
-        if os.path.exists(self.partial):
+        """Delete the ``.partial``; never raises (closing may fail again when the disk is full)."""
+        try:
+            self._file.close()
+        except OSError:
+            pass
+        try:
             os.unlink(self.partial)
+        except FileNotFoundError:
+            pass

@@ -19,8 +19,58 @@ from reshard.io.tensorfile import TensorFile, TensorLocation
 MAX_HEADER = 100 << 20
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicates(pairs: list) -> dict:
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def _parse_json(raw: bytes, path: str) -> dict:
+    try:
+        header = json.loads(raw, object_pairs_hook=_no_duplicates)
+    except _DuplicateKey as exc:
+        raise CheckpointError(f"{path}: safetensors header names '{exc}' twice") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{path}: invalid safetensors header JSON ({str(exc)[:120]})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
+    return header
+
+
+def _is_count(value) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _entry(path: str, name: str, info) -> tuple[str, tuple[int, ...], int, int]:
+    """Validate one header entry's types; returns dtype, shape, begin, end."""
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{path}: tensor '{name}' has a malformed header entry (not an object)")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str):
+        raise CheckpointError(f"{path}: tensor '{name}' has no dtype string in its header entry")
+    if not dtypes.is_known(dtype):
+        raise CheckpointError(f"{path}: tensor '{name}' has unknown dtype '{dtype[:40]}'")
+    if not isinstance(shape, list) or not all(_is_count(s) for s in shape):
+        raise CheckpointError(f"{path}: tensor '{name}' has a malformed shape (needs a list of sizes >= 0)")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+        raise CheckpointError(f"{path}: tensor '{name}' has malformed data_offsets (needs [begin, end])")
+    return dtype, tuple(shape), offsets[0], offsets[1]
+
+
 def read_header(path: str) -> tuple[dict[str, TensorLocation], dict[str, str]]:
-    """Parse and validate a safetensors header; returns tensor locations and ``__metadata__``."""
+    """Parse and validate a safetensors header; returns tensor locations and ``__metadata__``.
+
+    Checked like the reference implementation: the length prefix fits the file, the JSON is an object without
+    duplicate names, every entry has a known dtype, a shape of sizes and ``[begin, end]`` offsets whose span
+    equals shape x dtype, and the tensors tile the data buffer exactly (no overlap, hole or trailing bytes).
+    """
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(8)
@@ -37,37 +87,38 @@ def read_header(path: str) -> tuple[dict[str, TensorLocation], dict[str, str]]:
 def parse_header(path: str, raw: bytes, size: int) -> tuple[dict[str, TensorLocation], dict[str, str]]:
     """Validate the JSON header ``raw`` of a ``size``-byte safetensors file named ``path`` (local or remote)."""
     n = len(raw)
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: invalid safetensors header JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
+    header = _parse_json(raw, path)
+    metadata = header.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{path}: safetensors __metadata__ must map strings to strings")
     base = 8 + n
     data_size = size - base
     tensors: dict[str, TensorLocation] = {}
     spans = []
     for name, info in header.items():
-        try:
-            dtype, shape, (begin, end) = info["dtype"], tuple(int(s) for s in info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: tensor '{name}' has a malformed header entry") from None
-        if not dtypes.is_known(dtype):
-            raise CheckpointError(f"{path}: tensor '{name}' has unknown dtype '{dtype}'")
-        if not (0 <= begin <= end <= data_size):
+        dtype, shape, begin, end = _entry(path, name, info)
+        if not begin <= end <= data_size:
             raise CheckpointError(f"{path}: tensor '{name}' byte range {begin}..{end} is outside the data "
                                   f"({data_size} bytes): the file is truncated or corrupt")
         expected = math.prod(shape) * dtypes.itemsize(dtype)
         if end - begin != expected:
-            raise CheckpointError(f"{path}: tensor '{name}' shape {list(shape)} x {dtype} needs {expected} bytes "
-                                  f"but its byte range holds {end - begin}")
+            raise CheckpointError(f"{path}: tensor '{name}' shape {list(shape)[:8]} x {dtype} needs {expected} "
+                                  f"bytes but its byte range holds {end - begin}")
         tensors[name] = TensorLocation(dtype=dtype, shape=shape, offset=base + begin)
         spans.append((begin, end, name))
     spans.sort()
-    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
-        if b1 < e0:
-            raise CheckpointError(f"{path}: tensors '{n0}' and '{n1}' overlap in the data buffer")
+    covered, last = 0, None
+    for begin, end, name in spans:
+        if begin < covered:
+            raise CheckpointError(f"{path}: tensors '{last}' and '{name}' overlap in the data buffer")
+        if begin > covered:
+            raise CheckpointError(f"{path}: bytes {covered}..{begin} of the data buffer belong to no tensor "
+                                  "(a hole): the file is corrupt")
+        covered, last = end, name
+    if covered != data_size:
+        raise CheckpointError(f"{path}: {data_size - covered} bytes after the last tensor belong to no tensor: "
+                              "the file is corrupt or was appended to")
     return tensors, metadata
 
 

@@ -115,8 +115,11 @@ def _torch_load_meta(path: str) -> Any:
             return torch.load(path, map_location="meta", weights_only=True)
     except pickle.UnpicklingError as exc:
         _refuse(path, exc)
-    except RuntimeError as exc:
-        raise CheckpointError(f"{path}: not a readable torch checkpoint ({str(exc).splitlines()[0]})") from None
+    except OSError:
+        raise
+    except Exception as exc:  # noqa: BLE001  a truncated zip, a corrupt pickle stream, a bad storage record...
+        first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        raise CheckpointError(f"{path}: not a readable torch checkpoint ({first})") from None
 
 
 def _location(t, path: str, name: str) -> TensorLocation:

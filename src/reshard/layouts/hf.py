@@ -36,6 +36,8 @@ def _weight_files(path: str) -> list[str]:
                 weight_map = json.load(open(index_path))["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise CheckpointError(f"{index_path}: not a valid index (needs a 'weight_map' object)") from None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise CheckpointError(f"{index_path}: 'weight_map' must map tensor names to file names")
             files = sorted(set(weight_map.values()))
             for f in files:
                 if not os.path.isfile(os.path.join(path, f)):
@@ -43,6 +45,19 @@ def _weight_files(path: str) -> list[str]:
             return [os.path.join(path, f) for f in files]
     found = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     return found or sorted(glob.glob(os.path.join(path, "pytorch_model*.bin")))
+
+
+def check_index(path: str, paths: list[str], files: list) -> None:
+    """Every tensor an index names must be in the file it names."""
+    for index_name in (INDEX, "pytorch_model.bin.index.json"):
+        index_path = os.path.join(path, index_name)
+        if os.path.isfile(index_path):
+            by_name = {os.path.relpath(p, path): f for p, f in zip(paths, files)}
+            for tensor, fname in json.load(open(index_path))["weight_map"].items():
+                if tensor not in by_name[os.path.normpath(fname)].tensors:
+                    raise CheckpointError(f"{index_path} puts tensor '{tensor}' in {fname}, which does not hold "
+                                          "it: the index and the weight files disagree (incomplete download?)")
+            return
 
 
 def read_config(path: str) -> dict:
@@ -84,6 +99,7 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
             if name in where:
                 raise CheckpointError(f"tensor '{name}' is stored twice ({paths[where[name]]} and {paths[i]})")
             where[name] = i
+    check_index(path, paths, files)
     matched = {}
     for name in where:
         m = match_template(family, name)

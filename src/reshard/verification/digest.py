@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from reshard.core.plan import CanonicalIndex, TargetTensor
-from reshard.execute import assemble, bits_equal
+from reshard.execute import assemble, bits_equal, run_replica_checks
 from reshard.hub import open_source
 from reshard.layouts.base import Options, Source
 
@@ -43,10 +43,11 @@ class VerifyReport:
     layout_b: str
     tensors: list[TensorResult] = field(default_factory=list)
     config_differences: list[dict] = field(default_factory=list)
+    replica_differences: list[str] = field(default_factory=list)  # copies of a replicated tensor that disagree
 
     @property
     def equal(self) -> bool:
-        return not self.config_differences and all(t.ok for t in self.tensors)
+        return not self.config_differences and not self.replica_differences and all(t.ok for t in self.tensors)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -128,4 +129,7 @@ def verify(a: str, b: str, *, atol: float | None = None, rtol: float | None = No
         for name in sb.model.tensors:
             if name not in sa.model.tensors:
                 report.tensors.append(TensorResult(name, "missing_in_a", None, sb.model.dtypes[name]))
+        for source, index in ((sa, ia), (sb, ib)):  # every stored copy counts, not only the one read above
+            report.replica_differences += run_replica_checks(index.checks, source.files,
+                                                             [f.path for f in source.files])
     return report
