@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import reshard
-from reshard.errors import ReshardError
+from reshard.errors import OutputError, ReshardError
 from tests.checkpoints import load_hf_tensors, make_hf
 
 
@@ -57,9 +57,9 @@ def test_worker_failure_fails_the_run(hf_source, tmp_path, monkeypatch):
     monkeypatch.setattr(torch_format.TorchZipWriter, "write_bytes", broken)
     monkeypatch.setattr(safetensors_format.SafetensorsWriter, "write_bytes", broken)
     out = tmp_path / "out"
-    with pytest.raises(OSError) as info:
+    with pytest.raises(OutputError, match=r"No space left on device \[ENOSPC\]") as info:
         reshard.convert(hf_source, str(out), to="megatron", tp=2, pp=2, workers=2)
-    assert info.value.errno == 28
+    assert info.value.exit_code == 3
     assert not out.exists()
     assert not [p for p in os.listdir(tmp_path) if "reshard-partial" in p]
 

@@ -179,6 +179,10 @@ class _Job:
     done_bytes: int
 
 
+class _Abandoned(Exception):
+    """Set on the writer thread when the run is failing: remaining jobs are skipped."""
+
+
 class _WriterThread(threading.Thread):
     """Writes jobs in order; returns each job's buffer to ``free``; the first error stops all writing."""
 
@@ -227,8 +231,9 @@ class _Run:
             for unit in units:
                 self._unit(unit)
             self._drain()
+            self._raise_writer_error()  # the last jobs (a file's finish: fsync, rename) ran after the loop
         except BaseException:
-            self._drain()
+            self._abandon()
             for w in self.open:
                 w.abort()
             raise
@@ -237,6 +242,15 @@ class _Run:
         if self.writer.is_alive():
             self.writer.jobs.put(None)
             self.writer.join()
+
+    def _abandon(self) -> None:
+        """On failure or a signal: the writer skips its queued jobs; wait only briefly for the write it is in
+        (a daemon thread stuck on a slow or paused write must not keep the cleanup from running)."""
+        if self.writer.error is None:
+            self.writer.error = _Abandoned()
+        if self.writer.is_alive():
+            self.writer.jobs.put(None)
+            self.writer.join(timeout=5)
 
     def _take_buffer(self) -> np.ndarray:
         while True:
