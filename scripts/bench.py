@@ -104,7 +104,7 @@ def min_layers_for_hidden(hidden: int) -> int:
     """A width is used only with at least this many layers, so 1, 2 and 4 GiB models share hidden 2048 (16+ layers
     for 4096): the model grows by depth while the largest tensor stays put, which is what "memory flat in
     model size" is measured against."""
-    return max(4, hidden // 256)
+    return max(4, hidden * hidden // 2**20)
 
 
 def model_shapes(hidden: int, layers: int) -> dict[str, Any]:
