@@ -275,7 +275,8 @@ class TorchZipWriter(PartialFile):
         self._next = 0
 
     # -- zip records
-    def _begin(self, name: str, size: int) -> int:
+    def _record(self, name: str, size: int, crc: int) -> None:
+        """Write a record's local header (CRC known up front: no seeking back into written data)."""
         full = (self.prefix + name).encode()
         offset = self._file.tell()
         zip64 = size >= _ZIP64_LIMIT
@@ -284,21 +285,14 @@ class TorchZipWriter(PartialFile):
         pad = -used % _ALIGN
         extra += struct.pack("<HH", 0x4246, pad) + b"Z" * pad
         field = 0xFFFFFFFF if zip64 else size
+        crc &= 0xFFFFFFFF
         self._file.write(struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 0, 0, 0, 0x21,
-                                     0, field, field, len(full), len(extra)) + full + extra)
-        return offset
-
-    def _end(self, name: str, offset: int, size: int, crc: int) -> None:
-        here = self._file.tell()
-        self._file.seek(offset + 14)
-        self._file.write(struct.pack("<I", crc & 0xFFFFFFFF))
-        self._file.seek(here)
-        self._entries.append((name, offset, size, crc & 0xFFFFFFFF))
+                                     crc, field, field, len(full), len(extra)) + full + extra)
+        self._entries.append((name, offset, size, crc))
 
     def _add_record(self, name: str, data: bytes) -> None:
-        offset = self._begin(name, len(data))
+        self._record(name, len(data), crc32(data))
         self._file.write(data)
-        self._end(name, offset, len(data), crc32(data))
 
     def write(self, name: str, tensor) -> None:
         """Write the next tensor (a torch tensor) as its storage record."""
@@ -320,14 +314,8 @@ class TorchZipWriter(PartialFile):
         if name != expected or data.nbytes != nbytes:
             raise AssertionError(f"writer expected {expected} ({nbytes} bytes), got {name} ({data.nbytes} bytes)")
         data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
-        offset = self._begin(f"data/{self._next}", nbytes)
-        crc = 0
-        step = 16 << 20
-        for start in range(0, nbytes, step):
-            chunk = data[start:start + step]
-            crc = crc32(chunk, crc)
-            self._file.write(chunk)
-        self._end(f"data/{self._next}", offset, nbytes, crc)
+        self._record(f"data/{self._next}", nbytes, crc32(data))
+        self._file.write(data)
         self._next += 1
 
     def finish(self) -> None:
