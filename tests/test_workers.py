@@ -80,3 +80,20 @@ def test_conversion_does_not_import_torch(hf_source, tmp_path):
     out = subprocess.run([sys.executable, "-c", code, hf_source, str(tmp_path / "m"), str(tmp_path / "h")],
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_copy_fallback_without_copy_file_range_is_byte_identical(hf_source, tmp_path, monkeypatch):
+    """Where copy_file_range is missing or refused (EXDEV across filesystems), ranges are copied with pread/pwrite:
+    the same bytes either way."""
+    import errno
+
+    for to, kw in (("megatron", dict(tp=2, pp=2)), ("vllm", dict(tp=2))):
+        reshard.convert(hf_source, str(tmp_path / f"{to}-cfr"), to=to, **kw)
+
+    def refuse(*args, **kwargs):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "copy_file_range", refuse)
+    for to, kw in (("megatron", dict(tp=2, pp=2)), ("vllm", dict(tp=2))):
+        reshard.convert(hf_source, str(tmp_path / f"{to}-rw"), to=to, **kw)
+        assert tree_bytes(tmp_path / f"{to}-rw") == tree_bytes(tmp_path / f"{to}-cfr")

@@ -19,10 +19,11 @@ import numpy as np
 from reshard.core.plan import Plan, ReadOp, ReplicaCheck, TargetFile, TargetTensor
 from reshard.errors import CheckpointError
 from reshard.io import dtypes
+from reshard.io.copy_ranges import Ranges, as_ranges
 from reshard.io.gather import Gatherer, direct
 from reshard.io.safetensors_format import SafetensorsWriter
 from reshard.io.tensorfile import TensorFile
-from reshard.io.torch_format import TensorSlot, TorchZipWriter
+from reshard.io.torch_format import TensorSlot, TorchZipWriter, crc32
 
 _ALIGN = 64
 
@@ -200,7 +201,10 @@ class _WriterThread(threading.Thread):
             try:
                 if self.error is None:
                     for writer, name, view in job.writes:
-                        writer.write_bytes(name, view)
+                        if isinstance(view, Ranges):
+                            writer.write_ranges(name, view)
+                        else:
+                            writer.write_bytes(name, view)
                     for writer in job.finish:
                         writer.finish()
                     if job.done_bytes:
@@ -272,9 +276,13 @@ class _Run:
             self.open.append(writers[-1])
         for k in range(len(targets[0].tensors)):
             buffer = self._take_buffer()
-            items, writes, pos = [], [], 0
+            items, writes, checksummed, pos = [], [], [], 0
             for target, writer in zip(targets, writers):
                 tensor = target.tensors[k]
+                ranges = as_ranges(tensor, self.files)
+                if ranges is not None and isinstance(writer, SafetensorsWriter):
+                    writes.append((writer, tensor.name, ranges))  # copied file to file, never read here
+                    continue
                 dest = buffer[pos:pos + tensor.nbytes]
                 pos += _aligned(tensor.nbytes)
                 if direct(tensor, self.files):
@@ -282,8 +290,15 @@ class _Run:
                 else:
                     data = assemble(tensor, self.files)
                     dest[:] = data.contiguous().reshape(-1).view(dtypes.to_torch("U8")).numpy()
-                writes.append((writer, tensor.name, memoryview(dest)))
+                if ranges is not None:  # a zip record: read once for its CRC, then copied file to file
+                    checksummed.append(len(writes))
+                    writes.append((writer, tensor.name, (ranges, dest)))
+                else:
+                    writes.append((writer, tensor.name, memoryview(dest)))
             self.gather.fill(items)
+            for i in checksummed:
+                writer, name, (ranges, dest) = writes[i]
+                writes[i] = (writer, name, ranges.with_crc(crc32(memoryview(dest))))
             self.writer.jobs.put(_Job(writes, buffer, [], sum(t.tensors[k].nbytes for t in targets)))
         self.writer.jobs.put(_Job([], None, writers, 0))
         self._raise_writer_error()

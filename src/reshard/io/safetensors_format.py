@@ -174,6 +174,16 @@ class SafetensorsWriter(PartialFile):
             self._file.write(data)
         self._next += 1
 
+    def write_ranges(self, name: str, ranges) -> None:
+        """Write the next tensor by copying source byte ranges file to file (:mod:`reshard.io.copy_ranges`)."""
+        from reshard.io.copy_ranges import copy_into
+
+        exp_name, _, _, nbytes = self._expected[self._next]
+        if name != exp_name or ranges.nbytes != nbytes:
+            raise AssertionError(f"writer expected {exp_name} ({nbytes} bytes), got {name} ({ranges.nbytes} bytes)")
+        copy_into(self._file, ranges, self.partial)
+        self._next += 1
+
     def finish(self) -> None:
         if self._next != len(self._expected):
             raise AssertionError(f"{self.path}: {len(self._expected) - self._next} tensors were not written")

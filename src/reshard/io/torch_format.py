@@ -318,6 +318,20 @@ class TorchZipWriter(PartialFile):
         self._file.write(data)
         self._next += 1
 
+    def write_ranges(self, name: str, ranges) -> None:
+        """Write the next storage record by copying source byte ranges file to file; ``ranges.crc`` is its CRC-32
+        (the caller read the bytes once to compute it)."""
+        from reshard.io.copy_ranges import copy_into
+
+        expected = self._order[self._next]
+        slot = self._slots[expected]
+        nbytes = dtypes.itemsize(slot.dtype) * _numel(slot.shape)
+        if name != expected or ranges.nbytes != nbytes or ranges.crc is None:
+            raise AssertionError(f"writer expected {expected} ({nbytes} bytes, with a CRC), got {name}")
+        self._record(f"data/{self._next}", nbytes, ranges.crc)
+        copy_into(self._file, ranges, self.partial)
+        self._next += 1
+
     def finish(self) -> None:
         if self._next != len(self._order):
             raise AssertionError(f"{self.path}: {len(self._order) - self._next} tensors were not written")

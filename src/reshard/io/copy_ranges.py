@@ -1,0 +1,98 @@
+"""A target tensor as source byte ranges, copied file to file inside the kernel (``copy_file_range``).
+
+Write-through-user-memory is what limits a conversion (each byte is copied into the process and out again); a
+tensor whose bytes are whole contiguous runs of source bytes (a dim-0 slice, a whole tensor, zero padding after
+it) needs neither copy. Column slices and casts still go through :mod:`reshard.io.gather`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from reshard.core.plan import TargetTensor
+from reshard.io import dtypes
+from reshard.io.tensorfile import TensorFile
+
+_ZEROS = bytes(1 << 20)
+_FALLBACK_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class Ranges:
+    """A tensor's bytes in order: ``(fd, offset, length)`` source runs, ``fd`` None for zeros."""
+
+    parts: tuple[tuple[int | None, int, int], ...]
+    nbytes: int
+    crc: int | None = None  # filled in for zip records (the caller reads the bytes once to checksum them)
+
+    def with_crc(self, crc: int) -> "Ranges":
+        return replace(self, crc=crc)
+
+
+def as_ranges(tensor: TargetTensor, files: list[TensorFile]) -> Ranges | None:
+    """``tensor`` as contiguous source byte runs, or None when it needs a gather (column slice, cast, strides,
+    a constant fill)."""
+    if tensor.fill is not None or not tensor.shape:
+        return None
+    size = dtypes.itemsize(tensor.dtype)
+    outer = 1
+    for n in tensor.shape[:tensor.axis]:
+        outer *= n
+    unit = size
+    for n in tensor.shape[tensor.axis + 1:]:
+        unit *= n
+    parts, pos = [], 0
+    for op in sorted(tensor.reads, key=lambda o: o.dst_start):
+        loc = files[op.source].tensors[op.tensor]
+        if loc.dtype != tensor.dtype or loc.strides is not None or len(loc.shape) != len(tensor.shape):
+            return None
+        if tensor.axis == 0:  # runs along dim 0 (or a 1-D tensor): the trailing dims must agree
+            if tuple(loc.shape[1:]) != tuple(tensor.shape[1:]):
+                return None
+            start, length = op.src_start * unit, op.length * unit
+        elif tuple(loc.shape) == tuple(tensor.shape) and op.length == tensor.shape[tensor.axis]:
+            start, length = 0, tensor.nbytes  # the whole source tensor
+        else:
+            return None  # a column slice: strided in the source
+        if op.dst_start > pos:
+            parts.append((None, 0, (op.dst_start - pos) * unit))
+        parts.append((files[op.source].fd, loc.offset + start, length))
+        pos = op.dst_start + op.length
+    total = tensor.nbytes
+    covered = sum(p[2] for p in parts)
+    if covered < total:
+        parts.append((None, 0, total - covered))
+    return Ranges(tuple(parts), total)
+
+
+def copy_into(file, ranges: Ranges, path: str) -> None:
+    """Append ``ranges`` to the open binary ``file`` (a buffered writer), then leave its position after them."""
+    file.flush()
+    out = file.fileno()
+    pos = file.tell()
+    for fd, offset, length in ranges.parts:
+        if fd is None:
+            while length:
+                n = os.pwrite(out, _ZEROS[:min(length, len(_ZEROS))], pos)
+                pos, length = pos + n, length - n
+            continue
+        while length:
+            n = _copy(fd, out, length, offset, pos, path)
+            offset, pos, length = offset + n, pos + n, length - n
+    file.seek(pos)
+
+
+def _copy(fd: int, out: int, length: int, offset: int, pos: int, path: str) -> int:
+    try:
+        n = os.copy_file_range(fd, out, min(length, 1 << 30), offset, pos)
+    except (AttributeError, OSError) as exc:  # no copy_file_range (macOS, old kernels, some filesystems)
+        if isinstance(exc, OSError) and exc.errno not in (18, 22, 38, 95):  # EXDEV EINVAL ENOSYS EOPNOTSUPP
+            raise
+        data = os.pread(fd, min(length, _FALLBACK_CHUNK), offset)
+        n = os.pwrite(out, data, pos) if data else 0
+    if n == 0:
+        from reshard.errors import CheckpointError
+
+        raise CheckpointError(f"{path}: source ends early while copying (truncated?)")
+    return n
