@@ -376,3 +376,22 @@ def test_manifest_merges_into_a_layout_record(tmp_path):
     card = model_card("---\nlicense: mit\n---\n# Mine\n\ntext\n", "me/x", manifest)
     assert card.startswith("---\nlicense: mit\n---\n# Mine\n\ntext\n\n<!-- reshard:begin -->")
     assert model_card(card, "me/x", manifest) == card  # re-rendering is stable: an unchanged push stays a no-op
+
+
+def test_push_to_an_existing_branch_deletes_nothing_without_replace(hub, src, tmp_path, hubenv):
+    """Pushing to a branch that already holds files (e.g. the original weights on main) never deletes them unless
+    --replace is given; a branch the push creates is cleaned of what it inherited from main."""
+    env = hubenv.at(hub.endpoint)
+    tp2, tp4 = tmp_path / "tp2", tmp_path / "tp4"
+    env.run("convert", f"hf://{SRC_REPO}", tp2, "--to", "megatron", "--tp", "2")
+    env.run("convert", f"hf://{SRC_REPO}", tp4, "--to", "megatron", "--tp", "4")
+    env.run("push", tp4, "alice/model")
+    proc = env.run("push", tp2, "alice/model")  # main already holds the tp4 checkpoint
+    tp2_files = {f for f in folder_files(tp2) if f != "reshard.json"}
+    tp4_files = {f for f in folder_files(tp4) if f != "reshard.json"}
+    on_main = set(hub.state.files("alice/model"))
+    stale = tp4_files - tp2_files  # mp_rank_02, mp_rank_03
+    assert stale and stale <= on_main and tp2_files <= on_main
+    assert "pass --replace to delete them" in proc.stderr
+    env.run("push", tp2, "alice/model", "--replace")
+    assert set(hub.state.files("alice/model")) - {"reshard.json", "README.md", ".gitattributes"} == tp2_files

@@ -139,7 +139,8 @@ def convert(
         print(f"wrote {dst}: {to.value} tp={tp} pp={pp}, {len(result.plan.files)} files, "
               f"{result.plan.nbytes / 2**20:.1f} MiB")
     if push_to:
-        push(folder=dst, repo_id=push_to, revision=revision, private=False, create_pr=False, commit_message=None)
+        push(folder=dst, repo_id=push_to, revision=revision, private=False, create_pr=False, commit_message=None,
+             replace=False)
 
 
 @app.command()
@@ -259,12 +260,17 @@ def push(
     private: bool = typer.Option(False, "--private", help="Create the repo private."),
     create_pr: bool = typer.Option(False, "--create-pr", help="Open a pull request instead of committing."),
     commit_message: Optional[str] = typer.Option(None, "--commit-message", help="Commit message."),
+    replace: bool = typer.Option(False, "--replace", help="Delete files on an existing branch that are not part of "
+                                 "this checkpoint (a branch the push creates is always cleaned)."),
 ):
     """Upload a converted checkpoint with a reshard.json manifest and a model-card section."""
     from reshard.hub.push import push as run_push
 
     pushed = run_push(folder, repo_id, revision=revision, private=private, create_pr=create_pr,
-                      commit_message=commit_message)
+                      commit_message=commit_message, replace=replace)
+    if pushed.others:
+        print(f"warning: {len(pushed.others)} file(s) on {pushed.repo_id}@{pushed.revision} are not part of this "
+              f"checkpoint (e.g. {pushed.others[0]}); pass --replace to delete them", file=sys.stderr)
     if not pushed.changed:
         print(f"{pushed.repo_id}@{pushed.revision} already has these files: nothing to commit")
     else:

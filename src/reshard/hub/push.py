@@ -1,13 +1,14 @@
 """Push a finished conversion to the Hub: refuse incomplete output, create the repo or branch when missing, commit
 every file plus ``reshard.json`` and the model card with huggingface_hub (unchanged files are skipped by it; an
-unchanged folder makes no commit). The target branch ends up holding exactly the checkpoint: other weight files
-there (a branch starts as a copy of main) are deleted in the same commit; README.md and .gitattributes are kept."""
+unchanged folder makes no commit). A branch this push creates starts as a copy of main, so files it inherited
+that are not part of the checkpoint are deleted in the same commit (README.md and .gitattributes are kept); on a
+branch that already existed nothing is deleted unless ``replace`` is asked for, and the files left are reported."""
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from reshard.errors import CheckpointError, ReshardError
 from reshard.hub import parse_repo_id
@@ -28,6 +29,7 @@ class Pushed:
     changed: bool
     url: str
     pr_url: str | None = None
+    others: list[str] = field(default_factory=list)  # files of the branch that are not part of this checkpoint
 
 
 def checked_output(folder: str) -> tuple[str, dict, list[str]]:
@@ -57,10 +59,10 @@ def checked_output(folder: str) -> tuple[str, dict, list[str]]:
 
 
 def push(folder: str, repo: str, *, revision: str | None = None, private: bool = False, create_pr: bool = False,
-         commit_message: str | None = None) -> Pushed:
+         commit_message: str | None = None, replace: bool = False) -> Pushed:
     """Upload ``folder`` to ``repo`` (ORG/NAME) at branch ``revision`` (default: the default branch)."""
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, hf_hub_download
-    from huggingface_hub.errors import RemoteEntryNotFoundError
+    from huggingface_hub.errors import RemoteEntryNotFoundError, RevisionNotFoundError
 
     ref = parse_repo_id(repo, revision)
     if create_pr and ref.revision not in (None, "main"):
@@ -73,8 +75,13 @@ def push(folder: str, repo: str, *, revision: str | None = None, private: bool =
     api = HfApi()
     with hub_errors(ref.repo_id, ref.revision):
         api.create_repo(ref.repo_id, private=private, exist_ok=True)
+        created = False
         if branch != "main":
-            api.create_branch(ref.repo_id, branch=branch, exist_ok=True)
+            try:
+                api.repo_info(ref.repo_id, revision=branch)
+            except RevisionNotFoundError:
+                api.create_branch(ref.repo_id, branch=branch, exist_ok=True)
+                created = True
         before = api.repo_info(ref.repo_id, revision=branch).sha
         card = None
         if CARD in files:
@@ -88,11 +95,13 @@ def push(folder: str, repo: str, *, revision: str | None = None, private: bool =
                 pass
         operations = [CommitOperationAdd(path_in_repo=rel, path_or_fileobj=os.path.join(folder, rel))
                       for rel in content]
-        # the branch holds exactly this checkpoint: files of another layout or degree (e.g. a branch started from
-        # main) would make it ambiguous
+        # a new branch (a copy of main) or --replace: the branch holds exactly this checkpoint; otherwise files of
+        # another checkpoint stay where they are and are reported
         keep = set(content) | {MANIFEST, CARD, ".gitattributes"}
-        operations += [CommitOperationDelete(path_in_repo=p)
-                       for p in api.list_repo_files(ref.repo_id, revision=before) if p not in keep]
+        others = [p for p in api.list_repo_files(ref.repo_id, revision=before) if p not in keep]
+        if created or replace:
+            operations += [CommitOperationDelete(path_in_repo=p) for p in others]
+            others = []
         operations.append(CommitOperationAdd(
             path_in_repo=MANIFEST, path_or_fileobj=(json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()))
         operations.append(CommitOperationAdd(path_in_repo=CARD,
@@ -102,4 +111,4 @@ def push(folder: str, repo: str, *, revision: str | None = None, private: bool =
                                      + (f" from {source}" if source else ""))
         info = api.create_commit(ref.repo_id, operations, commit_message=message, revision=branch,
                                  create_pr=create_pr)
-    return Pushed(ref.repo_id, branch, info.oid, info.oid != before, info.commit_url, info.pr_url)
+    return Pushed(ref.repo_id, branch, info.oid, info.oid != before, info.commit_url, info.pr_url, others)
