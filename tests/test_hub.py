@@ -177,6 +177,16 @@ def test_select_files_prefers_safetensors_and_skips_other_formats():
         ["config.json", "model-1.safetensors", "model-2.safetensors", "model.safetensors.index.json"]
     bins = ["config.json", "pytorch_model.bin.index.json", "pytorch_model-1.bin", "pytorch_model-2.bin"]
     assert select_files(bins) == sorted(bins)
+    megatron = ["latest_checkpointed_iteration.txt", "iter_0000100/mp_rank_00/model_optim_rng.pt",
+                "iter_0000200/mp_rank_00/model_optim_rng.pt", "iter_0000200/mp_rank_01/model_optim_rng.pt",
+                "config.json", "tokenizer.json", "README.md"]
+    assert select_files(megatron, tracker_text="200\n") == \
+        ["config.json", "iter_0000200/mp_rank_00/model_optim_rng.pt", "iter_0000200/mp_rank_01/model_optim_rng.pt",
+         "latest_checkpointed_iteration.txt", "tokenizer.json"]
+    vllm = ["model-rank-0-part-0.safetensors", "model-rank-1-part-0.safetensors", "reshard.json", "config.json",
+            "model.safetensors", "README.md"]
+    assert select_files(vllm) == ["config.json", "model-rank-0-part-0.safetensors",
+                                  "model-rank-1-part-0.safetensors", "reshard.json"]
 
 
 # -- pull ----------------------------------------------------------------------------------------------------------
@@ -395,3 +405,19 @@ def test_push_to_an_existing_branch_deletes_nothing_without_replace(hub, src, tm
     assert "pass --replace to delete them" in proc.stderr
     env.run("push", tp2, "alice/model", "--replace")
     assert set(hub.state.files("alice/model")) - {"reshard.json", "README.md", ".gitattributes"} == tp2_files
+
+
+@pytest.mark.parametrize("layout,args", [("megatron", ["--tp", "2", "--pp", "2"]), ("vllm", ["--tp", "2"])])
+def test_megatron_and_vllm_repos_convert_back_from_the_hub(hub, src, tmp_path, hubenv, layout, args):
+    """A pushed Megatron (tracker + iteration folder) or vLLM (model-rank files + reshard.json) repo is a source
+    like any other: hf:// downloads its rank files, and converting it back to HF gives the original bytes."""
+    env = hubenv.at(hub.endpoint)
+    out = tmp_path / layout
+    env.run("convert", src, out, "--to", layout, *args)
+    env.run("push", out, f"alice/tiny-{layout}")
+    proc = env.run("plan", f"hf://alice/tiny-{layout}", "--to", "hf", ok=False)
+    assert_one_line_error(proc, f"holds a {layout} checkpoint", "reshard pull")
+    back = tmp_path / "back"
+    env.run("convert", f"hf://alice/tiny-{layout}", back, "--to", "hf")
+    assert "EQUAL" in env.run("verify", src, back).stdout
+    assert "EQUAL" in env.run("verify", out, f"hf://alice/tiny-{layout}").stdout

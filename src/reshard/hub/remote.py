@@ -10,6 +10,7 @@ from reshard.errors import CheckpointError, ReshardError
 from reshard.hub import HubRef
 from reshard.hub.download import needed_files, repo_listing
 from reshard.hub.errors import hub_errors
+from reshard.hub.selection import repo_layout
 from reshard.io.safetensors_format import MAX_HEADER, parse_header
 from reshard.io.tensorfile import TensorFile
 from reshard.layouts import hf
@@ -74,6 +75,10 @@ def open_remote(ref: HubRef, opts: Options) -> Source:
     api = HfApi()
     with hub_errors(ref.repo_id, ref.revision):
         commit, sizes = repo_listing(api, ref)
+        layout = repo_layout(sorted(sizes))
+        if layout != "hf":
+            raise CheckpointError(f"{ref} holds a {layout} checkpoint: plans from remote headers need an HF-layout "
+                                  f"repo; run `reshard pull {ref.repo_id}` and plan the local folder")
         files = needed_files(api, ref, commit, sizes)
         weights = [f for f in files if f.endswith(".safetensors")]
         if not weights or "config.json" not in files:
