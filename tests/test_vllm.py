@@ -195,3 +195,14 @@ def test_folder_vllm_wrote_itself_reads_without_record(tmp_path):
     reshard.convert(str(v), str(tmp_path / "back"), to="hf")
     got = load_hf_tensors(tmp_path / "back")
     assert all(torch.equal(got[k], t) for k, t in tensors.items()) and sorted(got) == sorted(tensors)
+
+
+@pytest.mark.parametrize("record", ['{"tensor_parallel_size": "four"}', "{not json", '["a list"]'])
+def test_broken_tp_record_is_a_one_line_error(tmp_path, record):
+    src, _, _ = make_source(tmp_path, "llama_gqa")
+    v = tmp_path / "v"
+    reshard.convert(src, str(v), to="vllm", tp=2)
+    (v / "reshard.json").write_text(record)
+    proc = run_cli("inspect", str(v))
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1
+    assert "reshard.json" in proc.stderr

@@ -135,21 +135,32 @@ def _rank_files(path: str) -> dict[int, list[str]]:
     return {r: [parts[r][p] for p in sorted(parts[r])] for r in range(tp)}
 
 
+def _tp_value(where: str, value) -> int:
+    try:
+        tp = int(value)
+    except (TypeError, ValueError):
+        tp = 0
+    if tp < 1 or isinstance(value, bool):
+        raise CheckpointError(f"{where}: tensor_parallel_size {value!r} is not a positive integer; fix or remove it")
+    return tp
+
+
 def _recorded_tp(path: str, files: list[SafetensorsFile]) -> int | None:
     """The TP size reshard recorded (reshard.json, file metadata); None for a folder vLLM wrote itself."""
     found = set()
     record = os.path.join(path, RECORD)
     if os.path.isfile(record):
         try:
-            value = json.load(open(record)).get("tensor_parallel_size")
-        except (json.JSONDecodeError, AttributeError):
+            with open(record) as f:
+                value = json.load(f).get("tensor_parallel_size")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
             raise CheckpointError(f"{record}: invalid JSON; delete it or fix it") from None
         if value is not None:
-            found.add(int(value))
+            found.add(_tp_value(record, value))
     for f in files:
         value = f.metadata.get("tensor_parallel_size")
         if value is not None:
-            found.add(int(value))
+            found.add(_tp_value(f.path, value))
     if len(found) > 1:
         raise CheckpointError(f"{path}: the recorded tensor_parallel_size values disagree ({sorted(found)}): "
                               "files from different conversions are mixed in one folder")
