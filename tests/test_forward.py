@@ -269,3 +269,15 @@ def test_timeout_kills_workers(megatron_tp2):
         launch(job)
     assert info.value.exit_code == 1 and "timed out after 0.05s" in str(info.value)
     assert not multiprocessing.active_children()
+
+
+def test_bf16_compute_uses_the_bf16_tolerance(tmp_path):
+    """--compute-dtype bf16 runs both sides in bf16: the report says so, judges with the bf16 rule, and passes for
+    an exact conversion (while still far from fp32-exact)."""
+    src = seeded_hf(tmp_path / "hf", "llama")
+    reshard.convert(src, str(tmp_path / "m"), to="megatron", tp=2)
+    r = verify_forward(src, str(tmp_path / "m"), compute_dtype="bf16")
+    assert r["tolerance"]["basis"] == "bfloat16"
+    assert r["ok"], r["problems"]
+    assert r["argmax_agreement"] >= 0.99
+    assert r["max_abs"] > 1e-4  # really computed in bf16: TP=1 and TP=2 round differently (fp32 gives ~1e-6)
