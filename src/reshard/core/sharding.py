@@ -6,9 +6,15 @@ stored tensor's split axis.
 
 from __future__ import annotations
 
+from typing import Callable
+
 from reshard.core.canonical import CanonicalModel, CanonicalTensor
-from reshard.core.pieces import Piece, padding
+from reshard.core.pieces import Piece, StoredTensor, padding
 from reshard.errors import PlanError
+from reshard.mapping import WeightSpec
+
+# (q, k, v, rank, tp, groups) -> the rank's rows of a fused qkv tensor; the one rule that differs per layout
+QkvRule = Callable[[CanonicalTensor, CanonicalTensor, CanonicalTensor, int, int, int], list[Piece]]
 
 
 def megatron_padded_vocab(vocab: int, tp: int, divisor: int = 128) -> int:
@@ -134,3 +140,44 @@ def check_vllm_degrees(model: CanonicalModel, tp: int) -> None:
     if padded % tp:
         raise PlanError(f"vLLM pads the vocab {model.vocab_size} to {padded} rows, which do not split over "
                         f"tp={tp}; choose a tp that divides {padded}")
+
+
+# ------------------------------------------------------------------------------- per-rank stored tensors
+
+def pack_members(model: CanonicalModel, spec: WeightSpec, layer: int | None,
+                 name_of: Callable[[WeightSpec], str]) -> list[CanonicalTensor] | None:
+    """The canonical tensors one stored tensor of ``spec`` holds: the whole pack (weights sharing the fused name
+    ``name_of`` gives) for a pack's first slot, ``spec``'s own tensor otherwise; None when the model lacks it or
+    ``spec`` is a later slot of a pack (stored with the first)."""
+    if spec.slot:
+        pack = [s for s in model.family.weights if name_of(s) == name_of(spec)]
+        if spec is not pack[0]:
+            return None
+        members = [model.get(s, layer) for s in pack]
+        return None if any(m is None for m in members) else members
+    member = model.get(spec, layer)
+    return None if member is None else [member]
+
+
+def rank_slice(name: str, spec: WeightSpec, members: list[CanonicalTensor], rank: int, tp: int, groups: int,
+               padded_vocab: int, qkv_rule: QkvRule) -> StoredTensor:
+    """Rank ``rank``'s stored tensor ``name`` of ``members`` (one weight or a qkv / gate_up pack) by split kind."""
+    kind = spec.split
+    first = members[0]
+    if kind == "replicated":
+        pieces = [Piece(first.name, 0, first.shape[first.axis])]
+    elif kind in ("column", "row"):
+        pieces = even_pieces(first, rank, tp)
+    elif kind == "vocab":
+        pieces = vocab_pieces(first, rank, tp, padded_vocab)
+    elif kind == "qkv":
+        by_slot = {m.spec.slot: m for m in members}
+        pieces = qkv_rule(by_slot["q"], by_slot["k"], by_slot["v"], rank, tp, groups)
+    elif kind == "gate_up":
+        by_slot = {m.spec.slot: m for m in members}
+        pieces = megatron_gate_up_pieces(by_slot["gate"], by_slot["up"], rank, tp)
+    else:
+        raise AssertionError(kind)
+    shape = list(first.shape)
+    shape[first.axis] = sum(p.length for p in pieces)
+    return StoredTensor(name, tuple(shape), first.axis, tuple(pieces))

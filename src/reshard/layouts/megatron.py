@@ -15,10 +15,10 @@ import json
 import os
 import re
 
-from reshard.core.canonical import CanonicalModel, CanonicalTensor, build_canonical
-from reshard.core.pieces import Piece, StoredTensor
-from reshard.core.sharding import (check_megatron_degrees, even_pieces, megatron_gate_up_pieces,
-                                   megatron_padded_vocab, megatron_qkv_pieces, stage_layers, vocab_pieces)
+from reshard.core.canonical import CanonicalModel, build_canonical
+from reshard.core.pieces import StoredTensor
+from reshard.core.sharding import (check_megatron_degrees, megatron_padded_vocab, megatron_qkv_pieces, pack_members,
+                                   rank_slice, stage_layers)
 from reshard.errors import CheckpointError, PlanError
 from reshard.io.torch_format import MegatronEnum, TensorSlot, TorchFile, torch_dtype_global
 from reshard.layouts.base import Options, Source, TargetSpec, check_shape, find_side_files
@@ -38,31 +38,6 @@ def rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
     return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
 
 
-def _pieces(spec: WeightSpec, members: list[CanonicalTensor], rank: int, tp: int, groups: int,
-            padded_vocab: int) -> list[Piece]:
-    kind = spec.split
-    if kind == "replicated":
-        t = members[0]
-        return [Piece(t.name, 0, t.shape[t.axis])]
-    if kind in ("column", "row"):
-        return even_pieces(members[0], rank, tp)
-    if kind == "vocab":
-        return vocab_pieces(members[0], rank, tp, padded_vocab)
-    by_slot = {m.spec.slot: m for m in members}
-    if kind == "qkv":
-        return megatron_qkv_pieces(by_slot["q"], by_slot["k"], by_slot["v"], rank, tp, groups)
-    if kind == "gate_up":
-        return megatron_gate_up_pieces(by_slot["gate"], by_slot["up"], rank, tp)
-    raise AssertionError(kind)
-
-
-def _stored(name: str, members: list[CanonicalTensor], pieces: list[Piece]) -> StoredTensor:
-    first = members[0]
-    shape = list(first.shape)
-    shape[first.axis] = sum(p.length for p in pieces)
-    return StoredTensor(name, tuple(shape), first.axis, tuple(pieces))
-
-
 def rank_tensors(model: CanonicalModel, tp: int, rank: int, layers: list[int], first: bool, last: bool,
                  spec_name: str, padded_vocab: int) -> list[StoredTensor]:
     """The tensors of one TP rank of one pipeline chunk holding global ``layers`` (names local to the chunk)."""
@@ -71,21 +46,12 @@ def rank_tensors(model: CanonicalModel, tp: int, rank: int, layers: list[int], f
     out: list[StoredTensor] = []
 
     def emit(spec: WeightSpec, layer: int | None, local: int | None, name_spec: WeightSpec | None = None):
-        if spec.slot:
-            pack = [s for s in family.weights if s.megatron_name(spec_name) == spec.megatron_name(spec_name)]
-            if spec is not pack[0]:
-                return
-            members = [model.get(s, layer) for s in pack]
-            if any(m is None for m in members):
-                return
-        else:
-            member = model.get(spec, layer)
-            if member is None:
-                return
-            members = [member]
+        members = pack_members(model, spec, layer, lambda s: s.megatron_name(spec_name))
+        if members is None:
+            return
         template = (name_spec or spec).megatron_name(spec_name)
         name = template.format(layer=local) if local is not None else template
-        out.append(_stored(name, members, _pieces(spec, members, rank, tp, groups, padded_vocab)))
+        out.append(rank_slice(name, spec, members, rank, tp, groups, padded_vocab, megatron_qkv_pieces))
 
     if first:
         for spec in family.weights:

@@ -16,10 +16,10 @@ import os
 import re
 
 from reshard import __version__
-from reshard.core.canonical import CanonicalModel, CanonicalTensor, build_canonical
-from reshard.core.pieces import Piece, StoredTensor
-from reshard.core.sharding import (check_vllm_degrees, even_pieces, megatron_gate_up_pieces, vllm_padded_vocab,
-                                   vllm_qkv_pieces, vocab_pieces)
+from reshard.core.canonical import CanonicalModel, build_canonical
+from reshard.core.pieces import StoredTensor
+from reshard.core.sharding import (check_vllm_degrees, pack_members, rank_slice, vllm_padded_vocab,
+                                   vllm_qkv_pieces)
 from reshard.errors import CheckpointError, PlanError
 from reshard.io import dtypes
 from reshard.io.safetensors_format import SafetensorsFile
@@ -39,24 +39,6 @@ def kept_tied_name(names: list[str]) -> str:
     return min(names)
 
 
-def _pieces(spec: WeightSpec, members: list[CanonicalTensor], rank: int, tp: int, groups: int,
-            padded_vocab: int) -> list[Piece]:
-    kind = spec.split
-    if kind == "replicated":
-        t = members[0]
-        return [Piece(t.name, 0, t.shape[t.axis])]
-    if kind in ("column", "row"):
-        return even_pieces(members[0], rank, tp)
-    if kind == "vocab":
-        return vocab_pieces(members[0], rank, tp, padded_vocab)
-    by_slot = {m.spec.slot: m for m in members}
-    if kind == "qkv":
-        return vllm_qkv_pieces(by_slot["q"], by_slot["k"], by_slot["v"], rank, tp, groups)
-    if kind == "gate_up":
-        return megatron_gate_up_pieces(by_slot["gate"], by_slot["up"], rank, tp)
-    raise AssertionError(kind)
-
-
 def _check_names(model: CanonicalModel) -> None:
     missing = [s.hf for s in model.family.weights if s.slot and not s.vllm]
     if missing:
@@ -73,24 +55,12 @@ def rank_tensors(model: CanonicalModel, tp: int, rank: int, padded_vocab: int) -
     emb_spec = next((s for s in family.weights if head_spec and s.hf == head_spec.tied_to), None)
 
     def emit(spec: WeightSpec, layer: int | None, name: str | None = None) -> None:
-        if spec.slot:
-            pack = [s for s in family.weights if s.vllm_name == spec.vllm_name]
-            if spec is not pack[0]:
-                return
-            members = [model.get(s, layer) for s in pack]
-            if any(m is None for m in members):
-                return
-        else:
-            member = model.get(spec, layer)
-            if member is None:
-                return
-            members = [member]
-        pieces = _pieces(spec, members, rank, tp, groups, padded_vocab)
-        shape = list(members[0].shape)
-        shape[members[0].axis] = sum(p.length for p in pieces)
+        members = pack_members(model, spec, layer, lambda s: s.vllm_name)
+        if members is None:
+            return
         template = name or spec.vllm_name
         stored_name = template.format(layer=layer) if layer is not None else template
-        out.append(StoredTensor(stored_name, tuple(shape), members[0].axis, tuple(pieces)))
+        out.append(rank_slice(stored_name, spec, members, rank, tp, groups, padded_vocab, vllm_qkv_pieces))
 
     for spec in family.weights:
         if spec.stage == "first":
