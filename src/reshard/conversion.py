@@ -13,7 +13,7 @@ from reshard.execute import ensure_replicas_agree, execute
 from reshard.io import dtypes
 from reshard.hub import open_source
 from reshard.layouts import LAYOUTS, hf, megatron, vllm
-from reshard.layouts.base import Options, Source
+from reshard.layouts.base import Options, Source, stored_dtype
 from reshard.staging import check_destination, staged_output
 
 TARGETS = ("hf", "megatron", "vllm")
@@ -56,8 +56,7 @@ def make_plan(source: Source, to: str, opts: Options) -> tuple[Plan, dict]:
     for spec in specs:
         tensors = []
         for stored in spec.tensors:
-            canon = next((p.canonical for p in stored.pieces if p.canonical), None)
-            tensors.append(plan_tensor(index, stored, opts.dtype or model.dtypes.get(canon, dtype)))
+            tensors.append(plan_tensor(index, stored, stored_dtype(model, stored, opts, dtype)))
         files.append(TargetFile(spec.path, spec.format, tensors, payload=spec.payload, metadata=spec.metadata))
     notes = []
     dropped = source.info.get("dropped")

@@ -9,6 +9,7 @@ import json
 import os
 
 from reshard import __version__
+from reshard.io.partial import replace_with_text
 
 MANIFEST = "reshard.json"
 CARD = "README.md"
@@ -27,11 +28,7 @@ def read_manifest(folder: str) -> dict:
 def write_manifest(folder: str, updates: dict) -> None:
     """Merge ``updates`` into ``folder/reshard.json`` (keys other writers put there are kept)."""
     data = {**read_manifest(folder), **updates}
-    tmp = os.path.join(folder, MANIFEST + ".partial")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, os.path.join(folder, MANIFEST))
+    replace_with_text(os.path.join(folder, MANIFEST), json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def sha256_file(path: str) -> str:

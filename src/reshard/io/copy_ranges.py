@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 from reshard.core.plan import TargetTensor
 from reshard.io import dtypes
+from reshard.io.gather import direct
 from reshard.io.tensorfile import TensorFile
 
 _ZEROS = bytes(1 << 20)
@@ -33,7 +34,7 @@ class Ranges:
 def as_ranges(tensor: TargetTensor, files: list[TensorFile]) -> Ranges | None:
     """``tensor`` as contiguous source byte runs, or None when it needs a gather (column slice, cast, strides,
     a constant fill)."""
-    if tensor.fill is not None or not tensor.shape:
+    if tensor.fill is not None or not tensor.shape or not direct(tensor, files):
         return None
     size = dtypes.itemsize(tensor.dtype)
     outer = 1
@@ -45,8 +46,6 @@ def as_ranges(tensor: TargetTensor, files: list[TensorFile]) -> Ranges | None:
     parts, pos = [], 0
     for op in sorted(tensor.reads, key=lambda o: o.dst_start):
         loc = files[op.source].tensors[op.tensor]
-        if loc.dtype != tensor.dtype or loc.strides is not None or len(loc.shape) != len(tensor.shape):
-            return None
         if tensor.axis == 0:  # runs along dim 0 (or a 1-D tensor): the trailing dims must agree
             if tuple(loc.shape[1:]) != tuple(tensor.shape[1:]):
                 return None

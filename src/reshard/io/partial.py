@@ -33,3 +33,12 @@ class PartialFile:
             os.unlink(self.partial)
         except FileNotFoundError:
             pass
+
+
+def replace_with_text(path: str, text: str) -> None:
+    """Write a small file (index, tracker, record) as ``PATH.partial`` and rename it over ``PATH``, so ``PATH``
+    is never seen half-written. (Durability comes from the staging folder's fsync before it is published.)"""
+    tmp = path + ".partial"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)

@@ -75,6 +75,28 @@ class TargetSpec:
     metadata: dict | None = None
 
 
+def stored_dtype(model: CanonicalModel, tensor: StoredTensor, opts: Options, default: str) -> str:
+    """The dtype a target tensor is written in: its own fixed dtype (constants), else --dtype, else the dtype of
+    the source tensor it comes from (``default`` for one without a canonical source)."""
+    canon = next((p.canonical for p in tensor.pieces if p.canonical), None)
+    return tensor.dtype or opts.dtype or model.dtypes.get(canon, default)
+
+
+def pack_by_size(tensors: list, nbytes_of, limit: int) -> list[list]:
+    """Consecutive ``tensors`` grouped into files of at most ``limit`` bytes (HF shards, vLLM parts); a tensor
+    larger than ``limit`` gets a file of its own."""
+    files: list[list] = [[]]
+    size = 0
+    for tensor in tensors:
+        nbytes = nbytes_of(tensor)
+        if files[-1] and size + nbytes > limit:
+            files.append([])
+            size = 0
+        files[-1].append(tensor)
+        size += nbytes
+    return files
+
+
 def find_side_files(folder: str) -> list[str]:
     return [os.path.join(folder, n) for n in SIDE_FILES if os.path.isfile(os.path.join(folder, n))]
 

@@ -9,13 +9,13 @@ import math
 import os
 
 from reshard.core.canonical import CanonicalModel, build_canonical, match_template
-from reshard.core.pieces import StoredTensor
 from reshard.errors import CheckpointError
 from reshard.io import dtypes
+from reshard.io.partial import replace_with_text
 from reshard.io.safetensors_format import SafetensorsFile
 from reshard.io.tensorfile import TensorFile
 from reshard.io.torch_format import TorchFile
-from reshard.layouts.base import Options, Source, TargetSpec, check_shape, find_side_files
+from reshard.layouts.base import Options, Source, TargetSpec, check_shape, find_side_files, pack_by_size
 from reshard.mapping import family_for_architecture
 
 NAME = "hf"
@@ -136,15 +136,9 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
 
 def targets(model: CanonicalModel, opts: Options) -> list[TargetSpec]:
     """Canonical tensors in HF order, packed into shards of at most ``max_shard_size`` bytes."""
-    shards: list[list[StoredTensor]] = [[]]
-    size = 0
-    for name, t in model.tensors.items():
-        nbytes = dtypes.itemsize(opts.dtype or model.dtypes[name]) * math.prod(t.shape)
-        if shards[-1] and size + nbytes > opts.max_shard_size:
-            shards.append([])
-            size = 0
-        shards[-1].append(t.whole())
-        size += nbytes
+    shards = pack_by_size([t.whole() for t in model.tensors.values()],
+                          lambda t: dtypes.itemsize(opts.dtype or model.dtypes[t.name]) * math.prod(t.shape),
+                          opts.max_shard_size)
     if len(shards) == 1:
         names = ["model.safetensors"]
     else:
@@ -160,15 +154,18 @@ def output_config(model: CanonicalModel, dtype: str) -> dict:
     return config
 
 
-def finalize(out: str, model: CanonicalModel, files: list, dtype: str) -> None:
-    """Write config.json, then the index last (only for a sharded output). ``files``: the plan's TargetFiles."""
+def write_config(out: str, model: CanonicalModel, dtype: str) -> None:
+    """``config.json`` of the output (the canonical config with the output's dtype and tie flag)."""
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(output_config(model, dtype), f, indent=2, sort_keys=True)
         f.write("\n")
+
+
+def finalize(out: str, model: CanonicalModel, files: list, dtype: str) -> None:
+    """Write config.json, then the index last (only for a sharded output). ``files``: the plan's TargetFiles."""
+    write_config(out, model, dtype)
     if len(files) > 1:
         weight_map = {t.name: spec.path for spec in files for t in spec.tensors}
         total = sum(spec.nbytes for spec in files)
-        tmp = os.path.join(out, INDEX + ".partial")
-        with open(tmp, "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-        os.replace(tmp, os.path.join(out, INDEX))
+        replace_with_text(os.path.join(out, INDEX),
+                          json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))

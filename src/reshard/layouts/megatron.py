@@ -20,6 +20,7 @@ from reshard.core.pieces import StoredTensor
 from reshard.core.sharding import (check_megatron_degrees, megatron_padded_vocab, megatron_qkv_pieces, pack_members,
                                    rank_slice, stage_layers)
 from reshard.errors import CheckpointError, PlanError
+from reshard.io.partial import replace_with_text
 from reshard.io.torch_format import MegatronEnum, TensorSlot, TorchFile, torch_dtype_global
 from reshard.layouts.base import Options, Source, TargetSpec, check_shape, find_side_files
 from reshard.mapping import Family, WeightSpec, family_for_architecture
@@ -379,7 +380,4 @@ def targets(model: CanonicalModel, opts: Options, source: Source, dtype: str) ->
 
 def finalize(out: str, iteration: str) -> None:
     """Write the tracker file last: its presence marks the checkpoint complete."""
-    tmp = os.path.join(out, TRACKER + ".partial")
-    with open(tmp, "w") as f:
-        f.write(f"{iteration}\n" if iteration != "release" else "release")
-    os.replace(tmp, os.path.join(out, TRACKER))
+    replace_with_text(os.path.join(out, TRACKER), f"{iteration}\n" if iteration != "release" else "release")

@@ -22,9 +22,11 @@ from reshard.core.sharding import (check_vllm_degrees, pack_members, rank_slice,
                                    vllm_qkv_pieces)
 from reshard.errors import CheckpointError, PlanError
 from reshard.io import dtypes
+from reshard.io.partial import replace_with_text
 from reshard.io.safetensors_format import SafetensorsFile
 from reshard.layouts import hf
-from reshard.layouts.base import Options, Source, TargetSpec, check_shape, find_side_files
+from reshard.layouts.base import (Options, Source, TargetSpec, check_shape, find_side_files, pack_by_size,
+                                  stored_dtype)
 from reshard.mapping import WeightSpec, family_for_architecture
 
 NAME = "vllm"
@@ -226,17 +228,9 @@ def targets(model: CanonicalModel, opts: Options, dtype: str) -> tuple[list[Targ
     padded = vllm_padded_vocab(model.vocab_size)
     specs = []
     for rank in range(opts.tp):
-        parts: list[list[StoredTensor]] = [[]]
-        size = 0
-        for tensor in rank_tensors(model, opts.tp, rank, padded):
-            canon = next((p.canonical for p in tensor.pieces if p.canonical), None)
-            item = dtypes.itemsize(tensor.dtype or opts.dtype or model.dtypes.get(canon, dtype))
-            nbytes = item * math.prod(tensor.shape)
-            if parts[-1] and size + nbytes > opts.max_shard_size:
-                parts.append([])
-                size = 0
-            parts[-1].append(tensor)
-            size += nbytes
+        parts = pack_by_size(rank_tensors(model, opts.tp, rank, padded),
+                             lambda t: dtypes.itemsize(stored_dtype(model, t, opts, dtype)) * math.prod(t.shape),
+                             opts.max_shard_size)
         for part, tensors in enumerate(parts):
             metadata = {"format": "pt", "reshard_layout": NAME, "tensor_parallel_size": str(opts.tp),
                         "rank": str(rank)}
@@ -247,17 +241,11 @@ def targets(model: CanonicalModel, opts: Options, dtype: str) -> tuple[list[Targ
 
 def finalize(out: str, model: CanonicalModel, dtype: str, tp: int, padded_vocab: int, files: list) -> None:
     """Write config.json, then ``reshard.json`` (the TP size vLLM does not record) last."""
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(hf.output_config(model, dtype), f, indent=2, sort_keys=True)
-        f.write("\n")
+    hf.write_config(out, model, dtype)
     record = {
         "layout": NAME, "tensor_parallel_size": tp, "pattern": PATTERN,
         "padded_vocab_size": padded_vocab, "vocab_size": model.vocab_size,
         "files": sorted(spec.path for spec in files), "producer": f"reshard {__version__}",
         "load_with": f'vllm.LLM(model=DIR, load_format="sharded_state", tensor_parallel_size={tp})',
     }
-    tmp = os.path.join(out, RECORD + ".partial")
-    with open(tmp, "w") as f:
-        json.dump(record, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, os.path.join(out, RECORD))
+    replace_with_text(os.path.join(out, RECORD), json.dumps(record, indent=2) + "\n")
