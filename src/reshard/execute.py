@@ -2,8 +2,10 @@
 
 Target files with the same tensor names (the TP ranks of one pipeline stage) are written in lockstep: step k
 fills the k-th tensor of every file of the group, so a source tensor they share (a row-parallel weight split on
-dim 1) is read once for all of them. A step's tensors are gathered into one of two reusable buffers while a
-writer thread writes the previous step from the other one (no per-tensor allocation, reads overlap writes).
+dim 1) is read once for all of them. A tensor made of contiguous source byte runs is copied file to file
+(:mod:`reshard.io.copy_ranges`; into a zip record after being read once for its CRC). The others are gathered
+into one of two reusable buffers while a writer thread writes the previous step from the other one (no per-tensor
+allocation, reads overlap writes).
 Peak memory is two steps (about two full tensors) plus a bounded scratch buffer, whatever the model or file size.
 """
 
@@ -174,7 +176,7 @@ def assign(units: list[list[int]], files: list[TargetFile], workers: int) -> lis
 
 @dataclass
 class _Job:
-    writes: list  # (writer, name, memoryview)
+    writes: list  # (writer, name, memoryview or copy_ranges.Ranges)
     buffer: np.ndarray | None
     finish: list  # writers to finish after the writes
     done_bytes: int
