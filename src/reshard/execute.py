@@ -3,10 +3,10 @@
 Target files with the same tensor names (the TP ranks of one pipeline stage) are written in lockstep: step k
 fills the k-th tensor of every file of the group, so a source tensor they share (a row-parallel weight split on
 dim 1) is read once for all of them. A tensor made of contiguous source byte runs is copied file to file
-(:mod:`reshard.io.copy_ranges`; into a zip record after being read once for its CRC). The others are gathered
+(:mod:`reshard.io.copy_ranges`; a zip record after its CRC is computed through a map of the source). The others are gathered
 into one of two reusable buffers while a writer thread writes the previous step from the other one (no per-tensor
 allocation, reads overlap writes).
-Peak memory is two steps (about two full tensors) plus a bounded scratch buffer, whatever the model or file size.
+Peak memory is two steps (about two full tensors) plus bounded map windows, whatever the model or file size.
 """
 
 from __future__ import annotations
@@ -278,12 +278,14 @@ class _Run:
             self.open.append(writers[-1])
         for k in range(len(targets[0].tensors)):
             buffer = self._take_buffer()
-            items, writes, checksummed, pos = [], [], [], 0
+            items, writes, pos = [], [], 0
             for target, writer in zip(targets, writers):
                 tensor = target.tensors[k]
                 ranges = as_ranges(tensor, self.files)
-                if ranges is not None and isinstance(writer, SafetensorsWriter):
-                    writes.append((writer, tensor.name, ranges))  # copied file to file, never read here
+                if ranges is not None:  # copied file to file; a zip record's CRC is read through a map first
+                    if not isinstance(writer, SafetensorsWriter):
+                        ranges = ranges.checksummed(crc32)
+                    writes.append((writer, tensor.name, ranges))
                     continue
                 dest = buffer[pos:pos + tensor.nbytes]
                 pos += _aligned(tensor.nbytes)
@@ -292,15 +294,8 @@ class _Run:
                 else:
                     data = assemble(tensor, self.files)
                     dest[:] = data.contiguous().reshape(-1).view(dtypes.to_torch("U8")).numpy()
-                if ranges is not None:  # a zip record: read once for its CRC, then copied file to file
-                    checksummed.append(len(writes))
-                    writes.append((writer, tensor.name, (ranges, dest)))
-                else:
-                    writes.append((writer, tensor.name, memoryview(dest)))
+                writes.append((writer, tensor.name, memoryview(dest)))
             self.gather.fill(items)
-            for i in checksummed:
-                writer, name, (ranges, dest) = writes[i]
-                writes[i] = (writer, name, ranges.with_crc(crc32(memoryview(dest))))
             self.writer.jobs.put(_Job(writes, buffer, [], sum(t.tensors[k].nbytes for t in targets)))
         self.writer.jobs.put(_Job([], None, writers, 0))
         self._raise_writer_error()

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from reshard.core.plan import TargetTensor
 from reshard.io import dtypes
 from reshard.io.gather import direct
+from reshard.io.mapped import crc32_of_range
 from reshard.io.tensorfile import TensorFile
 
 _ZEROS = bytes(1 << 20)
@@ -28,6 +29,18 @@ class Ranges:
     crc: int | None = None  # filled in for zip records (the caller reads the bytes once to checksum them)
 
     def with_crc(self, crc: int) -> "Ranges":
+        return replace(self, crc=crc)
+
+    def checksummed(self, crc32) -> "Ranges":
+        """These ranges with ``crc`` set to the CRC-32 of their bytes, read through short-lived maps of the
+        source (no copy into this process; see :mod:`reshard.io.mapped`)."""
+        crc = 0
+        for fd, offset, length in self.parts:
+            if fd is None:
+                for start in range(0, length, len(_ZEROS)):
+                    crc = crc32(memoryview(_ZEROS)[:min(len(_ZEROS), length - start)], crc)
+            else:
+                crc = crc32_of_range(fd, offset, length, crc, crc32)
         return replace(self, crc=crc)
 
 

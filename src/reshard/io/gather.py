@@ -4,8 +4,8 @@ A target tensor is seen as ``(outer, n, unit)``: ``outer`` = the product of the 
 ``n`` = the axis length, ``unit`` = bytes of the dims after it. A read op copies ``length`` indices along the
 axis; when ``outer == 1`` (split on dim 0) or the op spans whole rows of both tensors, the source bytes are
 contiguous and are read straight into the buffer with ``os.preadv``. Otherwise (a column slice of a row-parallel
-weight) every op on the same source tensor is served from one pass over it: blocks of whole rows are read into a
-bounded scratch buffer and each op's columns are copied out with numpy (which releases the GIL).
+weight) every op on the same source tensor is served from one pass over it: blocks of whole rows are mapped
+(:mod:`reshard.io.mapped`, at most ``BLOCK_BYTES`` at a time) and each op's columns are copied out with numpy.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import numpy as np
 
 from reshard.core.plan import ReadOp, TargetTensor
 from reshard.io import dtypes
+from reshard.io.mapped import mapped
 from reshard.io.tensorfile import TensorFile, read_into
 
-SCRATCH_BYTES = 32 << 20
+BLOCK_BYTES = 32 << 20  # rows of a source tensor mapped at once for a column scatter
 _NUMPY_FLOATS = {"F64": "<f8", "F32": "<f4", "F16": "<f2"}  # constants (vLLM scales) are filled with numpy
 
 
@@ -48,16 +49,10 @@ def direct(tensor: TargetTensor, files: list[TensorFile]) -> bool:
 
 
 class Gatherer:
-    """Reads target tensors into caller-owned byte buffers; keeps one reusable scratch buffer."""
+    """Reads target tensors into caller-owned byte buffers."""
 
     def __init__(self, files: list[TensorFile]):
         self.files = files
-        self._scratch = np.empty(0, np.uint8)
-
-    def scratch(self, nbytes: int) -> np.ndarray:
-        if self._scratch.nbytes < nbytes:
-            self._scratch = np.empty(nbytes, np.uint8)
-        return self._scratch
 
     def fill(self, items: list[tuple[TargetTensor, np.ndarray]]) -> None:
         """Fill each ``dest`` (a uint8 array of ``tensor.nbytes``) with its tensor; ops that need a column slice
@@ -99,22 +94,17 @@ class Gatherer:
         loc = file.tensors[name]
         axis = ops[0][1].axis
         rows, n, unit = _split(loc.shape, axis, dtypes.itemsize(loc.dtype))
-        lo = min(op.src_start for op, _, _ in ops)
-        hi = max(op.src_start + op.length for op, _, _ in ops)
         row_bytes = n * unit
-        block = max(1, SCRATCH_BYTES // max(row_bytes, 1))
-        scratch = self.scratch(min(block, rows) * row_bytes)
+        block = max(1, BLOCK_BYTES // max(row_bytes, 1))
         targets = []
         for op, tensor, dest in ops:
             t_outer, t_n, t_unit = _split(tensor.shape, axis, dtypes.itemsize(tensor.dtype))
             targets.append((op, _units(dest.reshape(t_outer, t_n, t_unit), unit)))
         for r0 in range(0, rows, block):
             count = min(block, rows - r0)
-            # bytes from (r0, lo) to (r0 + count - 1, hi): rows of the block, trimmed at both ends
-            first = lo * unit
-            last = (count - 1) * row_bytes + hi * unit
-            read_into(file.fd, memoryview(scratch[first:last]), loc.offset + r0 * row_bytes + first, file.path)
-            src3 = _units(scratch[:count * row_bytes].reshape(count, n, unit), unit)
-            for op, dest3 in targets:
-                dest3[r0:r0 + count, op.dst_start:op.dst_start + op.length] = \
-                    src3[:, op.src_start:op.src_start + op.length]
+            with mapped(file.fd, loc.offset + r0 * row_bytes, count * row_bytes) as window:
+                src3 = _units(window.reshape(count, n, unit), unit)
+                for op, dest3 in targets:
+                    dest3[r0:r0 + count, op.dst_start:op.dst_start + op.length] = \
+                        src3[:, op.src_start:op.src_start + op.length]
+                del src3
