@@ -71,6 +71,7 @@ OPS: dict[str, tuple[str, list[str] | None]] = {
     "hf_to_vllm_tp8": ("hf", ["--to", "vllm", "--tp", "8"]),
     "naive": ("hf", None),
 }
+CACHE_MODES = ("data", "all", "warm")
 CONVERTER_OPS = [name for name, (_, args) in OPS.items() if args is not None]
 MEGATRON_TP8_ARGS = OPS["hf_to_megatron_tp8"][1]
 
@@ -432,6 +433,32 @@ def drop_caches() -> bool:
         return False
 
 
+def evict_files(root: Path) -> bool:
+    """Flush, then drop every file under ``root`` from the page cache (``POSIX_FADV_DONTNEED`` on clean pages):
+    the checkpoint is read cold while programs and libraries stay cached, as they are for a tool in use."""
+    os.sync()
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    for folder, _, names in os.walk(root):
+        for name in names:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    return True
+
+
+def make_cold(mode: str, source: Path) -> str:
+    """Prepare one run under cache ``mode``; returns what the run actually got: data, all or warm."""
+    if mode == "all" and drop_caches():
+        return "all"
+    if mode in ("all", "data") and evict_files(source):
+        return "data"
+    os.sync()
+    return "warm"
+
+
 def _proc_tree(root: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for entry in os.scandir("/proc"):
@@ -644,6 +671,8 @@ def probe_converter(env: dict[str, str], logs: Path, reshard: list[str]) -> dict
 def summarize(runs: list[dict], sizes_info: dict[str, dict]) -> list[dict]:
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in runs:
+        if r["op"] == "cp" and r.get("source_kind", "hf") != "hf":
+            continue  # a cp of the Megatron TP8 source, paired with a megatron_tp8_* run: only in that ratio
         groups.setdefault((r["size"], r["op"]), []).append(r)
     cp_median: dict[str, float] = {}
     for (size, op), rs in groups.items():
@@ -674,11 +703,25 @@ def summarize(runs: list[dict], sizes_info: dict[str, dict]) -> list[dict]:
         peak = max(r["peak_rss_bytes"] for r in ok)
         out_largest = next((r["output_largest_tensor"] for r in reversed(ok) if r.get("output_largest_tensor")), None)
         out_bytes = out_largest["bytes"] if out_largest else None
+        pair_ratios = [r["ratio_to_paired_cp"] for r in ok if "ratio_to_paired_cp" in r]
+        if op == "cp":
+            ratio, ratio_kind = 1.0, "self"
+        elif pair_ratios:
+            ratio, ratio_kind = statistics.median(pair_ratios), "median of paired runs"
+        elif size in cp_median:
+            ratio, ratio_kind = median / cp_median[size], "median over median cp"
+        else:
+            ratio, ratio_kind = None, None
         row.update(
             median_s=median,
             min_s=min(times),
             max_s=max(times),
-            ratio_to_cp=(median / cp_median[size]) if size in cp_median else None,
+            ratio_to_cp=ratio,
+            ratio_kind=ratio_kind,
+            ratio_min=min(pair_ratios) if pair_ratios else None,
+            ratio_max=max(pair_ratios) if pair_ratios else None,
+            paired_cp_median_s=statistics.median(r["paired_cp_s"] for r in ok if "paired_cp_s" in r)
+            if pair_ratios else None,
             source_bytes=src_bytes,
             gib_per_s=src_bytes / GIB / median if median > 0 else None,
             peak_rss_bytes=peak,
@@ -723,13 +766,24 @@ def _fmt_s(x: float) -> str:
 def render_markdown(result: dict[str, Any]) -> str:
     lines = ["# reshard benchmark", ""]
     env = result["environment"]
+    cache_text = {
+        "data": "the source checkpoint's files flushed and evicted from the page cache before every run "
+                "(read cold; programs and libraries stay cached)",
+        "all": "the whole page cache dropped before every run (checkpoint, programs and libraries read cold)",
+        "warm": "warm (flushed, nothing evicted)",
+    }[result["cache_mode"]]
     lines.append(
         f"- {env['cpus']} CPUs, {env['mem_gib']:.1f} GiB RAM, Python {env['python']}, torch {env['torch']}; "
-        f"page cache: **{result['cache_mode']}** ({'dropped before every run' if result['cache_mode'] == 'cold' else 'warm cache: drop_caches not writable or --warm'})"
+        f"page cache: **{result['cache_mode']}**: {cache_text}"
     )
+    caches = sorted({r.get("cache") for r in result["runs"] if r.get("cache")} - {result["cache_mode"]})
+    if caches:
+        lines.append(f"- **some runs fell back to cache mode {', '.join(caches)}** (see bench.json)")
     lines.append(
         f"- repeat={result['args']['repeat']}, workers={result['args']['workers'] if result['args']['workers'] is not None else 'converter default'}; "
-        "times include a final `sync`; ratio is against the median `cp -r` + `sync` of the same size"
+        "times include a final `sync`. × cp is the median over repeats of (run time / time of a `cp -r` + `sync` of "
+        "the same source run right next to it), with min–max: the disk's speed drifts between runs, a ratio of "
+        "neighbours cancels the drift"
     )
     b = result.get("baselines", {})
     if b:
@@ -746,7 +800,7 @@ def render_markdown(result: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "| size GiB | operation | median s | min–max s | × cp | GiB/s | peak RSS MiB | RSS / largest tensor | "
+        "| size GiB | operation | median s | min–max s | × cp (min–max) | GiB/s | peak RSS MiB | RSS / largest tensor | "
         "≤ 2×largest + 0.5 GiB |",
         "|---:|---|---:|---:|---:|---:|---:|---:|:---:|",
     ]
@@ -756,6 +810,8 @@ def render_markdown(result: dict[str, Any]) -> str:
             lines.append(f"| {size} | {row['op']} | {row['status']} | | | | | | |")
             continue
         ratio = f"{row['ratio_to_cp']:.2f}" if row["ratio_to_cp"] is not None else "n/a"
+        if row.get("ratio_min") is not None and row["ratio_max"] != row["ratio_min"]:
+            ratio += f" ({row['ratio_min']:.2f}–{row['ratio_max']:.2f})"
         per = f"{row['rss_per_largest_tensor']:.2f}"
         out_b = row["largest_output_tensor_bytes"]
         if out_b and out_b != row["largest_source_tensor_bytes"]:
@@ -825,7 +881,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cache-dir", type=Path, default=None, help="where generated sources are cached (default: OUT/sources)")
     ap.add_argument("--shard-gib", type=float, default=2.0, help="max safetensors shard size in GiB (default: 2)")
     ap.add_argument("--timeout", type=float, default=None, help="kill a run after this many seconds")
-    ap.add_argument("--warm", action="store_true", help="do not drop the page cache before runs")
+    ap.add_argument("--cache", choices=CACHE_MODES, default="data",
+                    help="before every run: 'data' (default) flushes and evicts the source checkpoint's files from "
+                         "the page cache, 'all' drops the whole page cache (programs and libraries too, needs root), "
+                         "'warm' only flushes")
     ap.add_argument("--reshard", default=None, metavar="CMD",
                     help="command that runs the CLI, shell-split (default: the current python -m reshard, "
                          "with this checkout's src/ first on PYTHONPATH)")
@@ -862,7 +921,6 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    cold = (not args.warm) and drop_caches()
     try:  # not `import torch`: keep this process small (see WRAPPER_CODE)
         from importlib.metadata import version
 
@@ -882,7 +940,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch_version,
             "platform": platform.platform(),
         },
-        "cache_mode": "cold" if cold else "warm",
+        "cache_mode": args.cache,
         "baselines": {},
         "converter": None,
         "sizes_info": {},
@@ -967,48 +1025,70 @@ def main(argv: list[str] | None = None) -> int:
                     return meg8, None
                 return None, meg8_error or "no Megatron TP8 source (hf_to_megatron_tp8 did not succeed)"
 
+            def timed(op: str, rep: int, op_src: Path, src_b: int, paired_with: str | None = None) -> dict[str, Any]:
+                """One cold run of ``op`` on ``op_src`` (its output deleted unless kept)."""
+                nonlocal meg8
+                run: dict[str, Any] = {"size": key, "size_gib": size, "op": op, "repeat": rep,
+                                       "source_kind": "hf" if op_src == src else "megatron_tp8"}
+                if paired_with:
+                    run["paired_with"] = paired_with
+                dst = work / f"{key}-{op}"
+                rmtree(dst)
+                free = shutil.disk_usage(work).free
+                if free < src_b * 1.2 + 256 * MIB:
+                    run["status"] = f"skipped: low disk ({free / GIB:.1f} GiB free)"
+                    return run
+                cache = make_cold(args.cache, op_src)
+                cmd = build_cmd(op, op_src, dst, args.workers, args.reshard)
+                log_path = logs / f"{key}-{op}{'-for-' + paired_with if paired_with else ''}-{rep}.log"
+                r = run_child(cmd, log_path, env, args.timeout)
+                ok = r["rc"] == 0 and dst.exists() and dir_bytes(dst) > 0
+                run.update(r, cmd=cmd, log=str(log_path), source_bytes=src_b, cache=cache)
+                if ok:
+                    run["status"] = "ok"
+                    run["output_bytes"] = dir_bytes(dst)
+                    if op != "cp":
+                        run["output_largest_tensor"] = largest_tensor_in_dir(dst)
+                else:
+                    run["status"] = "timeout" if r["timed_out"] else "failed"
+                    run["error_tail"] = log_tail(log_path)
+                log(f"[bench]   {key} GiB {op}{' (paired with ' + paired_with + ')' if paired_with else ''} #{rep}: "
+                    f"{run['status']} {r['wall_s']:.3f}s (cmd {r['cmd_s']:.3f}s + sync {r['sync_s']:.3f}s), "
+                    f"peak RSS {r['peak_rss_bytes'] / MIB:.0f} MiB")
+                if ok and op == "hf_to_megatron_tp8" and meg8 is None and needs_meg8:
+                    meg8 = work / f"{key}-megatron_tp8-source"
+                    rmtree(meg8)
+                    dst.rename(meg8)
+                elif ok and args.keep and rep == args.repeat - 1 and not paired_with:
+                    keep_output(dst, out / "outputs" / key / op)
+                else:
+                    rmtree(dst)
+                return run
+
+            # With cp among the ops, every other op is timed next to its own cp of the same source (cp first on
+            # even repeats, second on odd ones): the disk's speed drifts, and a ratio of neighbours cancels it.
+            paired = "cp" in args.ops and len(args.ops) > 1
             for rep in range(args.repeat):
                 for op in args.ops:
-                    run: dict[str, Any] = {"size": key, "size_gib": size, "op": op, "repeat": rep}
+                    if paired and op == "cp":
+                        continue
                     why = op_unavailable(op)
                     op_src, err = (None, why) if why else source_for(op)
                     if err:
-                        run["status"] = err
-                        result["runs"].append(run)
+                        result["runs"].append({"size": key, "size_gib": size, "op": op, "repeat": rep, "status": err})
                         continue
                     src_b = src_bytes if op_src == src else dir_bytes(op_src)
-                    dst = work / f"{key}-{op}"
-                    rmtree(dst)
-                    free = shutil.disk_usage(work).free
-                    if free < src_b * 1.2 + 256 * MIB:
-                        run["status"] = f"skipped: low disk ({free / GIB:.1f} GiB free)"
-                        result["runs"].append(run)
-                        continue
-                    run_cold = (not args.warm) and drop_caches()
-                    cmd = build_cmd(op, op_src, dst, args.workers, args.reshard)
-                    log_path = logs / f"{key}-{op}-{rep}.log"
-                    r = run_child(cmd, log_path, env, args.timeout)
-                    ok = r["rc"] == 0 and dst.exists() and dir_bytes(dst) > 0
-                    run.update(r, cmd=cmd, log=str(log_path), source_bytes=src_b, cache="cold" if run_cold else "warm")
-                    if ok:
-                        run["status"] = "ok"
-                        run["output_bytes"] = dir_bytes(dst)
-                        if op != "cp":
-                            run["output_largest_tensor"] = largest_tensor_in_dir(dst)
-                    else:
-                        run["status"] = "timeout" if r["timed_out"] else "failed"
-                        run["error_tail"] = log_tail(log_path)
+                    cp_first = rep % 2 == 0
+                    cp_run = timed("cp", rep, op_src, src_b, paired_with=op) if paired and cp_first else None
+                    run = timed(op, rep, op_src, src_b)
+                    if paired and not cp_first:
+                        cp_run = timed("cp", rep, op_src, src_b, paired_with=op)
+                    if cp_run is not None:
+                        result["runs"].append(cp_run)
+                        if cp_run["status"] == "ok" and run["status"] == "ok":
+                            run["paired_cp_s"] = cp_run["wall_s"]
+                            run["ratio_to_paired_cp"] = run["wall_s"] / cp_run["wall_s"]
                     result["runs"].append(run)
-                    log(f"[bench]   {key} GiB {op} #{rep}: {run['status']} {r['wall_s']:.3f}s "
-                        f"(cmd {r['cmd_s']:.3f}s + sync {r['sync_s']:.3f}s), peak RSS {r['peak_rss_bytes'] / MIB:.0f} MiB")
-                    if ok and op == "hf_to_megatron_tp8" and meg8 is None and needs_meg8:
-                        meg8 = work / f"{key}-megatron_tp8-source"
-                        rmtree(meg8)
-                        dst.rename(meg8)
-                    elif ok and args.keep and rep == args.repeat - 1:
-                        keep_output(dst, out / "outputs" / key / op)
-                    else:
-                        rmtree(dst)
                     save()
             if meg8 is not None:
                 if args.keep:

@@ -60,6 +60,21 @@ def assert_ok(data: dict, md: str, op: str) -> dict:
     return row
 
 
+def assert_paired(data: dict, ops: list[str]) -> None:
+    """Every run of ``ops`` has its own cp of the same source next to it, and its ratio is to that cp."""
+    runs = data["runs"]
+    for op in ops:
+        for run in (r for r in runs if r["op"] == op):
+            cps = [r for r in runs if r["op"] == "cp" and r.get("paired_with") == op and r["repeat"] == run["repeat"]]
+            assert len(cps) == 1, (op, run["repeat"])
+            assert cps[0]["source_kind"] == run["source_kind"] and cps[0]["source_bytes"] == run["source_bytes"]
+            assert run["ratio_to_paired_cp"] == pytest.approx(run["wall_s"] / cps[0]["wall_s"])
+            assert cps[0]["cache"] == run["cache"] == data["cache_mode"]
+    row = summary_row(data, ops[0])
+    ratios = [r["ratio_to_paired_cp"] for r in runs if r["op"] == ops[0]]
+    assert row["ratio_to_cp"] == pytest.approx(sorted(ratios)[len(ratios) // 2])
+
+
 # ------------------------------------------------------------------- synthetic source ---
 
 
@@ -130,6 +145,8 @@ def test_shapes_are_close_to_requested_size(gib):
 
 def test_bench_cp_and_naive(tmp_path):
     data, md = run_bench(tmp_path, "--ops", "cp", "naive")
+    assert data["cache_mode"] == "data"  # the default: the checkpoint is evicted, programs stay cached
+    assert_paired(data, ["naive"])
     cp = assert_ok(data, md, "cp")
     naive = assert_ok(data, md, "naive")
     assert cp["ratio_to_cp"] == pytest.approx(1.0)
@@ -236,5 +253,6 @@ def test_bench_converter_ops(tmp_path):
     for op in ("cp", "hf_to_megatron_tp8", "megatron_tp8_to_tp4"):
         row = assert_ok(data, md, op)
         if op != "cp":
-            assert row["ratio_to_cp"] > 0
+            assert row["ratio_to_cp"] > 0 and row["ratio_kind"] == "median of paired runs"
+    assert_paired(data, ["hf_to_megatron_tp8", "megatron_tp8_to_tp4"])
     assert not (tmp_path / "work").exists()
