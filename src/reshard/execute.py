@@ -21,8 +21,9 @@ import numpy as np
 from reshard.core.plan import Plan, ReadOp, ReplicaCheck, TargetFile, TargetTensor
 from reshard.errors import CheckpointError
 from reshard.io import dtypes
-from reshard.io.copy_ranges import Ranges, as_ranges
+from reshard.io.copy_ranges import Ranges, as_ranges, data_phase
 from reshard.io.gather import Gatherer, direct
+from reshard.io.readahead import ReadAhead, read_ahead_window, source_extents
 from reshard.io.safetensors_format import SafetensorsWriter
 from reshard.io.tensorfile import TensorFile
 from reshard.io.torch_format import TensorSlot, TorchZipWriter, crc32
@@ -99,11 +100,13 @@ def _fill_slots(payload, tensors: dict[str, TargetTensor]):
             _fill_slots(value, tensors)
 
 
-def open_writer(target: TargetFile, out_dir: str):
+def open_writer(target: TargetFile, out_dir: str, files: list[TensorFile]):
+    """A writer for ``target``, laid out so that copied tensors land page-aligned with their source bytes."""
     path = os.path.join(out_dir, target.path)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     if target.format == "safetensors":
-        return SafetensorsWriter(path, [(t.name, t.dtype, t.shape) for t in target.tensors], target.metadata)
+        return SafetensorsWriter(path, [(t.name, t.dtype, t.shape) for t in target.tensors], target.metadata,
+                                 data_phase=data_phase(target.tensors, files))
     _fill_slots(target.payload, {t.name: t for t in target.tensors})
     return TorchZipWriter(path, target.payload, [t.name for t in target.tensors])
 
@@ -114,8 +117,9 @@ def _aligned(n: int) -> int:
     return n + (-n % _ALIGN)
 
 
-def step_bytes(files: list[TargetFile], k: int) -> int:
-    return sum(_aligned(f.tensors[k].nbytes) for f in files)
+def step_bytes(files: list[TargetFile], k: int, sources: list[TensorFile]) -> int:
+    """Buffer bytes of step ``k``: tensors copied file to file (:func:`as_ranges`) never pass through memory."""
+    return sum(_aligned(f.tensors[k].nbytes) for f in files if as_ranges(f.tensors[k], sources) is None)
 
 
 def largest_tensor(plan: Plan, files: list[TensorFile]) -> int:
@@ -125,9 +129,10 @@ def largest_tensor(plan: Plan, files: list[TensorFile]) -> int:
     return max(sizes, default=0)
 
 
-def lockstep_groups(files: list[TargetFile], limit: int) -> list[list[int]]:
+def lockstep_groups(files: list[TargetFile], limit: int, sources: list[TensorFile]) -> list[list[int]]:
     """Indices of target files grouped by identical tensor names (in first-appearance order), each group cut so
-    that one step (the k-th tensor of every file in it) holds at most ``limit`` bytes plus 10% (vocab padding)."""
+    that one step (the k-th tensor of every file in it) buffers at most ``limit`` bytes plus 10% (vocab
+    padding)."""
     by_names: dict[tuple, list[int]] = {}
     for i, f in enumerate(files):
         by_names.setdefault((f.format, tuple(t.name for t in f.tensors)), []).append(i)
@@ -136,7 +141,7 @@ def lockstep_groups(files: list[TargetFile], limit: int) -> list[list[int]]:
     for members in by_names.values():
         current: list[int] = []
         for i in members:
-            if current and step_size([files[j] for j in current + [i]]) > cap:
+            if current and step_size([files[j] for j in current + [i]], sources) > cap:
                 groups.append(current)
                 current = []
             current.append(i)
@@ -144,9 +149,9 @@ def lockstep_groups(files: list[TargetFile], limit: int) -> list[list[int]]:
     return groups
 
 
-def step_size(files: list[TargetFile]) -> int:
-    """The largest step of files written in lockstep."""
-    return max((step_bytes(files, k) for k in range(len(files[0].tensors))), default=0)
+def step_size(files: list[TargetFile], sources: list[TensorFile]) -> int:
+    """The largest step buffer of files written in lockstep."""
+    return max((step_bytes(files, k, sources) for k in range(len(files[0].tensors))), default=0)
 
 
 def _split_for_workers(groups: list[list[int]], workers: int) -> list[list[int]]:
@@ -229,10 +234,13 @@ class _Run:
         self.open: list = []
 
     def run(self, units: list[list[int]]) -> None:
-        size = max((step_size([self.targets[i] for i in unit]) for unit in units), default=0)
+        size = max((step_size([self.targets[i] for i in unit], self.files) for unit in units), default=0)
         for _ in range(2):
             self.free.put(np.empty(size, np.uint8))
         self.writer.start()
+        self.read_ahead = ReadAhead([[e for i in unit for e in source_extents(self.targets[i].tensors[k], self.files)]
+                                     for unit in units for k in range(len(self.targets[unit[0]].tensors))],
+                                    read_ahead_window())
         try:
             for unit in units:
                 self._unit(unit)
@@ -243,6 +251,8 @@ class _Run:
             for w in self.open:
                 w.abort()
             raise
+        finally:
+            self.read_ahead.close()
 
     def _drain(self) -> None:
         if self.writer.is_alive():
@@ -274,7 +284,7 @@ class _Run:
         targets = [self.targets[i] for i in unit]
         writers = []
         for t in targets:
-            writers.append(open_writer(t, self.out_dir))
+            writers.append(open_writer(t, self.out_dir, self.files))
             self.open.append(writers[-1])
         for k in range(len(targets[0].tensors)):
             buffer = self._take_buffer()
@@ -297,6 +307,7 @@ class _Run:
                 writes.append((writer, tensor.name, memoryview(dest)))
             self.gather.fill(items)
             self.writer.jobs.put(_Job(writes, buffer, [], sum(t.tensors[k].nbytes for t in targets)))
+            self.read_ahead.step_done()
         self.writer.jobs.put(_Job([], None, writers, 0))
         self._raise_writer_error()
 
@@ -310,7 +321,7 @@ def execute(plan: Plan, files: list[TensorFile], out_dir: str, progress: bool = 
     many processes (see :mod:`reshard.workers`). The bytes written do not depend on ``workers``."""
     from tqdm import tqdm
 
-    groups = lockstep_groups(plan.files, largest_tensor(plan, files))
+    groups = lockstep_groups(plan.files, largest_tensor(plan, files), files)
     if workers > 1:
         from reshard.workers import run_in_workers
 

@@ -17,6 +17,8 @@ from reshard.io.mapped import crc32_of_range
 from reshard.io.tensorfile import TensorFile
 
 _ZEROS = bytes(1 << 20)
+#: In-kernel copies run about twice as fast when source and destination offsets agree modulo a page.
+PAGE = 4096
 _FALLBACK_CHUNK = 8 << 20
 
 
@@ -27,6 +29,17 @@ class Ranges:
     parts: tuple[tuple[int | None, int, int], ...]
     nbytes: int
     crc: int | None = None  # filled in for zip records (the caller reads the bytes once to checksum them)
+
+    @property
+    def page_phase(self) -> int | None:
+        """Offset within a page at which the tensor's first byte should be written so that its longest source
+        run is copied page-aligned (None when it is all zeros)."""
+        best, pos, phase = 0, 0, None
+        for fd, offset, length in self.parts:
+            if fd is not None and length > best:
+                best, phase = length, (offset - pos) % PAGE
+            pos += length
+        return phase
 
     def with_crc(self, crc: int) -> "Ranges":
         return replace(self, crc=crc)
@@ -76,6 +89,20 @@ def as_ranges(tensor: TargetTensor, files: list[TensorFile]) -> Ranges | None:
     if covered < total:
         parts.append((None, 0, total - covered))
     return Ranges(tuple(parts), total)
+
+
+def data_phase(tensors: list[TargetTensor], files: list[TensorFile]) -> int | None:
+    """Page offset for the start of a file's data section (its tensors back to back) that page-aligns the most
+    copied bytes; None when nothing is copied."""
+    votes: dict[int, int] = {}
+    position = 0
+    for tensor in tensors:
+        ranges = as_ranges(tensor, files)
+        if ranges is not None and ranges.page_phase is not None:
+            phase = (ranges.page_phase - position) % PAGE
+            votes[phase] = votes.get(phase, 0) + tensor.nbytes
+        position += tensor.nbytes
+    return max(sorted(votes), key=votes.__getitem__) if votes else None
 
 
 def copy_into(file, ranges: Ranges, path: str) -> None:

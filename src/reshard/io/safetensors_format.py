@@ -17,6 +17,7 @@ from reshard.io.partial import PartialFile
 from reshard.io.tensorfile import TensorFile, TensorLocation
 
 MAX_HEADER = 100 << 20
+_PAGE = 4096
 
 
 class _DuplicateKey(ValueError):
@@ -133,12 +134,13 @@ class SafetensorsFile(TensorFile):
 class SafetensorsWriter(PartialFile):
     """Writes a safetensors file tensor by tensor, in the order of ``entries`` given up front.
 
-    The header is computed from the entries (name, dtype, shape) before any data; the file is written as
+    The header is computed from the entries (name, dtype, shape) before any data; with ``data_phase`` it is
+    padded so that the data section starts at that offset within a page. The file is written as
     ``PATH.partial`` and renamed to ``PATH`` by :meth:`finish`.
     """
 
     def __init__(self, path: str, entries: list[tuple[str, str, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None):
+                 metadata: dict[str, str] | None = None, data_phase: int | None = None):
         header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
         offset = 0
         self._expected = []
@@ -149,6 +151,8 @@ class SafetensorsWriter(PartialFile):
             offset += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
+        if data_phase is not None and data_phase % 8 == 0:  # the header is padded with spaces, as the format allows
+            raw += b" " * ((data_phase - 8 - len(raw)) % _PAGE)
         super().__init__(path)
         self._file.write(struct.pack("<Q", len(raw)) + raw)
         self._next = 0

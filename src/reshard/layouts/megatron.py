@@ -14,6 +14,7 @@ import collections
 import json
 import os
 import re
+import sys
 
 from reshard.core.canonical import CanonicalModel, build_canonical
 from reshard.core.pieces import StoredTensor
@@ -21,6 +22,7 @@ from reshard.core.sharding import (check_megatron_degrees, megatron_padded_vocab
                                    rank_slice, stage_layers)
 from reshard.errors import CheckpointError, PlanError
 from reshard.io.partial import replace_with_text
+from reshard.io.readahead import read_heads_in_background
 from reshard.io.torch_format import MegatronEnum, TensorSlot, TorchFile, torch_dtype_global
 from reshard.layouts.base import Options, Source, TargetSpec, check_shape, find_side_files
 from reshard.mapping import Family, WeightSpec, family_for_architecture
@@ -227,6 +229,8 @@ def open_source(path: str, opts: Options) -> Source:
         raise CheckpointError(f"{folder}: rank folder {missing[0]} is missing (found tp={tp}, pp={pp}); "
                               "the checkpoint is incomplete")
     order = [(t, p) for p in range(pp) for t in range(tp)]
+    if "torch" not in sys.modules:  # importing torch takes a second or more: read meanwhile
+        read_heads_in_background([ranks[key] for key in order])
     files = [TorchFile(ranks[key]) for key in order]
     first = files[0].structure
     if not isinstance(first, dict) or "args" not in first:

@@ -1,0 +1,143 @@
+"""Asks the kernel to read source bytes before the converter needs them (``posix_fadvise(WILLNEED)``).
+
+The advice queues reads and returns; the pages land in the page cache, not in this process, so peak RSS does
+not change, and correctness never depends on it (a page that has not arrived is read when it is touched). Two
+uses: :class:`ReadAhead` walks the executor's steps up to a bounded window ahead of it, so the disk works with
+deep queues while cached data is being processed; :func:`read_heads_in_background` starts on the heads of
+Megatron rank files while torch is imported, before any plan exists.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from reshard.core.plan import TargetTensor
+from reshard.io import dtypes
+from reshard.io.tensorfile import TensorFile
+
+_SUPPORTED = hasattr(os, "posix_fadvise") and hasattr(os, "POSIX_FADV_WILLNEED")
+
+
+def source_extents(tensor: TargetTensor, files: list[TensorFile]) -> list[tuple[int, int, int]]:
+    """``(fd, offset, length)`` of the source bytes ``tensor`` reads: the rows of a slice along the first
+    non-trivial axis, else the whole source tensor (a column slice touches every row)."""
+    extents = []
+    for op in tensor.reads:
+        file = files[op.source]
+        loc = file.tensors[op.tensor]
+        if loc.shape and loc.strides is None and math.prod(loc.shape[:tensor.axis]) == 1:
+            unit = math.prod(loc.shape[tensor.axis + 1:]) * dtypes.itemsize(loc.dtype)
+            extents.append((file.fd, loc.offset + op.src_start * unit, op.length * unit))
+        else:
+            extents.append((file.fd, loc.offset, loc.nbytes))
+    return extents
+
+
+def _merged(extents: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Sorted, deduplicated and coalesced (ranks in lockstep reading one source tensor ask once)."""
+    out: list[list[int]] = []
+    for fd, offset, length in sorted(set(extents)):
+        if length <= 0:
+            continue
+        if out and out[-1][0] == fd and offset <= out[-1][1] + out[-1][2]:
+            out[-1][2] = max(out[-1][2], offset + length - out[-1][1])
+        else:
+            out.append([fd, offset, length])
+    return [(fd, offset, length) for fd, offset, length in out]
+
+
+#: Most source bytes requested ahead of the executor (page cache, never this process's memory).
+WINDOW = 1 << 30
+
+
+def read_ahead_window() -> int:
+    """``WINDOW``, or a quarter of the memory available now when that is less (never crowd out the cache)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return max(64 << 20, min(WINDOW, int(line.split()[1]) * 1024 // 4))
+    except (OSError, ValueError, IndexError):
+        pass
+    return WINDOW
+
+
+class ReadAhead:
+    """Advises the source ranges of ``steps`` (in the order the executor consumes them) on a daemon thread,
+    staying at most ``window`` bytes ahead of the last step reported done (always at least one step)."""
+
+    def __init__(self, steps: list[list[tuple[int, int, int]]], window: int):
+        import threading
+
+        self.steps = [_merged(s) for s in steps]
+        self.sizes = [sum(e[2] for e in s) for s in self.steps]
+        self.window = window
+        self._done = 0
+        self._closed = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="reshard-read-ahead")
+        if _SUPPORTED and window > 0:
+            self._thread.start()
+
+    def step_done(self) -> None:
+        with self._cond:
+            self._done += 1
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    def _wait_turn(self, step: int) -> bool:
+        """Block until ``step`` fits in the window; False when it is no longer worth advising."""
+        with self._cond:
+            while not self._closed and self._done < step:
+                if sum(self.sizes[self._done:step + 1]) <= self.window:
+                    break
+                self._cond.wait()
+            return not self._closed and self._done <= step
+
+    def _run(self) -> None:
+        for step, extents in enumerate(self.steps):
+            if not self._wait_turn(step):
+                if self._closed:
+                    return
+                continue
+            try:
+                for fd, offset, length in extents:
+                    os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+            except OSError:  # a hint: a closed descriptor ends read-ahead
+                return
+
+
+HEADS_BUDGET = 1 << 30
+_HEAD_CHUNK = 8 << 20
+
+
+def read_heads_in_background(paths: list[str], budget: int = HEADS_BUDGET) -> None:
+    """Start reading the first ``budget / len(paths)`` bytes of every file, round-robin in chunks, on a daemon
+    thread: the disk works while torch is imported (a second or more) before any plan exists. Ranks are read in
+    lockstep, so the heads of all files are what the conversion reads first."""
+    if not _SUPPORTED or not paths:
+        return
+    import threading
+
+    threading.Thread(target=_advise_heads, args=(list(paths), budget // len(paths)), daemon=True,
+                     name="reshard-read-heads").start()
+
+
+def _advise_heads(paths: list[str], per_file: int) -> None:
+    fds = []
+    try:
+        for path in paths:
+            fds.append(os.open(path, os.O_RDONLY))
+        for start in range(0, per_file, _HEAD_CHUNK):
+            for fd in fds:
+                os.posix_fadvise(fd, start, min(_HEAD_CHUNK, per_file - start), os.POSIX_FADV_WILLNEED)
+    except OSError:  # a hint: a file that cannot be opened is reported by the real reader
+        pass
+    finally:
+        for fd in fds:
+            os.close(fd)
