@@ -13,11 +13,12 @@ import pytest
 import torch
 
 import reshard
-from reshard.io import mapped, readahead
+from reshard.io import mapped, readahead, writeback
 from reshard.io.copy_ranges import PAGE
 from reshard.io.safetensors_format import SafetensorsFile
 from reshard.io.torch_format import TorchFile
 from tests.checkpoints import hf_config, hf_tensor_shapes, load_hf_tensors, make_hf, write_hf
+from tests.test_workers import tree_bytes
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +168,36 @@ def test_heads_are_read_round_robin_within_budget(tmp_path, monkeypatch):
     assert [(offset, length) for _, offset, length in calls] == \
         [(0, 100)] * 3 + [(100, 100)] * 3 + [(200, 50)] * 3
     assert len({fd for fd, _, _ in calls[:3]}) == 3
+
+
+def test_early_write_out_covers_each_file_in_order_and_changes_no_byte(hf_source, tmp_path, monkeypatch):
+    reshard.convert(hf_source, str(tmp_path / "plain"), to="megatron", tp=2, pp=2)
+    started: list[tuple[int, int, int]] = []
+    lock = threading.Lock()
+
+    def record(fd, offset, length, flags):
+        with lock:
+            started.append((fd, offset, length))
+        return 0
+
+    monkeypatch.setattr(writeback, "CHUNK", 4096)
+    monkeypatch.setattr(writeback, "_sync_file_range", record)
+    reshard.convert(hf_source, str(tmp_path / "early"), to="megatron", tp=2, pp=2, workers=1)
+    assert tree_bytes(tmp_path / "early") == tree_bytes(tmp_path / "plain")
+    assert len(started) > 8
+    by_fd: dict[int, int] = {}
+    for fd, offset, length in started:  # per file: contiguous and increasing, a chunk or more at a time
+        assert offset in (0, by_fd.get(fd, 0)) and length >= 4096  # 0: a new file reusing a descriptor number
+        by_fd[fd] = offset + length
+
+
+def test_writer_lanes_give_the_bytes_of_a_single_lane(hf_source, tmp_path, monkeypatch):
+    from reshard import execute
+
+    reshard.convert(hf_source, str(tmp_path / "two"), to="megatron", tp=2, pp=2)
+    monkeypatch.setattr(execute, "WRITER_LANES", 1)
+    reshard.convert(hf_source, str(tmp_path / "one"), to="megatron", tp=2, pp=2)
+    assert tree_bytes(tmp_path / "one") == tree_bytes(tmp_path / "two")
 
 
 def test_torch_import_leaves_the_collector_as_it_was():

@@ -321,6 +321,25 @@ def _terminated(signum, frame):
     raise KeyboardInterrupt  # SIGTERM cleans up like Ctrl-C: the staging folder is removed, nothing published
 
 
+def run() -> None:
+    """The console entry point: :func:`main`, then leave without interpreter teardown. Every output file is closed
+    and published by then; what teardown would do is run torch's finalizers, half a second after a conversion
+    that imported it. Tracebacks (``RESHARD_DEBUG=1``) still take the normal exit."""
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, (int, type(None))):
+            print(exc.code, file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 def main() -> None:
     import signal
 

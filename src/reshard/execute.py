@@ -7,6 +7,7 @@ dim 1) is read once for all of them. A tensor made of contiguous source byte run
 into one of two reusable buffers while a writer thread writes the previous step from the other one (no per-tensor
 allocation, reads overlap writes).
 Peak memory is two steps (about two full tensors) plus bounded map windows, whatever the model or file size.
+Two writer threads share the files of a group (each file has one), so the kernel's copies use both cores.
 """
 
 from __future__ import annotations
@@ -179,25 +180,45 @@ def assign(units: list[list[int]], files: list[TargetFile], workers: int) -> lis
 
 # ---------------------------------------------------------------------------------------------- one process
 
+#: Writer threads per process. The kernel's page-cache copies run on the calling thread, so a second lane puts
+#: the second core to work; each target file is written by one lane only (its bytes stay in order).
+WRITER_LANES = 2
+
+
+class _Release:
+    """Returns a step buffer to ``free`` once every lane has written its part of the step."""
+
+    def __init__(self, buffer: np.ndarray, free: queue.Queue, parts: int):
+        self.buffer, self.free, self.left = buffer, free, parts
+        self.lock = threading.Lock()
+
+    def done(self) -> None:
+        with self.lock:
+            self.left -= 1
+            last = self.left == 0
+        if last:
+            self.free.put(self.buffer)
+
+
 @dataclass
 class _Job:
     writes: list  # (writer, name, memoryview or copy_ranges.Ranges)
-    buffer: np.ndarray | None
+    release: _Release | None
     finish: list  # writers to finish after the writes
     done_bytes: int
 
 
 class _Abandoned(Exception):
-    """Set on the writer thread when the run is failing: remaining jobs are skipped."""
+    """Set on the writer threads when the run is failing: remaining jobs are skipped."""
 
 
 class _WriterThread(threading.Thread):
-    """Writes jobs in order; returns each job's buffer to ``free``; the first error stops all writing."""
+    """Writes its lane's jobs in order; releases each job's buffer share; an error stops this lane's writing."""
 
-    def __init__(self, free: queue.Queue, report):
-        super().__init__(daemon=True, name="reshard-writer")
+    def __init__(self, report, lane: int):
+        super().__init__(daemon=True, name=f"reshard-writer-{lane}")
         self.jobs: queue.Queue = queue.Queue()
-        self.free, self.report = free, report
+        self.report = report
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -219,25 +240,32 @@ class _WriterThread(threading.Thread):
             except BaseException as exc:  # handed to the reading thread
                 self.error = exc
             finally:
-                if job.buffer is not None:
-                    self.free.put(job.buffer)
+                if job.release is not None:
+                    job.release.done()
 
 
 class _Run:
-    """Executes lockstep units in one process with two ping-pong step buffers."""
+    """Executes lockstep units in one process with two ping-pong step buffers and ``WRITER_LANES`` writers."""
 
     def __init__(self, files: list[TensorFile], targets: list[TargetFile], out_dir: str, report):
-        self.files, self.targets, self.out_dir, self.report = files, targets, out_dir, report
+        self.files, self.targets, self.out_dir = files, targets, out_dir
         self.gather = Gatherer(files)
         self.free: queue.Queue = queue.Queue()
-        self.writer = _WriterThread(self.free, report)
+        lock = threading.Lock()
+
+        def locked_report(n: int) -> None:
+            with lock:
+                report(n)
+
+        self.lanes = [_WriterThread(locked_report, i) for i in range(WRITER_LANES)]
         self.open: list = []
 
     def run(self, units: list[list[int]]) -> None:
         size = max((step_size([self.targets[i] for i in unit], self.files) for unit in units), default=0)
         for _ in range(2):
             self.free.put(np.empty(size, np.uint8))
-        self.writer.start()
+        for lane in self.lanes:
+            lane.start()
         self.read_ahead = ReadAhead([[e for i in unit for e in source_extents(self.targets[i].tensors[k], self.files)]
                                      for unit in units for k in range(len(self.targets[unit[0]].tensors))],
                                     read_ahead_window())
@@ -255,18 +283,23 @@ class _Run:
             self.read_ahead.close()
 
     def _drain(self) -> None:
-        if self.writer.is_alive():
-            self.writer.jobs.put(None)
-            self.writer.join()
+        for lane in self.lanes:
+            if lane.is_alive():
+                lane.jobs.put(None)
+        for lane in self.lanes:
+            lane.join()
 
     def _abandon(self) -> None:
-        """On failure or a signal: the writer skips its queued jobs; wait only briefly for the write it is in
+        """On failure or a signal: the writers skip their queued jobs; wait only briefly for the write each is in
         (a daemon thread stuck on a slow or paused write must not keep the cleanup from running)."""
-        if self.writer.error is None:
-            self.writer.error = _Abandoned()
-        if self.writer.is_alive():
-            self.writer.jobs.put(None)
-            self.writer.join(timeout=5)
+        for lane in self.lanes:
+            if lane.error is None:
+                lane.error = _Abandoned()
+            if lane.is_alive():
+                lane.jobs.put(None)
+        for lane in self.lanes:
+            if lane.is_alive():
+                lane.join(timeout=5)
 
     def _take_buffer(self) -> np.ndarray:
         while True:
@@ -277,8 +310,9 @@ class _Run:
                 continue
 
     def _raise_writer_error(self) -> None:
-        if self.writer.error is not None:
-            raise self.writer.error
+        for lane in self.lanes:
+            if lane.error is not None:
+                raise lane.error
 
     def _unit(self, unit: list[int]) -> None:
         targets = [self.targets[i] for i in unit]
@@ -286,16 +320,20 @@ class _Run:
         for t in targets:
             writers.append(open_writer(t, self.out_dir, self.files))
             self.open.append(writers[-1])
+        lanes = len(self.lanes)
         for k in range(len(targets[0].tensors)):
             buffer = self._take_buffer()
-            items, writes, pos = [], [], 0
-            for target, writer in zip(targets, writers):
+            items, pos = [], 0
+            writes: list[list] = [[] for _ in range(lanes)]
+            done = [0] * lanes
+            for j, (target, writer) in enumerate(zip(targets, writers)):
                 tensor = target.tensors[k]
+                done[j % lanes] += tensor.nbytes
                 ranges = as_ranges(tensor, self.files)
                 if ranges is not None:  # copied file to file; a zip record's CRC is read through a map first
                     if not isinstance(writer, SafetensorsWriter):
                         ranges = ranges.checksummed(crc32)
-                    writes.append((writer, tensor.name, ranges))
+                    writes[j % lanes].append((writer, tensor.name, ranges))
                     continue
                 dest = buffer[pos:pos + tensor.nbytes]
                 pos += _aligned(tensor.nbytes)
@@ -304,11 +342,14 @@ class _Run:
                 else:
                     data = assemble(tensor, self.files)
                     dest[:] = data.contiguous().reshape(-1).view(dtypes.to_torch("U8")).numpy()
-                writes.append((writer, tensor.name, memoryview(dest)))
+                writes[j % lanes].append((writer, tensor.name, memoryview(dest)))
             self.gather.fill(items)
-            self.writer.jobs.put(_Job(writes, buffer, [], sum(t.tensors[k].nbytes for t in targets)))
+            release = _Release(buffer, self.free, lanes)
+            for lane, lane_writes, lane_done in zip(self.lanes, writes, done):
+                lane.jobs.put(_Job(lane_writes, release, [], lane_done))
             self.read_ahead.step_done()
-        self.writer.jobs.put(_Job([], None, writers, 0))
+        for i, lane in enumerate(self.lanes):
+            lane.jobs.put(_Job([], None, writers[i::lanes], 0))
         self._raise_writer_error()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from reshard.io import writeback
 from reshard.pause_points import pause_point
 
 
@@ -14,6 +15,15 @@ class PartialFile:
         self.path = path
         self.partial = path + ".partial"
         self._file = open(self.partial, "wb")
+        self._written_back = 0  # write-out has been started for the bytes before this offset
+
+    def tensor_written(self) -> None:
+        """Start write-out of what the file holds so far, every ``writeback.CHUNK`` bytes."""
+        end = self._file.tell()
+        if end - self._written_back >= writeback.CHUNK:
+            self._file.flush()
+            writeback.start_writeback(self._file.fileno(), self._written_back, end - self._written_back)
+            self._written_back = end
 
     def publish(self) -> None:
         self._file.flush()

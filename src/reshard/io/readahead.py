@@ -48,7 +48,7 @@ def _merged(extents: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
 
 
 #: Most source bytes requested ahead of the executor (page cache, never this process's memory).
-WINDOW = 1 << 30
+WINDOW = 2 << 30
 
 
 def read_ahead_window() -> int:
@@ -112,16 +112,16 @@ class ReadAhead:
                 return
 
 
-HEADS_BUDGET = 1 << 30
 _HEAD_CHUNK = 8 << 20
 
 
-def read_heads_in_background(paths: list[str], budget: int = HEADS_BUDGET) -> None:
-    """Start reading the first ``budget / len(paths)`` bytes of every file, round-robin in chunks, on a daemon
-    thread: the disk works while torch is imported (a second or more) before any plan exists. Ranks are read in
-    lockstep, so the heads of all files are what the conversion reads first."""
+def read_heads_in_background(paths: list[str], budget: int | None = None) -> None:
+    """Start reading the first ``budget / len(paths)`` bytes of every file (default budget: the read-ahead
+    window), round-robin in chunks, on a daemon thread: the disk works while torch is imported (a second or
+    more) before any plan exists. Ranks are read in lockstep, so the heads of all files are read first."""
     if not _SUPPORTED or not paths:
         return
+    budget = read_ahead_window() if budget is None else budget
     import threading
 
     threading.Thread(target=_advise_heads, args=(list(paths), budget // len(paths)), daemon=True,

@@ -177,6 +177,7 @@ class SafetensorsWriter(PartialFile):
         if nbytes:
             self._file.write(data)
         self._next += 1
+        self.tensor_written()
 
     def write_ranges(self, name: str, ranges) -> None:
         """Write the next tensor by copying source byte ranges file to file (:mod:`reshard.io.copy_ranges`)."""
@@ -187,6 +188,7 @@ class SafetensorsWriter(PartialFile):
             raise AssertionError(f"writer expected {exp_name} ({nbytes} bytes), got {name} ({ranges.nbytes} bytes)")
         copy_into(self._file, ranges, self.partial)
         self._next += 1
+        self.tensor_written()
 
     def finish(self) -> None:
         if self._next != len(self._expected):

@@ -337,6 +337,7 @@ class TorchZipWriter(PartialFile):
         self._record(f"data/{self._next}", nbytes, crc32(data), page_phase=0)
         self._file.write(data)
         self._next += 1
+        self.tensor_written()
 
     def write_ranges(self, name: str, ranges) -> None:
         """Write the next storage record by copying source byte ranges file to file; ``ranges.crc`` is its CRC-32
@@ -351,6 +352,7 @@ class TorchZipWriter(PartialFile):
         self._record(f"data/{self._next}", nbytes, ranges.crc, page_phase=ranges.page_phase or 0)
         copy_into(self._file, ranges, self.partial)
         self._next += 1
+        self.tensor_written()
 
     def finish(self) -> None:
         if self._next != len(self._order):
