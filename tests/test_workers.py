@@ -97,3 +97,31 @@ def test_copy_fallback_without_copy_file_range_is_byte_identical(hf_source, tmp_
     for to, kw in (("megatron", dict(tp=2, pp=2)), ("vllm", dict(tp=2))):
         reshard.convert(hf_source, str(tmp_path / f"{to}-rw"), to=to, **kw)
         assert tree_bytes(tmp_path / f"{to}-rw") == tree_bytes(tmp_path / f"{to}-cfr")
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="auto workers needs 2 cores")
+def test_cli_default_forks_two_workers_for_a_large_multi_file_output(hf_source, tmp_path, monkeypatch, capsys):
+    """The command line's default --workers: 2 processes once the output is large (here: the threshold lowered),
+    with the bytes of a single process; small outputs stay in one process."""
+    from reshard import conversion, workers
+    from tests.helpers import run_cli
+
+    reshard.convert(hf_source, str(tmp_path / "one"), to="megatron", tp=2, pp=2, workers=1)
+    forks: list[int] = []
+    real = workers.run_in_workers
+
+    def counting(shares, *args, **kwargs):
+        forks.append(len(shares))
+        return real(shares, *args, **kwargs)
+
+    monkeypatch.setattr(workers, "run_in_workers", counting)
+    code, _, err = run_cli(capsys, "convert", hf_source, str(tmp_path / "small"), "--to", "megatron", "--tp", "2",
+                           "--pp", "2")
+    assert code == 0, err
+    assert forks == []  # under AUTO_WORKERS_MIN_BYTES: one process
+    monkeypatch.setattr(conversion, "AUTO_WORKERS_MIN_BYTES", 0)
+    code, _, err = run_cli(capsys, "convert", hf_source, str(tmp_path / "auto"), "--to", "megatron", "--tp", "2",
+                           "--pp", "2")
+    assert code == 0, err
+    assert forks == [2]
+    assert tree_bytes(tmp_path / "auto") == tree_bytes(tmp_path / "one") == tree_bytes(tmp_path / "small")

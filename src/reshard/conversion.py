@@ -83,17 +83,31 @@ def write_side_files(source: Source, staging: str, to: str, plan: Plan, finalize
         megatron.finalize(staging, finalize_args["iteration"])
 
 
+#: Below this many output bytes a second process costs more than it saves.
+AUTO_WORKERS_MIN_BYTES = 1 << 30
+
+
+def auto_workers(plan: Plan) -> int:
+    """2 processes for a conversion that writes at least ``AUTO_WORKERS_MIN_BYTES`` in 2 or more files on a machine
+    with 2 or more cores (measured: scripts/bench.py --workers 1 vs 2), else 1."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if cores >= 2 and len(plan.files) >= 2 and plan.nbytes >= AUTO_WORKERS_MIN_BYTES:
+        return 2
+    return 1
+
+
 def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, dtype: str | None = None,
             overwrite: bool = False, dry_run: bool = False, megatron_spec: str = "te",
             max_shard_size: int = 5 * 10**9, vocab_size: int | None = None, vocab_divisor: int | None = None,
             architecture: str | None = None, mapping: str | None = None, allow_replica_mismatch: bool = False,
-            progress: bool = False, workers: int = 1) -> ConvertResult:
+            progress: bool = False, workers: int | None = 1) -> ConvertResult:
     """Convert checkpoint ``src`` to layout ``to`` at degrees ``tp`` x ``pp`` in folder ``dst``.
 
     Everything that can be refused is refused before a byte is written; the output appears only when complete.
-    ``workers`` > 1 splits the target files over that many processes; the output bytes are the same.
+    ``workers`` > 1 splits the target files over that many processes; the output bytes are the same. ``None``
+    chooses (:func:`auto_workers`), as the command line does.
     """
-    if workers < 1:
+    if workers is not None and workers < 1:
         raise PlanError(f"--workers must be at least 1 (got {workers})")
     opts = Options(tp=tp, pp=pp, dtype=dtypes.parse_user_dtype(dtype), megatron_spec=megatron_spec,
                    max_shard_size=max_shard_size, vocab_size=vocab_size, vocab_divisor=vocab_divisor,
@@ -105,7 +119,8 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, dtype: str
         check_destination(source.root, dst, overwrite)
         ensure_replicas_agree(plan, source.files, opts.allow_replica_mismatch, _warn)
         with staged_output(source.root, dst, overwrite) as staging:  # lock, stage, publish by rename (staging.py)
-            execute(plan, source.files, staging, progress=progress, workers=workers)
+            execute(plan, source.files, staging, progress=progress,
+                    workers=auto_workers(plan) if workers is None else workers)
             write_side_files(source, staging, to, plan, finalize_args, output_dtype(source, opts))
             if "hub" in source.info:  # provenance for `reshard push`
                 from reshard.hub.manifest import write_manifest

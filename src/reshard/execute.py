@@ -3,11 +3,11 @@
 Target files with the same tensor names (the TP ranks of one pipeline stage) are written in lockstep: step k
 fills the k-th tensor of every file of the group, so a source tensor they share (a row-parallel weight split on
 dim 1) is read once for all of them. A tensor made of contiguous source byte runs is copied file to file
-(:mod:`reshard.io.copy_ranges`; a zip record after its CRC is computed through a map of the source). The others are gathered
-into one of two reusable buffers while a writer thread writes the previous step from the other one (no per-tensor
-allocation, reads overlap writes).
+(:mod:`reshard.io.copy_ranges`; a zip record's CRC is first computed through a map of the source). The others
+are gathered into one of two reusable step buffers while the writer threads write the previous step from the
+other one (no per-tensor allocation). Two writer threads share the files of a group, each file written by one of
+them, so the kernel's copies use two cores; a read-ahead thread keeps the disk busy (:mod:`reshard.io.readahead`).
 Peak memory is two steps (about two full tensors) plus bounded map windows, whatever the model or file size.
-Two writer threads share the files of a group (each file has one), so the kernel's copies use both cores.
 """
 
 from __future__ import annotations

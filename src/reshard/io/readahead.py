@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 
 from reshard.core.plan import TargetTensor
 from reshard.io import dtypes
@@ -68,8 +69,6 @@ class ReadAhead:
     staying at most ``window`` bytes ahead of the last step reported done (always at least one step)."""
 
     def __init__(self, steps: list[list[tuple[int, int, int]]], window: int):
-        import threading
-
         self.steps = [_merged(s) for s in steps]
         self.sizes = [sum(e[2] for e in s) for s in self.steps]
         self.window = window
@@ -122,8 +121,6 @@ def read_heads_in_background(paths: list[str], budget: int | None = None) -> Non
     if not _SUPPORTED or not paths:
         return
     budget = read_ahead_window() if budget is None else budget
-    import threading
-
     threading.Thread(target=_advise_heads, args=(list(paths), budget // len(paths)), daemon=True,
                      name="reshard-read-heads").start()
 
