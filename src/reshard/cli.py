@@ -107,7 +107,7 @@ def convert(
                                                 help="Take rank 0's copy when replicated tensors differ."),
     as_json: bool = JsonOpt,
     workers: Optional[int] = typer.Option(None, "--workers", help="Processes that write target files (same output "
-                                          "bytes); default: 2 for 1 GiB or more in 2+ files on 2+ cores, else 1."),
+                                          "bytes); default: 2 for 256 MiB or more in 2+ files on 2+ cores, else 1."),
     push_to: Optional[str] = typer.Option(None, "--push-to", help="Upload the output to this Hub repo (ORG/NAME)."),
     revision: Optional[str] = typer.Option(None, "--revision", help="Branch for --push-to (created when missing)."),
 ):

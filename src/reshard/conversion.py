@@ -84,7 +84,7 @@ def write_side_files(source: Source, staging: str, to: str, plan: Plan, finalize
 
 
 #: Below this many output bytes a second process costs more than it saves.
-AUTO_WORKERS_MIN_BYTES = 1 << 30
+AUTO_WORKERS_MIN_BYTES = 256 << 20
 
 
 def auto_workers(plan: Plan) -> int:
