@@ -14,7 +14,7 @@ import torch
 
 import reshard
 from reshard.io import mapped, readahead, writeback
-from reshard.io.copy_ranges import PAGE
+from reshard.io.partial import PAGE
 from reshard.io.safetensors_format import SafetensorsFile
 from reshard.io.torch_format import TorchFile
 from tests.checkpoints import hf_config, hf_tensor_shapes, load_hf_tensors, make_hf, write_hf

@@ -14,11 +14,10 @@ from reshard.core.plan import TargetTensor
 from reshard.io import dtypes
 from reshard.io.gather import direct
 from reshard.io.mapped import crc32_of_range
+from reshard.io.partial import PAGE
 from reshard.io.tensorfile import TensorFile
 
 _ZEROS = bytes(1 << 20)
-#: In-kernel copies run about twice as fast when source and destination offsets agree modulo a page.
-PAGE = 4096
 _FALLBACK_CHUNK = 8 << 20
 
 

@@ -7,6 +7,10 @@ import os
 from reshard.io import writeback
 from reshard.pause_points import pause_point
 
+#: Page size the writers align copied tensor data to: in-kernel copies run about twice as fast when source and
+#: destination offsets agree modulo a page.
+PAGE = 4096
+
 
 class PartialFile:
     """Opens ``path + '.partial'`` for writing; :meth:`publish` fsyncs and renames, :meth:`abort` deletes."""

@@ -13,11 +13,10 @@ import struct
 
 from reshard.errors import CheckpointError
 from reshard.io import dtypes
-from reshard.io.partial import PartialFile
+from reshard.io.partial import PAGE, PartialFile
 from reshard.io.tensorfile import TensorFile, TensorLocation
 
 MAX_HEADER = 100 << 20
-_PAGE = 4096
 
 
 class _DuplicateKey(ValueError):
@@ -152,7 +151,7 @@ class SafetensorsWriter(PartialFile):
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
         if data_phase is not None and data_phase % 8 == 0:  # the header is padded with spaces, as the format allows
-            raw += b" " * ((data_phase - 8 - len(raw)) % _PAGE)
+            raw += b" " * ((data_phase - 8 - len(raw)) % PAGE)
         super().__init__(path)
         self._file.write(struct.pack("<Q", len(raw)) + raw)
         self._next = 0

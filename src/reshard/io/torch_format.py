@@ -29,7 +29,7 @@ except ImportError:  # pragma: no cover
 
 from reshard.errors import CheckpointError
 from reshard.io import dtypes
-from reshard.io.partial import PartialFile
+from reshard.io.partial import PAGE, PartialFile
 from reshard.io.tensorfile import TensorFile, TensorLocation
 from reshard.io.torch_names import STORAGE_TYPES, TorchGlobal
 
@@ -241,7 +241,6 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 _ZIP64_LIMIT = 0xFFFFFFFF
 _ALIGN = 64
-_PAGE = 4096
 
 
 class TorchZipWriter(PartialFile):
@@ -302,7 +301,7 @@ class TorchZipWriter(PartialFile):
         if page_phase is None:
             pad = -used % _ALIGN
         else:
-            pad = ((page_phase if page_phase % _ALIGN == 0 else 0) - used) % _PAGE
+            pad = ((page_phase if page_phase % _ALIGN == 0 else 0) - used) % PAGE
         extra += struct.pack("<HH", 0x4246, pad) + b"Z" * pad
         field = 0xFFFFFFFF if zip64 else size
         crc &= 0xFFFFFFFF
