@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from reshard.core.plan import TargetTensor
 from reshard.io import dtypes
-from reshard.io.gather import direct
+from reshard.io.gather import direct, split_at_axis
 from reshard.io.mapped import crc32_of_range
 from reshard.io.partial import PAGE
 from reshard.io.tensorfile import TensorFile
@@ -40,9 +40,6 @@ class Ranges:
             pos += length
         return phase
 
-    def with_crc(self, crc: int) -> "Ranges":
-        return replace(self, crc=crc)
-
     def checksummed(self, crc32) -> "Ranges":
         """These ranges with ``crc`` set to the CRC-32 of their bytes, read through short-lived maps of the
         source (no copy into this process; see :mod:`reshard.io.mapped`)."""
@@ -61,13 +58,7 @@ def as_ranges(tensor: TargetTensor, files: list[TensorFile]) -> Ranges | None:
     a constant fill)."""
     if tensor.fill is not None or not tensor.shape or not direct(tensor, files):
         return None
-    size = dtypes.itemsize(tensor.dtype)
-    outer = 1
-    for n in tensor.shape[:tensor.axis]:
-        outer *= n
-    unit = size
-    for n in tensor.shape[tensor.axis + 1:]:
-        unit *= n
+    _, _, unit = split_at_axis(tensor.shape, tensor.axis, dtypes.itemsize(tensor.dtype))
     parts, pos = [], 0
     for op in sorted(tensor.reads, key=lambda o: o.dst_start):
         loc = files[op.source].tensors[op.tensor]

@@ -23,7 +23,8 @@ BLOCK_BYTES = 32 << 20  # rows of a source tensor mapped at once for a column sc
 _NUMPY_FLOATS = {"F64": "<f8", "F32": "<f4", "F16": "<f2"}  # constants (vLLM scales) are filled with numpy
 
 
-def _split(shape: tuple[int, ...], axis: int, itemsize: int) -> tuple[int, int, int]:
+def split_at_axis(shape: tuple[int, ...], axis: int, itemsize: int) -> tuple[int, int, int]:
+    """``(outer, n, unit)`` of a row-major tensor split at ``axis`` (see the module docstring)."""
     if not shape:
         return 1, 1, itemsize
     return math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:]) * itemsize
@@ -63,12 +64,12 @@ class Gatherer:
                 dest.view(_NUMPY_FLOATS[tensor.dtype])[:] = tensor.fill
                 continue
             size = dtypes.itemsize(tensor.dtype)
-            outer, n, unit = _split(tensor.shape, tensor.axis, size)
+            outer, n, unit = split_at_axis(tensor.shape, tensor.axis, size)
             if tensor.has_padding:
                 self._zero_padding(tensor, dest.reshape(outer, n, unit))
             for op in tensor.reads:
                 loc = self.files[op.source].tensors[op.tensor]
-                s_outer, s_n, s_unit = _split(loc.shape, tensor.axis, size)
+                s_outer, s_n, s_unit = split_at_axis(loc.shape, tensor.axis, size)
                 whole_rows = op.length == s_n == n
                 if outer == 1 or whole_rows:
                     begin = op.dst_start * unit if outer == 1 else 0
@@ -93,12 +94,12 @@ class Gatherer:
         file = self.files[source]
         loc = file.tensors[name]
         axis = ops[0][1].axis
-        rows, n, unit = _split(loc.shape, axis, dtypes.itemsize(loc.dtype))
+        rows, n, unit = split_at_axis(loc.shape, axis, dtypes.itemsize(loc.dtype))
         row_bytes = n * unit
         block = max(1, BLOCK_BYTES // max(row_bytes, 1))
         targets = []
         for op, tensor, dest in ops:
-            t_outer, t_n, t_unit = _split(tensor.shape, axis, dtypes.itemsize(tensor.dtype))
+            t_outer, t_n, t_unit = split_at_axis(tensor.shape, axis, dtypes.itemsize(tensor.dtype))
             targets.append((op, _units(dest.reshape(t_outer, t_n, t_unit), unit)))
         for r0 in range(0, rows, block):
             count = min(block, rows - r0)

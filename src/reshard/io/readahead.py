@@ -9,12 +9,12 @@ Megatron rank files while torch is imported, before any plan exists.
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 
 from reshard.core.plan import TargetTensor
 from reshard.io import dtypes
+from reshard.io.gather import split_at_axis
 from reshard.io.tensorfile import TensorFile
 
 _SUPPORTED = hasattr(os, "posix_fadvise") and hasattr(os, "POSIX_FADV_WILLNEED")
@@ -27,11 +27,12 @@ def source_extents(tensor: TargetTensor, files: list[TensorFile]) -> list[tuple[
     for op in tensor.reads:
         file = files[op.source]
         loc = file.tensors[op.tensor]
-        if loc.shape and loc.strides is None and math.prod(loc.shape[:tensor.axis]) == 1:
-            unit = math.prod(loc.shape[tensor.axis + 1:]) * dtypes.itemsize(loc.dtype)
-            extents.append((file.fd, loc.offset + op.src_start * unit, op.length * unit))
-        else:
-            extents.append((file.fd, loc.offset, loc.nbytes))
+        if loc.shape and loc.strides is None and tensor.axis < len(loc.shape):
+            outer, _, unit = split_at_axis(loc.shape, tensor.axis, dtypes.itemsize(loc.dtype))
+            if outer == 1:
+                extents.append((file.fd, loc.offset + op.src_start * unit, op.length * unit))
+                continue
+        extents.append((file.fd, loc.offset, loc.nbytes))
     return extents
 
 
