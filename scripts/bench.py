@@ -54,7 +54,7 @@ BENCH_VERSION = 1
 GENERATOR_VERSION = 1
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SRC_DIR = REPO_ROOT / "src"
+SRC_DIR = REPO_ROOT  # the package folder reshard/ sits at the top level
 
 # --------------------------------------------------------------------------------------
 # Operations

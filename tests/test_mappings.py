@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from importlib import resources
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +14,7 @@ from checkpoints import load_hf_tensors, make_hf
 from reshard.errors import MappingError
 from reshard.mapping import load_family_file, load_shipped
 
-LLAMA = (resources.files("reshard") / "mappings" / "llama.toml").read_text()
+LLAMA = (Path(__file__).resolve().parents[1] / "mappings" / "llama.toml").read_text()
 
 
 def cli(*args):

@@ -250,17 +250,29 @@ def load_family_file(path: str | Path) -> Family:
     return parse_family(data, str(path))
 
 
-def shipped_mapping_names() -> list[str]:
-    root = resources.files("reshard") / "mappings"
-    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".toml"))
+def shipped_mappings_dir():
+    """The folder of shipped mapping files: ``reshard/mappings/`` inside an installed wheel or sdist, else the
+    repository's top-level ``mappings/`` (a source checkout or an editable install)."""
+    packaged = resources.files("reshard") / "mappings"
+    if packaged.is_dir():
+        return packaged
+    return Path(__file__).resolve().parent.parent / "mappings"
 
 
-def load_shipped(name: str) -> Family:
+def shipped_mapping_text(name: str) -> str:
+    """The text of shipped mapping ``name`` (see :func:`shipped_mapping_names`)."""
     names = shipped_mapping_names()
     if name not in names:
         raise MappingError(f"no shipped mapping '{name}'{_suggest(name, names)}")
-    res = resources.files("reshard") / "mappings" / f"{name}.toml"
-    return parse_family(tomllib.loads(res.read_text()), f"mappings/{name}.toml")
+    return (shipped_mappings_dir() / f"{name}.toml").read_text()
+
+
+def shipped_mapping_names() -> list[str]:
+    return sorted(p.name[:-5] for p in shipped_mappings_dir().iterdir() if p.name.endswith(".toml"))
+
+
+def load_shipped(name: str) -> Family:
+    return parse_family(tomllib.loads(shipped_mapping_text(name)), f"mappings/{name}.toml")
 
 
 def family_for_architecture(architecture: str, mapping_file: str | Path | None = None) -> Family:

@@ -291,12 +291,10 @@ def mappings_list():
 @mappings_app.command("show")
 def mappings_show(name: str = typer.Argument(..., help="A shipped mapping name (see `mappings list`).")):
     """Print a shipped mapping file."""
-    from importlib import resources
-
-    from reshard.mapping import load_shipped
+    from reshard.mapping import load_shipped, shipped_mapping_text
 
     load_shipped(name)
-    print((resources.files("reshard") / "mappings" / f"{name}.toml").read_text(), end="")
+    print(shipped_mapping_text(name), end="")
 
 
 @mappings_app.command("check")
