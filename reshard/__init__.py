@@ -9,8 +9,7 @@ Python API::
 """
 
 from reshard.errors import CheckpointError, MappingError, PlanError, ReshardError
-
-__version__ = "0.1.0"
+from reshard.version import __version__
 
 
 def convert(src, dst, **kwargs):

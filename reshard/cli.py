@@ -24,10 +24,21 @@ mappings_app = typer.Typer(no_args_is_help=True, help="List, show and check arch
 app.add_typer(mappings_app, name="mappings")
 
 
-class Target(str, Enum):
-    hf = "hf"
-    megatron = "megatron"
-    vllm = "vllm"
+def _target_layout(value: str) -> str:
+    """``--to``: a layout the registry can write (built-in or plug-in)."""
+    from reshard.layouts.registry import layout_names
+
+    names = layout_names(writes=True)
+    if value not in names:
+        raise typer.BadParameter(f"'{value}' is not a layout reshard writes; choose one of {', '.join(names)}")
+    return value
+
+
+def _refresh_layout_help() -> None:
+    """Name the registered layouts in ``--to``'s help (the registry may have grown since import: plug-ins)."""
+    from reshard.layouts.registry import layout_names
+
+    TargetOpt.help = f"Target layout, one of: {', '.join(layout_names(writes=True))}."
 
 
 class Spec(str, Enum):
@@ -52,6 +63,7 @@ VocabOpt = typer.Option(None, "--vocab-size", help="True (unpadded) vocab size, 
 ArchOpt = typer.Option(None, "--architecture", help="HF architecture for a Megatron source (default: from args).")
 MappingOpt = typer.Option(None, "--mapping", help="A mapping TOML file for your own architecture family.")
 JsonOpt = typer.Option(False, "--json", help="Print a JSON report.")
+TargetOpt = typer.Option(..., "--to", help="Target layout.", callback=_target_layout)
 
 
 def _describe_plan(plan, out=None) -> None:
@@ -90,7 +102,7 @@ def _plan_json(plan) -> dict:
 def convert(
     src: str = typer.Argument(..., help="Source checkpoint folder (layout detected)."),
     dst: str = typer.Argument(..., help="Output folder."),
-    to: Target = typer.Option(..., "--to", help="Target layout."),
+    to: str = TargetOpt,
     tp: int = typer.Option(1, "--tp", help="Target tensor-parallel degree."),
     pp: int = typer.Option(1, "--pp", help="Target pipeline-parallel degree."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast to bf16, fp16 or fp32 (default: keep)."),
@@ -118,7 +130,7 @@ def convert(
         from reshard.hub import parse_repo_id
 
         parse_repo_id(push_to, revision)  # a bad repo id fails before anything is written
-    result = run_convert(src, dst, to=to.value, tp=tp, pp=pp, dtype=dtype, overwrite=overwrite, dry_run=dry_run,
+    result = run_convert(src, dst, to=to, tp=tp, pp=pp, dtype=dtype, overwrite=overwrite, dry_run=dry_run,
                          megatron_spec=megatron_spec.value, max_shard_size=parse_size(max_shard_size),
                          vocab_size=vocab_size, vocab_divisor=vocab_divisor, architecture=architecture,
                          mapping=mapping, allow_replica_mismatch=allow_replica_mismatch,
@@ -134,10 +146,10 @@ def convert(
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
     if as_json:
-        print(json.dumps({"output": dst, "layout": to.value, "tp": tp, "pp": pp, "files": len(result.plan.files),
+        print(json.dumps({"output": dst, "layout": to, "tp": tp, "pp": pp, "files": len(result.plan.files),
                           "bytes": result.plan.nbytes}))
     else:
-        print(f"wrote {dst}: {to.value} tp={tp} pp={pp}, {len(result.plan.files)} files, "
+        print(f"wrote {dst}: {to} tp={tp} pp={pp}, {len(result.plan.files)} files, "
               f"{result.plan.nbytes / 2**20:.1f} MiB")
     if push_to:
         push(folder=dst, repo_id=push_to, revision=revision, private=False, create_pr=False, commit_message=None,
@@ -146,7 +158,7 @@ def convert(
 
 @app.command()
 def plan(
-    src: str = typer.Argument(...), to: Target = typer.Option(..., "--to"), tp: int = typer.Option(1, "--tp"),
+    src: str = typer.Argument(...), to: str = TargetOpt, tp: int = typer.Option(1, "--tp"),
     pp: int = typer.Option(1, "--pp"), dtype: Optional[str] = typer.Option(None, "--dtype"),
     megatron_spec: Spec = typer.Option(Spec.te, "--megatron-spec"),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size"), vocab_size: Optional[int] = VocabOpt,
@@ -339,10 +351,24 @@ def run() -> None:
     os._exit(code)
 
 
+def _usage_error(exc) -> None:
+    """A command-line usage error as one line naming the option and the fix, exit code 2 (help when asked)."""
+    if type(exc).__name__ == "NoArgsIsHelpError":  # `reshard` or `reshard mappings` alone: the help text
+        exc.show()
+        sys.exit(0)
+    ctx = getattr(exc, "ctx", None)
+    where = ctx.command_path if ctx is not None else "reshard"
+    message = " ".join(exc.format_message().split())
+    print(f"error: {message} (see '{where} --help')", file=sys.stderr)
+    sys.exit(getattr(exc, "exit_code", 2) or 2)
+
+
 def main() -> None:
     import signal
 
     signal.signal(signal.SIGTERM, _terminated)
+    if any(arg in ("--help", "-h") for arg in sys.argv[1:]):
+        _refresh_layout_help()
     try:
         code = app(standalone_mode=False)  # click returns an Exit's code instead of raising it here
         if code == 130:  # typer turns Ctrl-C (and our SIGTERM handler) into exit code 130
@@ -366,14 +392,11 @@ def main() -> None:
     except KeyboardInterrupt:
         print("error: interrupted; no output was published", file=sys.stderr)
         sys.exit(130)
+    except typer.TyperException as exc:  # usage errors (bad option value, missing argument, unknown command)
+        _usage_error(exc)
+    except typer.Abort:
+        sys.exit(1)
     except Exception as exc:  # noqa: BLE001
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
-        if isinstance(exc, click.exceptions.Abort):
-            sys.exit(1)
         if os.environ.get("RESHARD_DEBUG") == "1":
             raise
         print(f"error: internal error: {type(exc).__name__}: {exc} (set RESHARD_DEBUG=1 for the traceback)",

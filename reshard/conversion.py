@@ -12,11 +12,9 @@ from reshard.errors import PlanError, ReshardError
 from reshard.execute import ensure_replicas_agree, execute
 from reshard.io import dtypes
 from reshard.hub import open_source
-from reshard.layouts import LAYOUTS, hf, megatron, vllm
 from reshard.layouts.base import Options, Source, stored_dtype
+from reshard.layouts.registry import get_layout
 from reshard.staging import check_destination, staged_output
-
-TARGETS = ("hf", "megatron", "vllm")
 
 
 @dataclass
@@ -36,21 +34,16 @@ def output_dtype(source: Source, opts: Options) -> str:
     return model.dtypes[next(iter(model.tensors))]
 
 
-def make_plan(source: Source, to: str, opts: Options) -> tuple[Plan, dict]:
-    """Plan a conversion; raises PlanError for impossible requests (nothing is written)."""
-    if to not in TARGETS:
-        raise PlanError(f"unknown target layout '{to}': use one of {', '.join(TARGETS)}")
+def make_plan(source: Source, to: str, opts: Options) -> tuple[Plan, object]:
+    """Plan a conversion to layout ``to``; raises PlanError for impossible requests (nothing is written).
+    Returns the plan and the target layout's own state for its ``finalize``."""
+    layout = get_layout(to)
+    if not layout.writes:
+        raise PlanError(f"the {to} layout is read-only: it cannot be a --to target")
     model = source.model
     dtype = output_dtype(source, opts)
-    finalize_args: dict = {}
-    if to == "hf":
-        if opts.tp != 1 or opts.pp != 1:
-            raise PlanError("the hf layout holds the full model: --tp and --pp must be 1 for --to hf")
-        specs = hf.targets(model, opts)
-    elif to == "vllm":
-        specs, finalize_args = vllm.targets(model, opts, dtype)
-    else:
-        specs, finalize_args = megatron.targets(model, opts, source, dtype)
+    target = layout.targets(source, opts, dtype)
+    specs = target.files
     index = CanonicalIndex(source.stored, {name: t.shape for name, t in model.tensors.items()})
     files = []
     for spec in specs:
@@ -65,22 +58,18 @@ def make_plan(source: Source, to: str, opts: Options) -> tuple[Plan, dict]:
     plan = Plan(source_layout=source.layout, target_layout=to, source_files=[f.path for f in source.files],
                 files=files, checks=index.checks, notes=notes, source_root=source.root)
     plan.count_read_bytes(source.row_bytes)
-    return plan, finalize_args
+    return plan, target.state
 
 
 def _warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr)
 
 
-def write_side_files(source: Source, staging: str, to: str, plan: Plan, finalize_args: dict, dtype: str) -> None:
+def write_side_files(source: Source, staging: str, plan: Plan, state: object) -> None:
+    """Copy the tokenizer and generation-config files, then let the target layout write its own (last)."""
     for path in source.side_files:
         shutil.copy2(path, os.path.join(staging, os.path.basename(path)))
-    if to == "hf":
-        hf.finalize(staging, source.model, plan.files, dtype)
-    elif to == "vllm":
-        vllm.finalize(staging, source.model, dtype, finalize_args["tp"], finalize_args["padded_vocab"], plan.files)
-    else:
-        megatron.finalize(staging, finalize_args["iteration"])
+    get_layout(plan.target_layout).finalize(staging, source, plan, state)
 
 
 #: Below this many output bytes a second process costs more than it saves.
@@ -113,7 +102,7 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, dtype: str
                    max_shard_size=max_shard_size, vocab_size=vocab_size, vocab_divisor=vocab_divisor,
                    architecture=architecture, mapping=mapping, allow_replica_mismatch=allow_replica_mismatch)
     with open_source(src, opts, need_weights=not dry_run) as source:
-        plan, finalize_args = make_plan(source, to, opts)
+        plan, state = make_plan(source, to, opts)
         if dry_run:
             return ConvertResult(plan, None, False, plan.notes, source.info.get("download"))
         check_destination(source.root, dst, overwrite)
@@ -121,7 +110,7 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, dtype: str
         with staged_output(source.root, dst, overwrite) as staging:  # lock, stage, publish by rename (staging.py)
             execute(plan, source.files, staging, progress=progress,
                     workers=auto_workers(plan) if workers is None else workers)
-            write_side_files(source, staging, to, plan, finalize_args, output_dtype(source, opts))
+            write_side_files(source, staging, plan, state)
             if "hub" in source.info:  # provenance for `reshard push`
                 from reshard.hub.manifest import write_manifest
 
@@ -129,4 +118,4 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, dtype: str
     return ConvertResult(plan, dst, True, plan.notes)
 
 
-__all__ = ["convert", "make_plan", "ConvertResult", "ReshardError", "LAYOUTS"]
+__all__ = ["convert", "make_plan", "ConvertResult", "ReshardError"]

@@ -8,6 +8,7 @@ import os
 
 from reshard.hub import open_source
 from reshard.layouts.base import Options
+from reshard.layouts.registry import get_layout
 
 
 def inspect(path: str, *, vocab_size: int | None = None, architecture: str | None = None,
@@ -16,16 +17,11 @@ def inspect(path: str, *, vocab_size: int | None = None, architecture: str | Non
     with open_source(path, opts) as source:
         model = source.model
         dtype_counts = collections.Counter(model.dtypes.values())
+        layout = get_layout(source.layout)
         files_per_rank: dict[str, list[str]] = collections.defaultdict(list)
         for f in source.files:
             rel = os.path.relpath(f.path, source.root)
-            if source.layout == "megatron":
-                rank = os.path.basename(os.path.dirname(rel))
-            elif source.layout == "vllm":
-                rank = "rank-" + rel.split("-")[2]
-            else:
-                rank = "all"
-            files_per_rank[rank].append(rel)
+            files_per_rank[layout.rank_label(source, rel)].append(rel)
         info = {
             "path": path,
             "layout": source.layout,
@@ -46,10 +42,5 @@ def inspect(path: str, *, vocab_size: int | None = None, architecture: str | Non
             "bytes": sum(os.path.getsize(f.path) for f in source.files),
             "files_per_rank": dict(files_per_rank),
         }
-        if source.layout == "megatron":
-            info.update(padded_vocab_size=source.info["padded_vocab"], megatron_spec=source.info["spec"],
-                        iteration=source.info["iteration"])
-        if source.layout == "vllm":
-            info.update(padded_vocab_size=source.info["padded_vocab"],
-                        recorded_tensor_parallel_size=source.info["recorded_tp"])
+        info.update(layout.describe(source))
         return info

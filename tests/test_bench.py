@@ -241,7 +241,7 @@ def test_bench_pipeline_with_fake_converter(tmp_path, monkeypatch):
 
 
 def _converter_present() -> bool:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     code = "import importlib.util, sys; sys.exit(importlib.util.find_spec('reshard.cli') is None)"
     return subprocess.run([sys.executable, "-c", code], env=env).returncode == 0
 

@@ -173,14 +173,15 @@ def test_select_files_prefers_safetensors_and_skips_other_formats():
         ["README.md", "config.json", "model.safetensors", "onnx/model.onnx", "tokenizer.json"]
     sharded = ["config.json", "model.safetensors.index.json", "model-1.safetensors", "model-2.safetensors",
                "consolidated.safetensors", "pytorch_model.bin.index.json", "pytorch_model-1.bin"]
-    assert select_files(sharded, ["model-1.safetensors", "model-2.safetensors"]) == \
+    index = json.dumps({"weight_map": {"a": "model-1.safetensors", "b": "model-2.safetensors"}})
+    assert select_files(sharded, read_text={"model.safetensors.index.json": index}.__getitem__) == \
         ["config.json", "model-1.safetensors", "model-2.safetensors", "model.safetensors.index.json"]
     bins = ["config.json", "pytorch_model.bin.index.json", "pytorch_model-1.bin", "pytorch_model-2.bin"]
     assert select_files(bins) == sorted(bins)
     megatron = ["latest_checkpointed_iteration.txt", "iter_0000100/mp_rank_00/model_optim_rng.pt",
                 "iter_0000200/mp_rank_00/model_optim_rng.pt", "iter_0000200/mp_rank_01/model_optim_rng.pt",
                 "config.json", "tokenizer.json", "README.md"]
-    assert select_files(megatron, tracker_text="200\n") == \
+    assert select_files(megatron, read_text={"latest_checkpointed_iteration.txt": "200\n"}.__getitem__) == \
         ["config.json", "iter_0000200/mp_rank_00/model_optim_rng.pt", "iter_0000200/mp_rank_01/model_optim_rng.pt",
          "latest_checkpointed_iteration.txt", "tokenizer.json"]
     vllm = ["model-rank-0-part-0.safetensors", "model-rank-1-part-0.safetensors", "reshard.json", "config.json",

@@ -3,12 +3,11 @@ huggingface_hub cache (interrupted downloads resume from their ``.incomplete`` b
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
-from reshard.hub import HubRef
+from reshard.hub.refs import HubRef
 from reshard.hub.errors import hub_errors
-from reshard.hub.selection import SAFETENSORS_INDEX, TRACKER, select_files
+from reshard.hub.selection import select_files
 from reshard.layouts.base import Options, Source
 
 
@@ -37,18 +36,15 @@ def repo_listing(api, ref: HubRef, local_dir: str | None = None) -> tuple[str, d
 
 def needed_files(api, ref: HubRef, commit: str, sizes: dict[str, int], include: tuple[str, ...] = (),
                  local_dir: str | None = None) -> list[str]:
-    """The files to download; reads the (small) safetensors index to know which shards it names."""
+    """The files to download; the layout may read small files (the safetensors index to know which shards it
+    names, a Megatron tracker to know the iteration) through the cache."""
     from huggingface_hub import hf_hub_download
 
-    index_files = tracker_text = None
-    if TRACKER in sizes:  # a Megatron repo: the tracker names the iteration folder to download
-        with open(hf_hub_download(ref.repo_id, TRACKER, revision=commit, local_dir=local_dir)) as f:
-            tracker_text = f.read()
-    elif SAFETENSORS_INDEX in sizes:
-        index_path = hf_hub_download(ref.repo_id, SAFETENSORS_INDEX, revision=commit, local_dir=local_dir)
-        with open(index_path) as f:
-            index_files = sorted(set(json.load(f).get("weight_map", {}).values()))
-    return select_files(sorted(sizes), index_files, include, tracker_text)
+    def read_text(name: str) -> str:
+        with open(hf_hub_download(ref.repo_id, name, revision=commit, local_dir=local_dir)) as f:
+            return f.read()
+
+    return select_files(sorted(sizes), include, read_text)
 
 
 def pull(ref: HubRef, local_dir: str | None = None, include: tuple[str, ...] = ()) -> Pulled:

@@ -8,7 +8,7 @@ import hashlib
 import json
 import os
 
-from reshard import __version__
+from reshard.version import __version__
 from reshard.io.partial import replace_with_text
 
 MANIFEST = "reshard.json"

@@ -11,14 +11,11 @@ import os
 from dataclasses import dataclass, field
 
 from reshard.errors import CheckpointError, ReshardError
-from reshard.hub import parse_repo_id
+from reshard.hub.refs import parse_repo_id
 from reshard.hub.errors import hub_errors
 from reshard.hub.manifest import CARD, MANIFEST, build_manifest, model_card
 
 STAGING_MARK = ".reshard-partial-"
-# The file a complete output of each layout has (written last by reshard); other layouts: detect + open suffice.
-COMPLETION_MARKERS = {"hf": ("model.safetensors.index.json", "model.safetensors"),
-                      "megatron": ("latest_checkpointed_iteration.txt",), "vllm": ("model-rank-0-part-0.safetensors",)}
 
 
 @dataclass
@@ -34,7 +31,7 @@ class Pushed:
 
 def checked_output(folder: str) -> tuple[str, dict, list[str]]:
     """(layout, degrees, files relative to ``folder``) of a complete reshard output; refuses anything partial."""
-    from reshard.layouts import open_checkpoint
+    from reshard.layouts.registry import get_layout, open_checkpoint
 
     if not os.path.isdir(folder):
         raise CheckpointError(f"{folder} is not a folder: pass the converted checkpoint folder")
@@ -51,7 +48,7 @@ def checked_output(folder: str) -> tuple[str, dict, list[str]]:
             files.append(rel)
     with open_checkpoint(folder) as source:  # detects the layout and checks every tensor is present
         layout, degrees = source.layout, dict(source.degrees)
-    markers = COMPLETION_MARKERS.get(layout, ())
+    markers = get_layout(layout).completion_markers  # a file a complete output has (written last by reshard)
     if markers and not any(os.path.isfile(os.path.join(folder, m)) for m in markers):
         raise CheckpointError(f"{folder} lacks {' or '.join(markers)}, which a complete {layout} output has: "
                               "the conversion did not complete; run it again before pushing")

@@ -7,13 +7,12 @@ import json
 import struct
 
 from reshard.errors import CheckpointError, ReshardError
-from reshard.hub import HubRef
+from reshard.hub.refs import HubRef
 from reshard.hub.download import needed_files, repo_listing
 from reshard.hub.errors import hub_errors
 from reshard.hub.selection import repo_layout
 from reshard.io.safetensors_format import MAX_HEADER, parse_header
 from reshard.io.tensorfile import TensorFile
-from reshard.layouts import hf
 from reshard.layouts.base import Options, Source
 
 
@@ -75,10 +74,10 @@ def open_remote(ref: HubRef, opts: Options) -> Source:
     api = HfApi()
     with hub_errors(ref.repo_id, ref.revision):
         commit, sizes = repo_listing(api, ref)
-        layout = repo_layout(sorted(sizes))
-        if layout != "hf":
-            raise CheckpointError(f"{ref} holds a {layout} checkpoint: plans from remote headers need an HF-layout "
-                                  f"repo; run `reshard pull {ref.repo_id}` and plan the local folder")
+        layout = repo_layout(sorted(sizes), str(ref))
+        if not layout.remote_headers:
+            raise CheckpointError(f"{ref} holds a {layout.name} checkpoint: plans from remote headers need an "
+                                  f"HF-layout repo; run `reshard pull {ref.repo_id}` and plan the local folder")
         files = needed_files(api, ref, commit, sizes)
         weights = [f for f in files if f.endswith(".safetensors")]
         if not weights or "config.json" not in files:
@@ -91,7 +90,7 @@ def open_remote(ref: HubRef, opts: Options) -> Source:
                 raise CheckpointError(f"{ref}/config.json: invalid JSON ({exc})") from None
         tensor_files = [fetch_header(ref, commit, name, sizes[name], api.endpoint) for name in weights]
         missing = [f for f in files if not _cached(ref, commit, f)]
-    source = hf.build_source(str(ref), config, tensor_files, opts, side_files=[])
+    source = layout.open_headers(str(ref), config, tensor_files, opts)
     source.info["hub"] = {"repo": ref.repo_id, "revision": ref.revision or "main", "commit": commit}
     source.info["download"] = {"files": len(missing), "bytes": sum(sizes[f] for f in missing)}
     return source

@@ -1,14 +1,17 @@
-"""What every layout provides: an opened source (canonical view) and target file specs."""
+"""The layout interface (:class:`Layout`) and what layouts share: an opened source (canonical view), target file
+specs, and small helpers (side files, shard packing, shape checks)."""
 
 from __future__ import annotations
 
+import importlib
 import os
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from reshard.core.canonical import CanonicalModel
 from reshard.core.pieces import StoredTensor
-from reshard.errors import CheckpointError
+from reshard.errors import CheckpointError, PlanError
 from reshard.io.tensorfile import TensorFile
 
 # Non-weight files that travel with a checkpoint (tokenizer, generation config).
@@ -105,3 +108,85 @@ def check_shape(where: str, name: str, actual: tuple[int, ...], expected: tuple[
     if tuple(actual) != tuple(expected):
         raise CheckpointError(f"{where}: tensor '{name}' has shape {list(actual)} but the config implies "
                               f"{list(expected)}: the config does not match the weights")
+
+
+def import_string(target: str) -> Any:
+    """The object a ``"package.module:attribute"`` string names (imported on first use)."""
+    module, _, attribute = target.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+@dataclass
+class TargetPlan:
+    """What :meth:`Layout.targets` returns: the files to write, and an opaque state of the layout's own that the
+    conversion hands back to :meth:`Layout.finalize` (e.g. the padded vocab, the iteration)."""
+
+    files: list[TargetSpec]
+    state: Any = None
+
+
+class Layout:
+    """One checkpoint layout (hf, megatron, vllm, ...): a plug-in registered by name in :mod:`reshard.layouts`.
+
+    A layout never moves bytes. It says where every canonical row range lives in a folder it reads
+    (``Source.stored``) and what every file it writes holds (``TargetSpec`` pieces); the planner and the executor,
+    shared by all layouts, do the rest. Calls, in order:
+
+    1. ``detect(names)``: does this listing look like this layout? ``names`` are paths relative to the
+       checkpoint folder, ``/``-separated, folders with a trailing ``/`` (a local folder to depth 3, or a Hub
+       repo listing). When several layouts match, the highest ``specificity`` wins; a tie is refused.
+    2. ``open(root, opts)``: the canonical view of a folder (reads headers only).
+    3. ``targets(source, opts, dtype)``: the target files at ``opts.tp`` x ``opts.pp``; raises ``PlanError``
+       for an impossible request (nothing is written yet).
+    4. (the shared executor writes every target file into a staging folder)
+    5. ``finalize(out, source, plan, state)``: the layout's side files (config, index, tracker, records),
+       the one that marks the output complete written last.
+
+    Optional capabilities: ``rank_loader`` ("module:function" loading one tensor-parallel rank's weights for the
+    forward verifier, from that rank's own files), ``remote_files`` (what a Hub download of this layout takes),
+    ``open_headers`` (a view from safetensors headers alone, for plans of remote repos). ``describe`` and
+    ``rank_label`` feed ``reshard inspect``.
+    """
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""  # one line for --help, inspect and "not a checkpoint reshard knows" errors
+    specificity: ClassVar[int] = 0  # which of several matching layouts detection picks (hf 0, others above)
+    writes: ClassVar[bool] = True  # False: a read-only layout (not a --to choice)
+    rank_loader: ClassVar[str | None] = None  # "module:function(path, rank, world, opts) -> RankWeights"
+    completion_markers: ClassVar[tuple[str, ...]] = ()  # a complete output has one of these files (push)
+    remote_headers: ClassVar[bool] = False  # open_headers works: plans from remote safetensors headers
+
+    def detect(self, names: Collection[str]) -> bool:
+        raise NotImplementedError
+
+    def open(self, root: str, opts: Options) -> Source:
+        raise NotImplementedError
+
+    def targets(self, source: Source, opts: Options, dtype: str) -> TargetPlan:
+        raise NotImplementedError
+
+    def finalize(self, out: str, source: Source, plan: Any, state: Any) -> None:
+        """Write the side files into ``out`` (``plan``: the conversion's ``core.plan.Plan``)."""
+
+    def remote_files(self, names: list[str], read_text: Callable[[str], str]) -> list[str]:
+        """The weight files (and the layout's own records) a download needs, from a repo's file ``names``;
+        ``read_text(name)`` fetches a small text file (an index, a tracker). Side files are added by the caller."""
+        raise NotImplementedError(f"the {self.name} layout cannot be downloaded from the Hub")
+
+    def open_headers(self, where: str, config: dict, files: list[TensorFile], opts: Options) -> Source:
+        """A view from parsed safetensors headers alone (``remote_headers`` layouts)."""
+        raise NotImplementedError
+
+    def describe(self, source: Source) -> dict:
+        """Layout-specific keys for ``reshard inspect`` (padded vocab, iteration, ...)."""
+        return {}
+
+    def rank_label(self, source: Source, relpath: str) -> str:
+        """The rank a file belongs to, for ``reshard inspect`` (``all`` for a layout without ranks)."""
+        return "all"
+
+    def load_rank(self, path: str, rank: int, world: int, opts: Options):
+        """Tensor-parallel rank ``rank`` of ``world`` in the forward verifier's form (needs ``rank_loader``)."""
+        if self.rank_loader is None:
+            raise PlanError(f"the forward verifier cannot read the {self.name} layout")
+        return import_string(self.rank_loader)(path, rank, world, opts)

@@ -9,27 +9,31 @@ import math
 import os
 
 from reshard.core.canonical import CanonicalModel, build_canonical, match_template
-from reshard.errors import CheckpointError
+from reshard.errors import CheckpointError, PlanError
 from reshard.io import dtypes
 from reshard.io.partial import replace_with_text
 from reshard.io.safetensors_format import SafetensorsFile
 from reshard.io.tensorfile import TensorFile
 from reshard.io.torch_format import TorchFile
-from reshard.layouts.base import Options, Source, TargetSpec, check_shape, find_side_files, pack_by_size
+from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, check_shape, find_side_files,
+                                  pack_by_size)
 from reshard.mapping import family_for_architecture
 
 NAME = "hf"
 INDEX = "model.safetensors.index.json"
+BIN_INDEX = "pytorch_model.bin.index.json"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; recomputed at run time
 
 
-def detect(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "config.json")) and bool(_weight_files(path))
+def is_weight_file(name: str) -> bool:
+    """A top-level weight file or index of the HF layout."""
+    return "/" not in name and (name.endswith(".safetensors") or name in (INDEX, BIN_INDEX)
+                                or (name.startswith("pytorch_model") and name.endswith(".bin")))
 
 
 def _weight_files(path: str) -> list[str]:
     """The checkpoint's weight files: the index's files, else *.safetensors, else pytorch_model*.bin."""
-    for index_name in (INDEX, "pytorch_model.bin.index.json"):
+    for index_name in (INDEX, BIN_INDEX):
         index_path = os.path.join(path, index_name)
         if os.path.isfile(index_path):
             try:
@@ -49,7 +53,7 @@ def _weight_files(path: str) -> list[str]:
 
 def check_index(path: str, paths: list[str], files: list) -> None:
     """Every tensor an index names must be in the file it names."""
-    for index_name in (INDEX, "pytorch_model.bin.index.json"):
+    for index_name in (INDEX, BIN_INDEX):
         index_path = os.path.join(path, index_name)
         if os.path.isfile(index_path):
             by_name = {os.path.relpath(p, path): f for p, f in zip(paths, files)}
@@ -169,3 +173,53 @@ def finalize(out: str, model: CanonicalModel, files: list, dtype: str) -> None:
         total = sum(spec.nbytes for spec in files)
         replace_with_text(os.path.join(out, INDEX),
                           json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def remote_weight_files(names: list[str], read_text) -> list[str]:
+    """Which weight files of a repo listing to download: the safetensors index and the files it names, else
+    ``model.safetensors``, else the top-level ``*.safetensors`` (never Mistral's ``consolidated*``);
+    ``pytorch_model*.bin`` (+ index) only when no safetensors exist. Sub-folders hold other formats."""
+    top = [p for p in names if "/" not in p]
+    safetensors = sorted(p for p in top if p.endswith(".safetensors") and not p.startswith("consolidated"))
+    if INDEX in top:
+        try:
+            named = sorted(set(json.loads(read_text(INDEX)).get("weight_map", {}).values()))
+        except (json.JSONDecodeError, AttributeError):
+            raise CheckpointError(f"{INDEX} of the repo is not a valid index (needs a 'weight_map' object)") from None
+        return [INDEX, *(named or safetensors)]
+    if "model.safetensors" in top:
+        return ["model.safetensors"]
+    if safetensors:
+        return safetensors
+    return sorted(p for p in top if p == BIN_INDEX or (p.startswith("pytorch_model") and p.endswith(".bin")))
+
+
+class HFLayout(Layout):
+    """Hugging Face: full, unfused tensors (the canonical form itself), sharded by size with an index."""
+
+    name = NAME
+    summary = "Hugging Face folder (config.json + *.safetensors or pytorch_model*.bin)"
+    specificity = 0
+    rank_loader = "reshard.verification.forward.hf_rank:load_rank"
+    completion_markers = (INDEX, "model.safetensors")
+    remote_headers = True
+
+    def detect(self, names) -> bool:
+        return "config.json" in names and any(is_weight_file(n) for n in names)
+
+    def open(self, root: str, opts: Options) -> Source:
+        return open_source(root, opts)
+
+    def open_headers(self, where: str, config: dict, files: list[TensorFile], opts: Options) -> Source:
+        return build_source(where, config, files, opts, side_files=[])
+
+    def targets(self, source: Source, opts: Options, dtype: str) -> TargetPlan:
+        if opts.tp != 1 or opts.pp != 1:
+            raise PlanError("the hf layout holds the full model: --tp and --pp must be 1 for --to hf")
+        return TargetPlan(targets(source.model, opts), state=dtype)
+
+    def finalize(self, out: str, source: Source, plan, state) -> None:
+        finalize(out, source.model, plan.files, state)
+
+    def remote_files(self, names: list[str], read_text) -> list[str]:
+        return remote_weight_files(names, read_text)

@@ -24,7 +24,7 @@ from reshard.errors import CheckpointError, PlanError
 from reshard.io.partial import replace_with_text
 from reshard.io.readahead import read_heads_in_background
 from reshard.io.torch_format import MegatronEnum, TensorSlot, TorchFile, torch_dtype_global
-from reshard.layouts.base import Options, Source, TargetSpec, check_shape, find_side_files
+from reshard.layouts.base import Layout, Options, Source, TargetPlan, TargetSpec, check_shape, find_side_files
 from reshard.mapping import Family, WeightSpec, family_for_architecture
 
 NAME = "megatron"
@@ -32,6 +32,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 RANK_FILE = "model_optim_rng.pt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_REMOTE_RANK_FILE = re.compile(r"^(iter_\d{7}|release)/mp_rank_\d{2}(_\d{3})?/model_optim_rng\.pt$")
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 
 
@@ -118,15 +119,13 @@ def _iteration_dir(path: str) -> tuple[str, str]:
                           "pass the iteration folder itself")
 
 
-def detect(path: str) -> bool:
-    if not os.path.isdir(path):
-        return False
-    if os.path.isfile(os.path.join(path, TRACKER)):
-        return True
-    names = os.listdir(path)
-    if any(_RANK_DIR.match(n) for n in names):
-        return True
-    return any((n.startswith("iter_") or n == "release") and os.path.isdir(os.path.join(path, n)) for n in names)
+def iteration_folder(tracker_text: str | None, names) -> str | None:
+    """The iteration folder of a repo listing to download: the tracker's, else the only one present."""
+    if tracker_text is not None:
+        label = tracker_text.strip()
+        return "release" if label == "release" else f"iter_{int(label):07d}" if label.isdigit() else None
+    folders = sorted({p.split("/")[0] for p in names if _REMOTE_RANK_FILE.match(p)})
+    return folders[0] if len(folders) == 1 else None
 
 
 def _checkpoint_root(path: str, iter_dir: str) -> str:
@@ -356,8 +355,9 @@ def build_args(model: CanonicalModel, opts: Options, padded: int, divisor: int, 
     return argparse.Namespace(**values)
 
 
-def targets(model: CanonicalModel, opts: Options, source: Source, dtype: str) -> tuple[list[TargetSpec], dict]:
-    """Rank files for Megatron at ``opts.tp`` x ``opts.pp``; also returns what :func:`finalize` needs."""
+def targets(model: CanonicalModel, opts: Options, source: Source, dtype: str) -> tuple[list[TargetSpec], str]:
+    """Rank files for Megatron at ``opts.tp`` x ``opts.pp``; also returns the iteration label :func:`finalize`
+    writes into the tracker."""
     if opts.megatron_spec not in ("te", "local"):
         raise PlanError(f"unknown --megatron-spec '{opts.megatron_spec}': use te or local")
     check_megatron_degrees(model, opts.tp, opts.pp)
@@ -379,9 +379,49 @@ def targets(model: CanonicalModel, opts: Options, source: Source, dtype: str) ->
                        "iteration": 0 if iteration == "release" else int(iteration), "model": state}
             specs.append(TargetSpec(f"{folder}/{rank_dir(t, p, opts.pp)}/{RANK_FILE}", "torch", tensors,
                                     payload=payload))
-    return specs, {"iteration": iteration}
+    return specs, iteration
 
 
 def finalize(out: str, iteration: str) -> None:
     """Write the tracker file last: its presence marks the checkpoint complete."""
     replace_with_text(os.path.join(out, TRACKER), f"{iteration}\n" if iteration != "release" else "release")
+
+
+class MegatronLayout(Layout):
+    """Megatron-Core ``torch`` format: a pickled state dict per (TP, PP) rank, with Megatron-LM ``args``."""
+
+    name = NAME
+    summary = "Megatron-Core torch format (latest_checkpointed_iteration.txt, iter_*/mp_rank_*/model_optim_rng.pt)"
+    specificity = 10
+    rank_loader = "reshard.verification.forward.megatron_rank:load_rank"
+    completion_markers = (TRACKER,)
+
+    def detect(self, names) -> bool:
+        """A tracker file, rank folders (an iteration folder itself) or ``iter_*/`` / ``release/`` folders."""
+        if TRACKER in names:
+            return True
+        folders = [n[:-1] for n in names if n.endswith("/") and n.count("/") == 1]
+        return any(_RANK_DIR.match(n) or n.startswith("iter_") or n == "release" for n in folders)
+
+    def open(self, root: str, opts: Options) -> Source:
+        return open_source(root, opts)
+
+    def targets(self, source: Source, opts: Options, dtype: str) -> TargetPlan:
+        specs, iteration = targets(source.model, opts, source, dtype)
+        return TargetPlan(specs, state=iteration)
+
+    def finalize(self, out: str, source: Source, plan, state) -> None:
+        finalize(out, state)
+
+    def remote_files(self, names: list[str], read_text) -> list[str]:
+        """The tracker and the rank files of the iteration it names (else of the only iteration present)."""
+        folder = iteration_folder(read_text(TRACKER) if TRACKER in names else None, names)
+        ranks = {p for p in names if _REMOTE_RANK_FILE.match(p) and p.split("/")[0] == folder}
+        return sorted(ranks | ({TRACKER} & set(names)))
+
+    def describe(self, source: Source) -> dict:
+        return {"padded_vocab_size": source.info["padded_vocab"], "megatron_spec": source.info["spec"],
+                "iteration": source.info["iteration"]}
+
+    def rank_label(self, source: Source, relpath: str) -> str:
+        return os.path.basename(os.path.dirname(relpath))

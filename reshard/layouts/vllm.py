@@ -15,7 +15,7 @@ import math
 import os
 import re
 
-from reshard import __version__
+from reshard.version import __version__
 from reshard.core.canonical import CanonicalModel, build_canonical
 from reshard.core.pieces import StoredTensor
 from reshard.core.sharding import (check_vllm_degrees, pack_members, rank_slice, vllm_padded_vocab,
@@ -25,8 +25,8 @@ from reshard.io import dtypes
 from reshard.io.partial import replace_with_text
 from reshard.io.safetensors_format import SafetensorsFile
 from reshard.layouts import hf
-from reshard.layouts.base import (Options, Source, TargetSpec, check_shape, find_side_files, pack_by_size,
-                                  stored_dtype)
+from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, check_shape, find_side_files,
+                                  pack_by_size, stored_dtype)
 from reshard.mapping import WeightSpec, family_for_architecture
 
 NAME = "vllm"
@@ -83,10 +83,6 @@ def rank_tensors(model: CanonicalModel, tp: int, rank: int, padded_vocab: int) -
 
 
 # ---------------------------------------------------------------------------------------------- reading
-
-def detect(path: str) -> bool:
-    return os.path.isdir(path) and any(_FILE.match(n) for n in os.listdir(path))
-
 
 def _rank_files(path: str) -> dict[int, list[str]]:
     """Rank -> its part files in part order; refuses gaps in ranks or parts."""
@@ -219,7 +215,7 @@ def open_source(path: str, opts: Options) -> Source:
 
 # ---------------------------------------------------------------------------------------------- writing
 
-def targets(model: CanonicalModel, opts: Options, dtype: str) -> tuple[list[TargetSpec], dict]:
+def targets(model: CanonicalModel, opts: Options, dtype: str) -> tuple[list[TargetSpec], int]:
     """Rank files for vLLM at ``opts.tp``, each rank split into parts of at most ``max_shard_size`` bytes."""
     if opts.pp != 1:
         raise PlanError("vLLM sharded_state files hold tensor-parallel ranks only: --pp must be 1 for --to vllm")
@@ -236,7 +232,7 @@ def targets(model: CanonicalModel, opts: Options, dtype: str) -> tuple[list[Targ
                         "rank": str(rank)}
             specs.append(TargetSpec(PATTERN.format(rank=rank, part=part), "safetensors", tensors,
                                     metadata=metadata))
-    return specs, {"tp": opts.tp, "padded_vocab": padded}
+    return specs, padded
 
 
 def finalize(out: str, model: CanonicalModel, dtype: str, tp: int, padded_vocab: int, files: list) -> None:
@@ -249,3 +245,36 @@ def finalize(out: str, model: CanonicalModel, dtype: str, tp: int, padded_vocab:
         "load_with": f'vllm.LLM(model=DIR, load_format="sharded_state", tensor_parallel_size={tp})',
     }
     replace_with_text(os.path.join(out, RECORD), json.dumps(record, indent=2) + "\n")
+
+
+class VLLMLayout(Layout):
+    """vLLM ``sharded_state``: per-rank safetensors parts for one ``tensor_parallel_size``."""
+
+    name = NAME
+    summary = "vLLM sharded_state folder (model-rank-*-part-*.safetensors)"
+    specificity = 10  # a vLLM folder also holds config.json and *.safetensors, as an HF one does
+    rank_loader = "reshard.verification.forward.vllm_rank:load_rank"
+    completion_markers = ("model-rank-0-part-0.safetensors",)
+
+    def detect(self, names) -> bool:
+        return any(_FILE.match(n) for n in names)
+
+    def open(self, root: str, opts: Options) -> Source:
+        return open_source(root, opts)
+
+    def targets(self, source: Source, opts: Options, dtype: str) -> TargetPlan:
+        specs, padded = targets(source.model, opts, dtype)
+        return TargetPlan(specs, state={"tp": opts.tp, "padded_vocab": padded, "dtype": dtype})
+
+    def finalize(self, out: str, source: Source, plan, state) -> None:
+        finalize(out, source.model, state["dtype"], state["tp"], state["padded_vocab"], plan.files)
+
+    def remote_files(self, names: list[str], read_text) -> list[str]:
+        return sorted(n for n in names if _FILE.match(n))
+
+    def describe(self, source: Source) -> dict:
+        return {"padded_vocab_size": source.info["padded_vocab"],
+                "recorded_tensor_parallel_size": source.info["recorded_tp"]}
+
+    def rank_label(self, source: Source, relpath: str) -> str:
+        return f"rank-{_FILE.match(os.path.basename(relpath)).group(1)}"

@@ -12,8 +12,9 @@ import os
 import torch
 
 from reshard.errors import ReshardError
-from reshard.layouts import open_checkpoint
+from reshard.errors import PlanError
 from reshard.layouts.base import Options
+from reshard.layouts.registry import get_layout, layout_names, open_checkpoint
 from reshard.verification.forward.job import COMPUTE_DTYPES, ForwardJob, Side
 from reshard.verification.forward.launch import launch, under_torchrun
 from reshard.verification.forward.rank_weights import DecoderConfig, check_world
@@ -57,6 +58,11 @@ def verify_forward(a: str, b: str, *, nproc: int | None = None, backend: str | N
         degrees = (sa.degrees.get("tp", 1), sb.degrees.get("tp", 1))
         vocabs = (sa.model.vocab_size, sb.model.vocab_size)
         config_b, ffn_b = DecoderConfig.from_hf(sb.model.config), sb.model.dims.get("F", 0)
+    for label, name in zip("AB", layouts):
+        if get_layout(name).rank_loader is None:
+            raise PlanError(f"{label} is a {name} checkpoint, which the forward verifier cannot read (it reads "
+                            f"{', '.join(layout_names(forward=True))}); convert it to one of those first, or use "
+                            "the digest check (reshard verify without --forward)")
     if vocabs[0] != vocabs[1]:
         raise ReshardError(f"A has vocab {vocabs[0]} and B has vocab {vocabs[1]}: their logits cannot be compared",
                            exit_code=1)

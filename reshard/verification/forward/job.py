@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from reshard.layouts.base import Options
+from reshard.layouts.registry import get_layout
 from reshard.verification.forward import decoder, report
-from reshard.verification.forward.rank_weights import load_rank
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp64": torch.float64,
                   "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
@@ -82,7 +82,7 @@ def run_job(job: ForwardJob, rank: int, world: int) -> dict | None:
     for label, side in (("a", job.a), ("b", job.b)):
         if rank >= side.degree:
             continue
-        weights = load_rank(side.layout, side.path, rank, side.degree, job.opts)
+        weights = get_layout(side.layout).load_rank(side.path, rank, side.degree, job.opts)
         stored = weights.dtype
         info = {"world": side.degree, "padded_vocab": weights.padded_vocab, "dtype": stored,
                 "files_rank0": weights.files, "vocab": weights.vocab_size}

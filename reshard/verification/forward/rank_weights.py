@@ -1,7 +1,7 @@
 """One tensor-parallel rank's weights in decoder form, read from a checkpoint's own rank files.
 
-``RANK_LOADERS[layout](path, rank, world, opts) -> RankWeights``. A loader reads only what rank ``rank`` of
-``world`` holds: Megatron reads its own ``mp_rank_{rank:02d}[_{stage:03d}]`` files, vLLM its own
+A layout's ``rank_loader`` (``load_rank(path, rank, world, opts) -> RankWeights``, named on its
+:class:`~reshard.layouts.base.Layout`) reads only what rank ``rank`` of ``world`` holds: Megatron reads its own ``mp_rank_{rank:02d}[_{stage:03d}]`` files, vLLM its own
 ``model-rank-{rank}-part-*.safetensors``, an HF checkpoint (TP=1 on disk) is sliced by row / column ranges. The decoder never sees a layout: only these plain local tensors.
 
 Local tensors (``nh``/``ng`` heads, ``d`` head dim, ``H`` hidden, ``F`` intermediate, over ``world`` ranks):
@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from reshard.errors import CheckpointError, ReshardError
-from reshard.layouts.base import Options
 
 
 @dataclass
@@ -161,35 +159,3 @@ def vocab_rows(vocab: int, padded: int, rank: int, world: int) -> tuple[int, int
     start = rank * per
     real = max(0, min(start + per, vocab) - start)
     return start, real, per - real
-
-
-# ---------------------------------------------------------------------------------------------- registry
-
-def _hf(path: str, rank: int, world: int, opts: Options) -> RankWeights:
-    from reshard.verification.forward import hf_rank
-
-    return hf_rank.load_rank(path, rank, world, opts)
-
-
-def _megatron(path: str, rank: int, world: int, opts: Options) -> RankWeights:
-    from reshard.verification.forward import megatron_rank
-
-    return megatron_rank.load_rank(path, rank, world, opts)
-
-
-def _vllm(path: str, rank: int, world: int, opts: Options) -> RankWeights:
-    from reshard.verification.forward import vllm_rank
-
-    return vllm_rank.load_rank(path, rank, world, opts)
-
-
-# layout name -> load_rank(path, rank, world, opts); each imports its layout's reader lazily.
-RANK_LOADERS: dict[str, Callable[[str, int, int, Options], RankWeights]] = {
-    "hf": _hf, "megatron": _megatron, "vllm": _vllm}
-
-
-def load_rank(layout: str, path: str, rank: int, world: int, opts: Options) -> RankWeights:
-    if layout not in RANK_LOADERS:
-        raise ReshardError(f"forward verification cannot read the '{layout}' layout (supported: "
-                           f"{', '.join(sorted(RANK_LOADERS))})")
-    return RANK_LOADERS[layout](path, rank, world, opts)

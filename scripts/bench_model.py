@@ -1,0 +1,284 @@
+"""Synthetic Llama checkpoints for scripts/bench.py: shapes for a requested size, the streaming bf16
+safetensors writer, and the cached source directory (``ensure_source``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import struct
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+GIB = 1 << 30
+MIB = 1 << 20
+# Bump when the generated data or layout changes, so that cached sources are rebuilt.
+GENERATOR_VERSION = 1
+
+# --------------------------------------------------------------------------------------
+# Synthetic Llama shapes
+# --------------------------------------------------------------------------------------
+
+HIDDEN_CANDIDATES = (8192, 4096, 2048, 1024, 512, 256, 128, 64)
+NUM_KV_HEADS = 8
+
+
+def vocab_for_hidden(hidden: int) -> int:
+    """Odd vocab size (never a multiple of 128), big enough that the embedding is the
+    largest tensor (> intermediate * hidden = 3.5 * hidden**2), capped at 32003."""
+    return min(32003, 16 * hidden + 3)
+
+
+def min_layers_for_hidden(hidden: int) -> int:
+    """A width is used only with at least this many layers, so 1, 2 and 4 GiB models share hidden 2048 (16+ layers
+    for 4096): the model grows by depth while the largest tensor stays put, which is what "memory flat in
+    model size" is measured against."""
+    return max(4, hidden * hidden // 2**20)
+
+
+def model_shapes(hidden: int, layers: int) -> dict[str, Any]:
+    head_dim = 128 if hidden >= 4096 else hidden // 32
+    heads = hidden // head_dim
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": hidden * 7 // 2,  # Llama-3 ratio; divisible by 8 for every candidate
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": NUM_KV_HEADS,
+        "head_dim": head_dim,
+        "vocab_size": vocab_for_hidden(hidden),
+    }
+
+
+def tensor_specs(shapes: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every tensor, in the order they are written."""
+    h = shapes["hidden_size"]
+    inter = shapes["intermediate_size"]
+    hd = shapes["head_dim"]
+    q = shapes["num_attention_heads"] * hd
+    kv = shapes["num_key_value_heads"] * hd
+    vocab = shapes["vocab_size"]
+    specs: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, h))]
+    for i in range(shapes["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        specs += [
+            (p + "input_layernorm.weight", (h,)),
+            (p + "self_attn.q_proj.weight", (q, h)),
+            (p + "self_attn.k_proj.weight", (kv, h)),
+            (p + "self_attn.v_proj.weight", (kv, h)),
+            (p + "self_attn.o_proj.weight", (h, q)),
+            (p + "post_attention_layernorm.weight", (h,)),
+            (p + "mlp.gate_proj.weight", (inter, h)),
+            (p + "mlp.up_proj.weight", (inter, h)),
+            (p + "mlp.down_proj.weight", (h, inter)),
+        ]
+    specs += [("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
+    return specs
+
+
+def param_count(shapes: dict[str, Any]) -> int:
+    return sum(math.prod(s) for _, s in tensor_specs(shapes))
+
+
+def choose_shapes(size_gib: float) -> dict[str, Any]:
+    """Llama-like shapes whose bf16 size is close to ``size_gib``: the widest hidden size
+    that still leaves a realistic number of layers, then the layer count that best fits."""
+    if not size_gib > 0:
+        raise ValueError(f"size must be positive, got {size_gib}")
+    target_params = size_gib * GIB / 2
+    for hidden in HIDDEN_CANDIDATES:
+        base = param_count(model_shapes(hidden, 0))
+        per_layer = param_count(model_shapes(hidden, 1)) - base
+        layers = max(1, round((target_params - base) / per_layer))
+        if layers >= min_layers_for_hidden(hidden) or hidden == HIDDEN_CANDIDATES[-1]:
+            shapes = model_shapes(hidden, layers)
+            # fine-tune the FFN width (within 2.5x..4x hidden, multiple of hidden/8) to close
+            # the gap left by the integer layer count
+            step = hidden // 8
+            mlp_params = 3 * hidden * shapes["intermediate_size"] * layers
+            rest = param_count(shapes) - mlp_params
+            inter = (target_params - rest) / (3 * hidden * layers)
+            inter = min(4 * hidden, max(5 * hidden // 2, round(inter / step) * step))
+            shapes["intermediate_size"] = int(inter)
+            return shapes
+    raise AssertionError("unreachable")
+
+
+def hf_config(shapes: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": shapes["hidden_size"],
+        "intermediate_size": shapes["intermediate_size"],
+        "num_hidden_layers": shapes["num_hidden_layers"],
+        "num_attention_heads": shapes["num_attention_heads"],
+        "num_key_value_heads": shapes["num_key_value_heads"],
+        "head_dim": shapes["head_dim"],
+        "vocab_size": shapes["vocab_size"],
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 500000.0,
+        "rope_scaling": None,
+        "max_position_embeddings": 8192,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "initializer_range": 0.02,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+    }
+
+
+def expected_megatron_largest(shapes: dict[str, Any], tp: int) -> int:
+    """Largest per-rank tensor (bytes, bf16) of a Megatron-Core TP=tp checkpoint, assuming
+    vocab padding to a multiple of 128 * tp and fused QKV / gate+up (linear_fc1)."""
+    h = shapes["hidden_size"]
+    inter = shapes["intermediate_size"]
+    hd = shapes["head_dim"]
+    mult = 128 * tp
+    padded_vocab = -(-shapes["vocab_size"] // mult) * mult
+    qkv_rows = (shapes["num_attention_heads"] + 2 * shapes["num_key_value_heads"]) * hd
+    candidates = [padded_vocab // tp * h, 2 * inter // tp * h, qkv_rows // tp * h, h * inter // tp]
+    return 2 * max(candidates)
+
+
+# --------------------------------------------------------------------------------------
+# Streaming safetensors writer
+# --------------------------------------------------------------------------------------
+
+PATTERN_ELEMS = 1_048_573  # odd period, so rows of a matrix do not repeat column-aligned
+
+
+def _bf16_pattern(name: str, numel: int, is_norm: bool) -> np.ndarray:
+    """Deterministic, non-zero bf16 bit patterns (as uint16) for one tensor."""
+    n = min(numel, PATTERN_ELEMS)
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    vals = rng.standard_normal(n, dtype=np.float32)
+    vals = (1.0 + 0.02 * vals) if is_norm else (0.02 * vals)
+    bits = (vals.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    bits[(bits & 0x7FFF) == 0] = 0x3C00  # no +-0: 0x3C00 is bf16 0.0078125
+    return bits
+
+
+def _write_tensor_data(f, name: str, shape: tuple[int, ...]) -> None:
+    numel = math.prod(shape)
+    block = _bf16_pattern(name, numel, is_norm=len(shape) == 1).tobytes()
+    remaining = numel * 2
+    while remaining:
+        chunk = block if remaining >= len(block) else block[:remaining]
+        f.write(chunk)
+        remaining -= len(chunk)
+
+
+def write_safetensors(path: Path, specs: list[tuple[str, tuple[int, ...]]]) -> None:
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in specs:
+        nbytes = math.prod(shape) * 2
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    hbytes = json.dumps(header, separators=(",", ":")).encode()
+    hbytes += b" " * (-len(hbytes) % 8)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(hbytes)))
+        f.write(hbytes)
+        for name, shape in specs:
+            _write_tensor_data(f, name, shape)
+    os.replace(tmp, path)
+
+
+def plan_shards(
+    specs: list[tuple[str, tuple[int, ...]]], shard_limit: int
+) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """Greedy split into shards of at most ``shard_limit`` bytes (a single larger tensor gets
+    its own shard).  The target is capped at half the model so even tiny models get >= 2
+    shards and the multi-shard path of the converter is always exercised."""
+    total = sum(math.prod(s) * 2 for _, s in specs)
+    target = max(1, min(shard_limit, -(-total // 2)))
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    cur = 0
+    for name, shape in specs:
+        nbytes = math.prod(shape) * 2
+        if shards[-1] and cur + nbytes > target:
+            shards.append([])
+            cur = 0
+        shards[-1].append((name, shape))
+        cur += nbytes
+    return shards
+
+
+def source_plan(size_gib: float, shard_limit: int) -> dict[str, Any]:
+    shapes = choose_shapes(size_gib)
+    shards = plan_shards(tensor_specs(shapes), shard_limit)
+    n = len(shards)
+    return {
+        "generator_version": GENERATOR_VERSION,
+        "requested_gib": size_gib,
+        "config": hf_config(shapes),
+        "shapes": shapes,
+        "shards": [
+            {"file": f"model-{i + 1:05d}-of-{n:05d}.safetensors", "tensors": [[nm, list(s)] for nm, s in sh]}
+            for i, sh in enumerate(shards)
+        ],
+    }
+
+
+def _shard_bytes(shard: dict[str, Any]) -> int:
+    return sum(math.prod(s) * 2 for _, s in shard["tensors"])
+
+
+def _cache_valid(src: Path, marker: Path, plan: dict[str, Any]) -> bool:
+    try:
+        if json.loads(marker.read_text()) != plan:
+            return False
+    except (OSError, ValueError):
+        return False
+    for shard in plan["shards"]:
+        p = src / shard["file"]
+        if not p.is_file():
+            return False
+        # header + data; the header length is not known from the plan, so check the data part
+        try:
+            with open(p, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+        except (OSError, struct.error):
+            return False
+        if p.stat().st_size != 8 + n + _shard_bytes(shard):
+            return False
+    return (src / "config.json").is_file() and (src / "model.safetensors.index.json").is_file()
+
+
+def ensure_source(cache_dir: Path, size_gib: float, shard_limit: int, log=print) -> tuple[Path, dict, bool]:
+    """Generate (or reuse) the HF checkpoint for ``size_gib``.  Returns (dir, plan, generated)."""
+    plan = source_plan(size_gib, shard_limit)
+    src = cache_dir / f"llama-{size_gib:g}GiB"
+    marker = cache_dir / f"llama-{size_gib:g}GiB.json"  # kept outside the checkpoint dir
+    if _cache_valid(src, marker, plan):
+        return src, plan, False
+    log(f"[bench] generating {src} ({size_gib:g} GiB requested) ...")
+    marker.unlink(missing_ok=True)
+    if src.exists():
+        shutil.rmtree(src)
+    src.mkdir(parents=True)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for shard in plan["shards"]:
+        specs = [(nm, tuple(s)) for nm, s in shard["tensors"]]
+        write_safetensors(src / shard["file"], specs)
+        for nm, _ in specs:
+            weight_map[nm] = shard["file"]
+        total += _shard_bytes(shard)
+    (src / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+    )
+    (src / "config.json").write_text(json.dumps(plan["config"], indent=2) + "\n")
+    os.sync()
+    marker.write_text(json.dumps(plan, indent=1) + "\n")
+    return src, plan, True

@@ -1,0 +1,80 @@
+"""The operations scripts/bench.py times: their names and sources, the command line of each, and the
+converter under test (its environment and whether it answers ``convert --help``)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench_timing import log_tail, run_child
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SRC_DIR = REPO_ROOT  # the package folder reshard/ sits at the top level
+
+# --------------------------------------------------------------------------------------
+# Operations
+# --------------------------------------------------------------------------------------
+
+#: operation name -> (source kind, convert arguments after SRC DST, or None for non-converter ops)
+OPS: dict[str, tuple[str, list[str] | None]] = {
+    "cp": ("hf", None),
+    "hf_to_megatron_tp8": ("hf", ["--to", "megatron", "--tp", "8"]),
+    "megatron_tp8_to_tp4": ("megatron_tp8", ["--to", "megatron", "--tp", "4"]),
+    "megatron_tp8_to_hf": ("megatron_tp8", ["--to", "hf"]),
+    "hf_to_megatron_tp1": ("hf", ["--to", "megatron", "--tp", "1"]),
+    "hf_to_vllm_tp4": ("hf", ["--to", "vllm", "--tp", "4"]),
+    "hf_to_vllm_tp8": ("hf", ["--to", "vllm", "--tp", "8"]),
+    "naive": ("hf", None),
+}
+CONVERTER_OPS = [name for name, (_, args) in OPS.items() if args is not None]
+MEGATRON_TP8_ARGS = OPS["hf_to_megatron_tp8"][1]
+
+NAIVE_CODE = r"""
+import glob, os, sys
+import torch
+from safetensors.torch import load_file
+src, dst = sys.argv[1], sys.argv[2]
+os.makedirs(dst, exist_ok=True)
+state = {}
+for shard in sorted(glob.glob(os.path.join(src, "*.safetensors"))):
+    state.update(load_file(shard))
+torch.save(state, os.path.join(dst, "model.pt"))
+"""
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC_DIR)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def default_reshard() -> list[str]:
+    return [sys.executable, "-m", "reshard"]
+
+
+def build_cmd(op: str, src: Path, dst: Path, workers: int | None, reshard: list[str] | None = None) -> list[str]:
+    if op == "cp":
+        return ["cp", "-r", str(src), str(dst)]
+    if op == "naive":
+        return [sys.executable, "-c", NAIVE_CODE, str(src), str(dst)]
+    cmd = [*(reshard or default_reshard()), "convert", str(src), str(dst), *OPS[op][1], "--overwrite"]
+    if workers is not None:
+        cmd += ["--workers", str(workers)]
+    return cmd
+
+
+def probe_converter(env: dict[str, str], logs: Path, reshard: list[str]) -> dict[str, Any]:
+    cmd = [*reshard, "convert", "--help"]
+    res = run_child(cmd, logs / "convert-help.log", dict(env, COLUMNS="200"), timeout=300)  # unwrapped help
+    text = log_tail(logs / "convert-help.log", 200_000)
+    return {
+        "cmd": cmd,
+        "rc": res["rc"],
+        "available": res["rc"] == 0,
+        "vllm": res["rc"] == 0 and "vllm" in text.lower(),
+        "help_peak_rss_bytes": res["peak_rss_bytes"],
+        "help_tail": text[-1500:] if res["rc"] != 0 else "",
+    }
