@@ -230,21 +230,27 @@ def verify(
 
 @app.command()
 def inspect(path: str = typer.Argument(...), vocab_size: Optional[int] = VocabOpt,
-            architecture: Optional[str] = ArchOpt, mapping: Optional[str] = MappingOpt, as_json: bool = JsonOpt):
+            architecture: Optional[str] = ArchOpt, mapping: Optional[str] = MappingOpt, as_json: bool = JsonOpt,
+            files: bool = typer.Option(False, "--files", help="List every file of every rank (--json always "
+                                       "does).")):
     """Show a checkpoint's layout, architecture, degrees, dtype, parameters, bytes and files per rank."""
-    from reshard.inspection import inspect as run_inspect
+    from reshard.inspection import inspect as run_inspect, summarize_files
 
     info = run_inspect(path, vocab_size=vocab_size, architecture=architecture, mapping=mapping)
     if as_json:
         print(json.dumps(info, indent=2))
         return
     for key, value in info.items():
-        if key == "files_per_rank":
-            print("files per rank:")
-            for rank, files in value.items():
-                print(f"  {rank}: {', '.join(files)}")
-        else:
+        if key != "files_per_rank":
             print(f"{key}: {value}")
+        elif files:
+            print("files per rank:")
+            for rank, names in value.items():
+                print(f"  {rank}: {', '.join(names)}")
+        else:
+            print("files per rank (every name: --files or --json):")
+            for line in summarize_files(value):
+                print(f"  {line}")
 
 
 @app.command()

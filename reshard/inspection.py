@@ -44,3 +44,23 @@ def inspect(path: str, *, vocab_size: int | None = None, architecture: str | Non
         }
         info.update(layout.describe(source))
         return info
+
+
+def _span(names: list[str]) -> str:
+    """``a, b, c`` for up to three names, else ``first … last``."""
+    return ", ".join(names) if len(names) <= 3 else f"{names[0]} … {names[-1]}"
+
+
+def summarize_files(files_per_rank: dict[str, list[str]]) -> list[str]:
+    """A few lines for a long file list: per rank its file count and first … last name; many ranks with the
+    same number of files each fold into one line naming the first and last rank."""
+    counts = {rank: len(names) for rank, names in files_per_rank.items()}
+    if len(counts) <= 3 or len(set(counts.values())) > 1:
+        return [f"{rank}: {len(names)} file{'s' if len(names) != 1 else ''}: {_span(names)}"
+                for rank, names in files_per_rank.items()]
+    ranks = list(files_per_rank)
+    per = counts[ranks[0]]
+    first, last = files_per_rank[ranks[0]], files_per_rank[ranks[-1]]
+    return [f"{len(ranks)} ranks ({ranks[0]} … {ranks[-1]}), {per} file{'s' if per != 1 else ''} each, "
+            f"{per * len(ranks)} in all",
+            f"{ranks[0]}: {_span(first)}", f"{ranks[-1]}: {_span(last)}"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -105,3 +106,41 @@ def test_pytorch_model_bin_source(tmp_path):
     proc = cli("convert", tmp_path / "m", tmp_path / "hf", "--to", "hf")
     out = load_file(tmp_path / "hf" / "model.safetensors")
     assert sorted(out) == sorted(tensors) and all(out[k].equal(v) for k, v in tensors.items())
+
+
+def test_inspect_summarises_long_file_lists(tmp_path):
+    many = make_hf(tmp_path / "many", hidden=64, heads=8, kv_heads=4, ffn=96, vocab=1000, layers=6, shards=12)
+    names = sorted(f for f in os.listdir(many) if f.endswith(".safetensors"))
+    assert len(names) == 12
+    text = cli("inspect", many)
+    assert text.returncode == 0, text.stderr
+    assert f"all: 12 files: {names[0]} … {names[-1]}" in text.stdout
+    assert names[5] not in text.stdout  # not every name by default
+    listed = cli("inspect", many, "--files").stdout
+    assert all(n in listed for n in names)
+    assert json.loads(cli("inspect", many, "--json").stdout)["files_per_rank"]["all"] == names
+    proc = cli("convert", many, tmp_path / "m", "--to", "megatron", "--tp", "4", "--pp", "2")
+    assert proc.returncode == 0, proc.stderr
+    text = cli("inspect", tmp_path / "m").stdout
+    assert "8 ranks (mp_rank_00_000 … mp_rank_03_001), 1 file each, 8 in all" in text
+    assert "mp_rank_02_000" not in text and "mp_rank_02_000" in cli("inspect", tmp_path / "m", "--files").stdout
+
+
+@pytest.mark.parametrize("args, option, fix", [
+    (["convert", "a", "b", "--to", "trtllm"], "--to", "choose one of hf, megatron, vllm"),
+    (["convert", "a", "b", "--to", "hf", "--tp", "abc"], "--tp", "valid integer"),
+    (["convert", "a", "--to", "hf"], "dst", "Missing argument"),
+    (["verify", "a", "b", "--nproc", "x"], "--nproc", "valid integer"),
+    (["convertt", "a"], "convertt", "No such command"),
+])
+def test_usage_errors_from_the_installed_executable(args, option, fix, tmp_path):
+    """The console script a user runs (not the in-process CLI): one line naming the option, exit code 2."""
+    exe = shutil.which("reshard") or os.path.join(os.path.dirname(sys.executable), "reshard")
+    assert os.path.isfile(exe), "the reshard console script is not installed"
+    proc = subprocess.run([exe, *args], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k != "RESHARD_DEBUG"})
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert option in lines[0] and fix in lines[0] and "internal error" not in lines[0]
+    assert proc.stdout == ""
