@@ -22,12 +22,40 @@ WEIGHT_KEYS = {
     "hf", "split", "slot", "shape", "optional", "tied_to", "stage",
     "megatron", "megatron_te", "megatron_local", "vllm",
 }
-TOP_KEYS = {"family", "dims", "megatron", "vllm", "weight"}
+TOP_KEYS = {"family", "dims", "megatron", "vllm", "decoder", "weight"}
 FAMILY_KEYS = {"name", "description", "architectures"}
 DIM_KEYS = {"key", "default"}
 MEGATRON_KEYS = {"extra_state_te", "extra_state_local"}
 VLLM_KEYS = {"attention_scales"}
 MEGATRON_SPECS = ("te", "local")
+
+# The reference decoder's features (verification/forward/decoder.py implements each); a family's [decoder] table
+# picks them. Config-dependent values (activation, epsilon, window) name the HF config key they come from.
+DECODER_KEYS = {"norm", "mlp", "position", "activation", "norm_eps", "sliding_window", "sliding_window_flags"}
+DECODER_CHOICES = {"norm": ("rms", "layer"), "mlp": ("gated", "plain"), "position": ("rope",)}
+#: HF ``hidden_act`` values -> the decoder's activation (``gelu_tanh``: the tanh approximation of GELU).
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+               "gelu_new": "gelu_tanh", "relu": "relu"}
+
+
+@dataclass(frozen=True)
+class DecoderFeatures:
+    """How a family computes, in the reference decoder's terms (see ``[decoder]`` in a mapping file).
+
+    ``norm``: ``rms`` (HF RMSNorm) or ``layer`` (LayerNorm); ``mlp``: ``gated`` (``down(act(gate(x)) * up(x))``)
+    or ``plain`` (``down(act(up(x)))``); ``position``: ``rope`` (rotate-half); ``activation``: the HF
+    ``hidden_act`` used when the config has none; ``norm_eps``: the config key of the norm epsilon;
+    ``sliding_window``: the config key of the attention window; ``sliding_window_flags``: architectures whose
+    window applies only when a config flag is true (absent: false, as transformers defaults it).
+    """
+
+    norm: str = "rms"
+    mlp: str = "gated"
+    position: str = "rope"
+    activation: str = "silu"
+    norm_eps: str = "rms_norm_eps"
+    sliding_window: str = "sliding_window"
+    sliding_window_flags: tuple[tuple[str, str], ...] = ()
 
 
 def _suggest(key: str, valid) -> str:
@@ -86,6 +114,7 @@ class Family:
     extra_state: dict[str, tuple[str, ...]] = field(default_factory=dict)  # megatron spec -> templates
     source: str = ""
     vllm_scales: tuple[str, ...] = ()  # per-layer fp32 scalar names vLLM's state dict holds (value 1.0)
+    decoder: DecoderFeatures = DecoderFeatures()
 
     def resolve_dims(self, config: dict) -> dict[str, int]:
         """Bind every dimension symbol to an integer from an HF-style config dict."""
@@ -168,6 +197,8 @@ def parse_family(data: dict, source: str) -> Family:
         if "{layer}" not in name:
             raise MappingError(f"{source}: [vllm] attention_scales entry '{name}' needs a {{layer}} placeholder")
 
+    decoder = _parse_decoder(data.get("decoder", {}), source)
+
     weights = []
     seen = set()
     for i, w in enumerate(data["weight"]):
@@ -214,7 +245,23 @@ def parse_family(data: dict, source: str) -> Family:
     _check_packs(weights, source)
     return Family(name=fam["name"], description=fam.get("description", ""),
                   architectures=tuple(fam["architectures"]), dims=dims, weights=tuple(weights),
-                  extra_state=extra_state, source=source, vllm_scales=vllm_scales)
+                  extra_state=extra_state, source=source, vllm_scales=vllm_scales, decoder=decoder)
+
+
+def _parse_decoder(table: dict, source: str) -> DecoderFeatures:
+    _check_keys(source, "[decoder]", table, DECODER_KEYS)
+    for key, choices in DECODER_CHOICES.items():
+        if key in table and table[key] not in choices:
+            raise MappingError(f"{source}: [decoder] {key} = '{table[key]}' is not a decoder feature"
+                               f"{_suggest(str(table[key]), choices)}")
+    if "activation" in table and table["activation"] not in ACTIVATIONS:
+        raise MappingError(f"{source}: [decoder] activation '{table['activation']}' is not one the decoder "
+                           f"implements{_suggest(str(table['activation']), ACTIVATIONS)}")
+    flags = table.get("sliding_window_flags", {})
+    if not isinstance(flags, dict) or not all(isinstance(v, str) for v in flags.values()):
+        raise MappingError(f"{source}: [decoder] sliding_window_flags maps architecture names to config keys")
+    values = {k: v for k, v in table.items() if k != "sliding_window_flags"}
+    return DecoderFeatures(**values, sliding_window_flags=tuple(sorted(flags.items())))
 
 
 def _check_packs(weights: list[WeightSpec], source: str) -> None:

@@ -57,7 +57,9 @@ def verify_forward(a: str, b: str, *, nproc: int | None = None, backend: str | N
         layouts = (sa.layout, sb.layout)
         degrees = (sa.degrees.get("tp", 1), sb.degrees.get("tp", 1))
         vocabs = (sa.model.vocab_size, sb.model.vocab_size)
-        config_b, ffn_b = DecoderConfig.from_hf(sb.model.config), sb.model.dims.get("F", 0)
+        DecoderConfig.from_hf(sa.model.config, sa.model.family.decoder)  # refuses what the decoder lacks, for A too
+        config_b = DecoderConfig.from_hf(sb.model.config, sb.model.family.decoder)
+        ffn_b = sb.model.dims.get("F", 0)
     for label, name in zip("AB", layouts):
         if get_layout(name).rank_loader is None:
             raise PlanError(f"{label} is a {name} checkpoint, which the forward verifier cannot read (it reads "

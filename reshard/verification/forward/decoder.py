@@ -1,12 +1,20 @@
-"""A reference Llama-family decoder with Megatron-style tensor parallelism (pure torch + torch.distributed).
+"""A reference decoder with Megatron-style tensor parallelism (pure torch + torch.distributed), composed from the
+features a family's ``[decoder]`` table declares (:class:`~reshard.mapping.DecoderFeatures`), never from its name.
 
-Per rank: vocab-parallel embedding (ids outside the rank's rows masked to zero, then all-reduce); RMSNorm
-(HF order: ``weight * (x * rsqrt(mean(x^2) + eps))``); column-parallel q/k/v (local heads, optional biases),
-rotate-half RoPE with ``rope_theta`` and ``rope_scaling`` (``linear``, ``llama3``), causal attention with GQA
-(local q head j reads local KV head ``j // (local q heads / local KV heads)``), row-parallel ``o_proj`` with one
-all-reduce; column-parallel gate/up, SiLU, row-parallel ``down_proj`` with one all-reduce; final norm;
+Per rank: vocab-parallel embedding (ids outside the rank's rows masked to zero, then all-reduce); then per layer
+(pre-norm residual blocks)::
+
+    x = x + o_proj(attention(rope(q(n1(x))), rope(k(n1(x))), v(n1(x))))     # one all-reduce after o_proj
+    x = x + down(act(gate(n2(x))) * up(n2(x)))    mlp = "gated"              # one all-reduce after down
+    x = x + down(act(up(n2(x))))                   mlp = "plain"
+
+``norm``: ``rms`` (HF order: ``weight * (x * rsqrt(mean(x^2) + eps))``) or ``layer`` (LayerNorm, optional bias);
+``act``: silu, gelu, gelu_tanh, relu. Column-parallel q/k/v (local heads, optional biases), rotate-half RoPE with
+``rope_theta`` and ``rope_scaling`` (``linear``, ``llama3``), causal attention with GQA (local q head j reads
+local KV head ``j // (local q heads / local KV heads)``) and an optional sliding window; final norm;
 vocab-parallel head whose logits are all-gathered over the padded vocab. Row-parallel biases are added once,
-after the all-reduce. Everything is computed in ``compute_dtype`` (fp32 by default).
+after the all-reduce. Everything is computed in ``compute_dtype`` (fp32 by default). Weights that the features
+need must be present and weights no feature uses must be absent (:func:`check_features`).
 """
 
 from __future__ import annotations
@@ -96,6 +104,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def norm(config: DecoderConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The family's norm (``config.norm``) of ``x``."""
+    if config.norm == "rms":
+        return rms_norm(x, weight, config.eps)
+    return layer_norm(x, weight, bias, config.eps)
+
+
+ACTIVATION_FUNCTIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, w, b)
 
@@ -131,8 +158,12 @@ def attention(x: torch.Tensor, w: LayerWeights, config: DecoderConfig, cos, sin,
     return out + w.o_bias if w.o_bias is not None else out
 
 
-def mlp(x: torch.Tensor, w: LayerWeights, tp: TPGroup) -> torch.Tensor:
-    h = F.silu(_linear(x, w.gate, w.gate_bias)) * _linear(x, w.up, w.up_bias)
+def mlp(x: torch.Tensor, w: LayerWeights, config: DecoderConfig, tp: TPGroup) -> torch.Tensor:
+    act = ACTIVATION_FUNCTIONS[config.activation]
+    if config.mlp == "gated":
+        h = act(_linear(x, w.gate, w.gate_bias)) * _linear(x, w.up, w.up_bias)
+    else:
+        h = act(_linear(x, w.up, w.up_bias))
     out = tp.all_reduce(_linear(h, w.down))
     return out + w.down_bias if w.down_bias is not None else out
 
@@ -152,6 +183,7 @@ def cast_weights(weights: RankWeights, dtype: torch.dtype, device) -> RankWeight
 
     weights.embedding = conv(weights.embedding)
     weights.final_norm = conv(weights.final_norm)
+    weights.final_norm_bias = conv(weights.final_norm_bias)
     weights.lm_head = conv(weights.lm_head)
     for layer in weights.layers:
         for name in layer.__dataclass_fields__:
@@ -159,8 +191,27 @@ def cast_weights(weights: RankWeights, dtype: torch.dtype, device) -> RankWeight
     return weights
 
 
+def check_features(weights: RankWeights) -> None:
+    """Refuse weights that do not fit the features: a gated MLP needs ``gate``, a plain one has none; only
+    LayerNorm has norm biases; only rotary positions are implemented."""
+    config = weights.config
+    if config.position != "rope" or config.norm not in ("rms", "layer") or config.mlp not in ("gated", "plain") \
+            or config.activation not in ACTIVATION_FUNCTIONS:
+        raise ReshardError(f"the forward verifier has no decoder for position={config.position}, norm={config.norm},"
+                           f" mlp={config.mlp}, activation={config.activation}")
+    for i, layer in enumerate(weights.layers):
+        if (layer.gate is None) != (config.mlp == "plain"):
+            raise ReshardError(f"layer {i}: a {config.mlp} MLP " + ("needs a gate projection" if layer.gate is None
+                               else "has no gate projection, but the checkpoint holds one"))
+        if config.norm == "rms" and (layer.input_norm_bias is not None or layer.post_norm_bias is not None):
+            raise ReshardError(f"layer {i}: RMSNorm has no bias, but the checkpoint holds norm biases")
+    if config.norm == "rms" and weights.final_norm_bias is not None:
+        raise ReshardError("the final RMSNorm has no bias, but the checkpoint holds one")
+
+
 def forward(weights: RankWeights, ids: torch.Tensor, tp: TPGroup, record: bool = True) -> ForwardOutput:
     """Run the decoder on token ``ids`` ``[batch, seq]``; weights already cast to the compute dtype/device."""
+    check_features(weights)
     config = weights.config
     dtype = weights.embedding.dtype
     out = ForwardOutput(logits=torch.empty(0))
@@ -170,13 +221,13 @@ def forward(weights: RankWeights, ids: torch.Tensor, tp: TPGroup, record: bool =
     cos, sin = rope_cos_sin(config, ids.shape[1], ids.device, dtype)
     mask = attention_mask(ids.shape[1], config.sliding_window, ids.device)
     for i, layer in enumerate(weights.layers):
-        x = x + attention(rms_norm(x, layer.input_norm, config.eps), layer, config, cos, sin, mask, tp)
+        x = x + attention(norm(config, x, layer.input_norm, layer.input_norm_bias), layer, config, cos, sin, mask, tp)
         if record:
             out.states.append((f"layer {i} attention", x.detach().cpu()))
-        x = x + mlp(rms_norm(x, layer.post_norm, config.eps), layer, tp)
+        x = x + mlp(norm(config, x, layer.post_norm, layer.post_norm_bias), layer, config, tp)
         if record:
             out.states.append((f"layer {i} mlp", x.detach().cpu()))
-    x = rms_norm(x, weights.final_norm, config.eps)
+    x = norm(config, x, weights.final_norm, weights.final_norm_bias)
     head = weights.embedding if weights.lm_head is None else weights.lm_head
     out.logits = tp.gather_last_dim(_linear(x, head)).cpu()
     return out

@@ -71,7 +71,7 @@ def _read(path: str, folder: str, files: list[TorchFile], rank: int, world: int,
     hf_config = megatron.hf_config_from_args(args, opts, megatron.true_vocab_size(args, opts, root))
     family = family_for_architecture(opts.architecture or hf_config["architectures"][0], opts.mapping)
     dims = family.resolve_dims(hf_config)
-    config = DecoderConfig.from_hf(hf_config)
+    config = DecoderConfig.from_hf(hf_config, family.decoder)
     check_world(config, world, dims["F"])
     all_keys = {k for f in files for c in _chunks(f) for k in f.structure[c]}
     spec_name = "te" if any(k.endswith("linear_qkv.layer_norm_weight") for k in all_keys) else "local"

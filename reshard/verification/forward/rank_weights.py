@@ -1,8 +1,10 @@
 """One tensor-parallel rank's weights in decoder form, read from a checkpoint's own rank files.
 
 A layout's ``rank_loader`` (``load_rank(path, rank, world, opts) -> RankWeights``, named on its
-:class:`~reshard.layouts.base.Layout`) reads only what rank ``rank`` of ``world`` holds: Megatron reads its own ``mp_rank_{rank:02d}[_{stage:03d}]`` files, vLLM its own
-``model-rank-{rank}-part-*.safetensors``, an HF checkpoint (TP=1 on disk) is sliced by row / column ranges. The decoder never sees a layout: only these plain local tensors.
+:class:`~reshard.layouts.base.Layout`) reads only what rank ``rank`` of ``world`` holds: Megatron reads its own
+``mp_rank_{rank:02d}[_{stage:03d}]`` files, vLLM its own ``model-rank-{rank}-part-*.safetensors``, an HF
+checkpoint (TP=1 on disk) is sliced by row / column ranges. The decoder never sees a layout: only these plain
+local tensors. This module imports no loader: loaders import it (no import cycle).
 
 Local tensors (``nh``/``ng`` heads, ``d`` head dim, ``H`` hidden, ``F`` intermediate, over ``world`` ranks):
 ``q`` ``[nh/world*d, H]``; ``k``, ``v`` ``[max(ng/world, 1)*d, H]`` (one replicated KV head when
@@ -19,11 +21,12 @@ from dataclasses import dataclass, field
 import torch
 
 from reshard.errors import CheckpointError, ReshardError
+from reshard.mapping import ACTIVATIONS, DecoderFeatures
 
 
 @dataclass
 class DecoderConfig:
-    """What the decoder needs from an HF-style config (same for every rank)."""
+    """What the decoder needs from an HF-style config and the family's decoder features (same for every rank)."""
 
     hidden: int
     heads: int
@@ -36,35 +39,49 @@ class DecoderConfig:
     rope_scaling: dict | None = None
     sliding_window: int | None = None
     architecture: str = ""
+    norm: str = "rms"  # rms | layer
+    mlp: str = "gated"  # gated | plain
+    position: str = "rope"
+    activation: str = "silu"  # silu | gelu | gelu_tanh | relu
 
     @classmethod
-    def from_hf(cls, config: dict) -> "DecoderConfig":
+    def from_hf(cls, config: dict, features: DecoderFeatures = DecoderFeatures()) -> "DecoderConfig":
+        """From config.json values, read through the keys the family's ``[decoder]`` table names."""
         heads = int(config["num_attention_heads"])
         rope = config.get("rope_parameters") or {}
         theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
         scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         arch = (config.get("architectures") or [""])[0]
-        window = config.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not config.get("use_sliding_window", False):
+        window = config.get(features.sliding_window)
+        flag = dict(features.sliding_window_flags).get(arch)
+        if flag and not config.get(flag, False):
             window = None
+        act = config.get("hidden_act") or features.activation
+        if act not in ACTIVATIONS:
+            raise ReshardError(f"hidden_act '{act}' is not an activation the forward verifier implements "
+                               f"(supported: {', '.join(ACTIVATIONS)}); use the digest check instead")
         return cls(hidden=int(config["hidden_size"]), heads=heads,
                    kv_heads=int(config.get("num_key_value_heads") or heads),
                    head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
                    layers=int(config["num_hidden_layers"]), vocab=int(config["vocab_size"]),
-                   eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
+                   eps=float(config.get(features.norm_eps, 1e-6)), rope_theta=float(theta),
                    rope_scaling=dict(scaling) if scaling else None,
-                   sliding_window=int(window) if window else None, architecture=arch)
+                   sliding_window=int(window) if window else None, architecture=arch, norm=features.norm,
+                   mlp=features.mlp, position=features.position, activation=ACTIVATIONS[act])
 
 
 @dataclass
 class LayerWeights:
+    """One layer's local tensors. ``gate`` is None for a plain MLP (``up`` is then its first linear); norm biases
+    are None for RMSNorm."""
+
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
     o: torch.Tensor
-    gate: torch.Tensor
+    gate: torch.Tensor | None
     up: torch.Tensor
     down: torch.Tensor
     q_bias: torch.Tensor | None = None
@@ -74,6 +91,8 @@ class LayerWeights:
     gate_bias: torch.Tensor | None = None
     up_bias: torch.Tensor | None = None
     down_bias: torch.Tensor | None = None  # replicated, added once after the all-reduce
+    input_norm_bias: torch.Tensor | None = None  # LayerNorm only
+    post_norm_bias: torch.Tensor | None = None
 
 
 @dataclass
@@ -92,6 +111,7 @@ class RankWeights:
     padded_vocab: int
     dtype: torch.dtype
     files: list[str] = field(default_factory=list)  # the files this rank read
+    final_norm_bias: torch.Tensor | None = None  # LayerNorm only
 
     @property
     def vocab_size(self) -> int:

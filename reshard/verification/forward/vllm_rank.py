@@ -36,7 +36,7 @@ def _read(path: str, files: list[SafetensorsFile], rank: int, world: int, opts: 
     hf_config = hf.read_config(path)
     family = family_for_architecture(hf.architecture_of(hf_config, opts), opts.mapping)
     dims = family.resolve_dims(hf_config)
-    config = DecoderConfig.from_hf(hf_config)
+    config = DecoderConfig.from_hf(hf_config, family.decoder)
     check_world(config, world, dims["F"])
     where = {name: f for f in files for name in f.tensors}
     names = {s.hf: s.vllm_name for s in family.weights}
