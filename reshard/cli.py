@@ -122,6 +122,11 @@ def convert(
                                           "bytes); default: 2 for 256 MiB or more in 2+ files on 2+ cores, else 1."),
     push_to: Optional[str] = typer.Option(None, "--push-to", help="Upload the output to this Hub repo (ORG/NAME)."),
     revision: Optional[str] = typer.Option(None, "--revision", help="Branch for --push-to (created when missing)."),
+    allow_lossy_config: Optional[list[str]] = typer.Option(None, "--allow-lossy-config", help="Let the target "
+                                                           "drop this canonical config field (repeatable); "
+                                                           "default: refuse what it cannot express."),
+    allow_cast_overflow: bool = typer.Option(False, "--allow-cast-overflow", help="Let a --dtype cast turn finite "
+                                             "values into inf (default: refuse)."),
 ):
     """Convert SRC (a folder or hf://ORG/NAME[@REV]) to another layout and/or TP/PP degree, streaming."""
     from reshard.conversion import convert as run_convert
@@ -134,7 +139,8 @@ def convert(
                          megatron_spec=megatron_spec.value, max_shard_size=parse_size(max_shard_size),
                          vocab_size=vocab_size, vocab_divisor=vocab_divisor, architecture=architecture,
                          mapping=mapping, allow_replica_mismatch=allow_replica_mismatch,
-                         progress=not as_json and sys.stderr.isatty(), workers=workers)
+                         progress=not as_json and sys.stderr.isatty(), workers=workers,
+                         allow_lossy_config=tuple(allow_lossy_config or ()), allow_cast_overflow=allow_cast_overflow)
     if dry_run:
         if as_json:
             print(json.dumps({**_plan_json(result.plan), "download": result.download}, indent=2))
@@ -163,12 +169,13 @@ def plan(
     megatron_spec: Spec = typer.Option(Spec.te, "--megatron-spec"),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size"), vocab_size: Optional[int] = VocabOpt,
     architecture: Optional[str] = ArchOpt, mapping: Optional[str] = MappingOpt, as_json: bool = JsonOpt,
+    allow_lossy_config: Optional[list[str]] = typer.Option(None, "--allow-lossy-config"),
 ):
     """Print the conversion plan (what `convert --dry-run` prints); write nothing."""
     convert(src=src, dst="", to=to, tp=tp, pp=pp, dtype=dtype, overwrite=False, dry_run=True,
             megatron_spec=megatron_spec, max_shard_size=max_shard_size, vocab_size=vocab_size, vocab_divisor=None,
             architecture=architecture, mapping=mapping, allow_replica_mismatch=False, as_json=as_json, workers=1,
-            push_to=None, revision=None)
+            push_to=None, revision=None, allow_lossy_config=allow_lossy_config, allow_cast_overflow=False)
 
 
 @app.command()

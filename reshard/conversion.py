@@ -7,6 +7,7 @@ import shutil
 import sys
 from dataclasses import dataclass, field
 
+from reshard.core.model_config import SEMANTIC_FIELDS
 from reshard.core.plan import CanonicalIndex, Plan, TargetFile, plan_tensor
 from reshard.errors import PlanError, ReshardError
 from reshard.execute import ensure_replicas_agree, execute
@@ -51,7 +52,7 @@ def make_plan(source: Source, to: str, opts: Options) -> tuple[Plan, object]:
         for stored in spec.tensors:
             tensors.append(plan_tensor(index, stored, stored_dtype(model, stored, opts, dtype)))
         files.append(TargetFile(spec.path, spec.format, tensors, payload=spec.payload, metadata=spec.metadata))
-    notes = []
+    notes = list(source.info.get("notes", ())) + target.notes
     dropped = source.info.get("dropped")
     if dropped:
         notes.append(f"dropping non-model state from the source: {', '.join(dropped)}")
@@ -89,20 +90,29 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, dtype: str
             overwrite: bool = False, dry_run: bool = False, megatron_spec: str = "te",
             max_shard_size: int = 5 * 10**9, vocab_size: int | None = None, vocab_divisor: int | None = None,
             architecture: str | None = None, mapping: str | None = None, allow_replica_mismatch: bool = False,
-            progress: bool = False, workers: int | None = 1) -> ConvertResult:
+            progress: bool = False, workers: int | None = 1, allow_lossy_config: tuple[str, ...] = (),
+            allow_cast_overflow: bool = False) -> ConvertResult:
     """Convert checkpoint ``src`` to layout ``to`` at degrees ``tp`` x ``pp`` in folder ``dst``.
 
     Everything that can be refused is refused before a byte is written; the output appears only when complete.
     ``workers`` > 1 splits the target files over that many processes; the output bytes are the same. ``None``
-    chooses (:func:`auto_workers`), as the command line does.
+    chooses (:func:`auto_workers`), as the command line does. ``allow_lossy_config`` names canonical config fields
+    the target may drop (else a field it cannot express is refused); ``allow_cast_overflow`` lets a ``dtype``
+    cast turn finite values into inf (else refused).
     """
+    unknown = sorted(set(allow_lossy_config) - set(SEMANTIC_FIELDS))
+    if unknown:
+        raise PlanError(f"--allow-lossy-config {unknown[0]}: not a canonical config field (fields: "
+                        f"{', '.join(SEMANTIC_FIELDS)})")
     if workers is not None and workers < 1:
         raise PlanError(f"--workers must be at least 1 (got {workers})")
     opts = Options(tp=tp, pp=pp, dtype=dtypes.parse_user_dtype(dtype), megatron_spec=megatron_spec,
                    max_shard_size=max_shard_size, vocab_size=vocab_size, vocab_divisor=vocab_divisor,
-                   architecture=architecture, mapping=mapping, allow_replica_mismatch=allow_replica_mismatch)
+                   architecture=architecture, mapping=mapping, allow_replica_mismatch=allow_replica_mismatch,
+                   allow_lossy_config=tuple(allow_lossy_config))
     with open_source(src, opts, need_weights=not dry_run) as source:
         plan, state = make_plan(source, to, opts)
+        plan.allow_cast_overflow = allow_cast_overflow
         if dry_run:
             return ConvertResult(plan, None, False, plan.notes, source.info.get("download"))
         check_destination(source.root, dst, overwrite)

@@ -32,9 +32,28 @@ from reshard.io.torch_format import TensorSlot, TorchZipWriter, crc32
 _ALIGN = 64
 
 
-def assemble(tensor: TargetTensor, files: list[TensorFile]):
+class CastOverflowError(CheckpointError):
+    """A cast turned finite source values into inf (e.g. 1e6 to fp16)."""
+
+
+def check_cast(name: str, source, cast) -> None:
+    """Refuse a cast of ``source`` into ``cast`` that turned finite values into inf or NaN."""
+    import torch
+
+    if source.dtype == cast.dtype or not cast.is_floating_point():
+        return
+    lost = ~torch.isfinite(cast) & torch.isfinite(source)
+    if bool(lost.any()):
+        worst = source[lost].abs().max().item()
+        raise CastOverflowError(f"casting '{name}' to {dtypes.from_torch(cast.dtype)} turns finite values into inf "
+                                f"(|value| up to {worst:g} > {torch.finfo(cast.dtype).max:g}): keep the source dtype "
+                                "or cast to bf16, or pass --allow-cast-overflow to write inf knowingly")
+
+
+def assemble(tensor: TargetTensor, files: list[TensorFile], allow_overflow: bool = True):
     """Build one target tensor as a torch tensor: zeros where it is padding, source slices elsewhere (cast if
-    dtypes differ). Used for casts and by the verifier; the executor's byte path is :mod:`reshard.io.gather`."""
+    dtypes differ; ``allow_overflow=False`` refuses a cast that makes finite values infinite). Used for casts and
+    by the verifier; the executor's byte path is :mod:`reshard.io.gather`."""
     import torch
 
     dtype = dtypes.to_torch(tensor.dtype)
@@ -44,11 +63,17 @@ def assemble(tensor: TargetTensor, files: list[TensorFile]):
         op = tensor.reads[0]
         data = files[op.source].read(op.tensor, tensor.axis, op.src_start, op.length)
         if tuple(data.shape) == tuple(tensor.shape):
-            return data.to(dtype)
+            cast = data.to(dtype)
+            if not allow_overflow:
+                check_cast(tensor.name, data, cast)
+            return cast
     buf = torch.zeros(tensor.shape, dtype=dtype) if tensor.has_padding else torch.empty(tensor.shape, dtype=dtype)
     for op in tensor.reads:
         data = files[op.source].read(op.tensor, tensor.axis, op.src_start, op.length)
-        buf.narrow(tensor.axis, op.dst_start, op.length).copy_(data)
+        part = buf.narrow(tensor.axis, op.dst_start, op.length)
+        part.copy_(data)
+        if not allow_overflow:
+            check_cast(tensor.name, data, part)
     return buf
 
 
@@ -86,9 +111,12 @@ def run_replica_checks(checks: list[ReplicaCheck], files: list[TensorFile], sour
         x = assemble(ta, files)
         y = assemble(tb, files)
         diff = (x.double() - y.double()).abs().max().item() if x.shape == y.shape else float("nan")
+        how = f"max difference {diff:g}"
+        if ta.dtype != tb.dtype:
+            how = f"stored as {ta.dtype} vs {tb.dtype}, " + how
         problems.append(f"replicas of '{check.canonical}' differ: {check.first.tensor} in "
                         f"{source_names[check.first.source]} vs {check.other.tensor} in "
-                        f"{source_names[check.other.source]} (max difference {diff:g})")
+                        f"{source_names[check.other.source]} ({how})")
     return problems
 
 
@@ -247,6 +275,8 @@ class _WriterThread(threading.Thread):
 class _Run:
     """Executes lockstep units in one process with two ping-pong step buffers and ``WRITER_LANES`` writers."""
 
+    allow_overflow = False  # a cast may turn finite values into inf (--allow-cast-overflow)
+
     def __init__(self, files: list[TensorFile], targets: list[TargetFile], out_dir: str, report):
         self.files, self.targets, self.out_dir = files, targets, out_dir
         self.gather = Gatherer(files)
@@ -340,7 +370,7 @@ class _Run:
                 if direct(tensor, self.files):
                     items.append((tensor, dest))
                 else:
-                    data = assemble(tensor, self.files)
+                    data = assemble(tensor, self.files, allow_overflow=self.allow_overflow)
                     dest[:] = data.contiguous().reshape(-1).view(dtypes.to_torch("U8")).numpy()
                 writes[j % lanes].append((writer, tensor.name, memoryview(dest)))
             self.gather.fill(items)
@@ -354,7 +384,9 @@ class _Run:
 
 
 def run_units(plan: Plan, files: list[TensorFile], out_dir: str, units: list[list[int]], report) -> None:
-    _Run(files, plan.files, out_dir, report).run(units)
+    run = _Run(files, plan.files, out_dir, report)
+    run.allow_overflow = plan.allow_cast_overflow
+    run.run(units)
 
 
 def execute(plan: Plan, files: list[TensorFile], out_dir: str, progress: bool = True, workers: int = 1) -> None:

@@ -22,7 +22,7 @@ WEIGHT_KEYS = {
     "hf", "split", "slot", "shape", "optional", "tied_to", "stage",
     "megatron", "megatron_te", "megatron_local", "vllm",
 }
-TOP_KEYS = {"family", "dims", "megatron", "vllm", "decoder", "weight"}
+TOP_KEYS = {"family", "dims", "megatron", "vllm", "decoder", "config", "weight"}
 FAMILY_KEYS = {"name", "description", "architectures"}
 DIM_KEYS = {"key", "default"}
 MEGATRON_KEYS = {"extra_state_te", "extra_state_local"}
@@ -31,7 +31,7 @@ MEGATRON_SPECS = ("te", "local")
 
 # The reference decoder's features (verification/forward/decoder.py implements each); a family's [decoder] table
 # picks them. Config-dependent values (activation, epsilon, window) name the HF config key they come from.
-DECODER_KEYS = {"norm", "mlp", "position", "activation", "norm_eps", "sliding_window", "sliding_window_flags"}
+DECODER_KEYS = {"norm", "mlp", "position", "activation"}
 DECODER_CHOICES = {"norm": ("rms", "layer"), "mlp": ("gated", "plain"), "position": ("rope",)}
 #: HF ``hidden_act`` values -> the decoder's activation (``gelu_tanh``: the tanh approximation of GELU).
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
@@ -44,18 +44,47 @@ class DecoderFeatures:
 
     ``norm``: ``rms`` (HF RMSNorm) or ``layer`` (LayerNorm); ``mlp``: ``gated`` (``down(act(gate(x)) * up(x))``)
     or ``plain`` (``down(act(up(x)))``); ``position``: ``rope`` (rotate-half); ``activation``: the HF
-    ``hidden_act`` used when the config has none; ``norm_eps``: the config key of the norm epsilon;
-    ``sliding_window``: the config key of the attention window; ``sliding_window_flags``: architectures whose
-    window applies only when a config flag is true (absent: false, as transformers defaults it).
+    ``hidden_act`` used when the config has none.
     """
 
     norm: str = "rms"
     mlp: str = "gated"
     position: str = "rope"
     activation: str = "silu"
+
+
+# How config.json spells the model's meaning, per architecture ([config] table; reshard/layouts/hf_config.py).
+CONFIG_KEYS = {"norm_eps", "bias_groups", "architectures"}
+ARCH_CONFIG_KEYS = {"model_type", "biases", "window", "rotary_fraction"}
+BIAS_GROUPS = ("qkv", "o", "mlp")
+#: How an architecture's config.json spells a sliding window: ``none`` (it has none), ``all_layers``
+#: (``sliding_window`` applies to every layer, Mistral), ``layer_types`` (``use_sliding_window``,
+#: ``sliding_window`` and ``layer_types`` or ``max_window_layers``, Qwen2).
+WINDOW_SPELLINGS = ("none", "all_layers", "layer_types")
+
+
+@dataclass(frozen=True)
+class ArchitectureConfig:
+    """One architecture's config.json spelling: ``biases`` maps a bias group to the config key that switches it
+    or to a fixed bool; ``window`` is one of ``WINDOW_SPELLINGS``; ``rotary_fraction``: partial rotary allowed."""
+
+    model_type: str
+    biases: tuple[tuple[str, str | bool], ...] = ()
+    window: str = "none"
+    rotary_fraction: bool = False
+
+
+@dataclass(frozen=True)
+class ConfigSpelling:
+    """A family's ``[config]`` table: the norm-epsilon key, which HF weights form each bias group, and each
+    architecture's spelling."""
+
     norm_eps: str = "rms_norm_eps"
-    sliding_window: str = "sliding_window"
-    sliding_window_flags: tuple[tuple[str, str], ...] = ()
+    bias_groups: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    architectures: tuple[tuple[str, ArchitectureConfig], ...] = ()
+
+    def architecture(self, name: str) -> ArchitectureConfig | None:
+        return dict(self.architectures).get(name)
 
 
 def _suggest(key: str, valid) -> str:
@@ -115,6 +144,7 @@ class Family:
     source: str = ""
     vllm_scales: tuple[str, ...] = ()  # per-layer fp32 scalar names vLLM's state dict holds (value 1.0)
     decoder: DecoderFeatures = DecoderFeatures()
+    config: ConfigSpelling = ConfigSpelling()
 
     def resolve_dims(self, config: dict) -> dict[str, int]:
         """Bind every dimension symbol to an integer from an HF-style config dict."""
@@ -198,6 +228,7 @@ def parse_family(data: dict, source: str) -> Family:
             raise MappingError(f"{source}: [vllm] attention_scales entry '{name}' needs a {{layer}} placeholder")
 
     decoder = _parse_decoder(data.get("decoder", {}), source)
+    config = _parse_config(data.get("config", {}), source, tuple(fam["architectures"]))
 
     weights = []
     seen = set()
@@ -245,7 +276,8 @@ def parse_family(data: dict, source: str) -> Family:
     _check_packs(weights, source)
     return Family(name=fam["name"], description=fam.get("description", ""),
                   architectures=tuple(fam["architectures"]), dims=dims, weights=tuple(weights),
-                  extra_state=extra_state, source=source, vllm_scales=vllm_scales, decoder=decoder)
+                  extra_state=extra_state, source=source, vllm_scales=vllm_scales, decoder=decoder,
+                  config=config)
 
 
 def _parse_decoder(table: dict, source: str) -> DecoderFeatures:
@@ -257,11 +289,33 @@ def _parse_decoder(table: dict, source: str) -> DecoderFeatures:
     if "activation" in table and table["activation"] not in ACTIVATIONS:
         raise MappingError(f"{source}: [decoder] activation '{table['activation']}' is not one the decoder "
                            f"implements{_suggest(str(table['activation']), ACTIVATIONS)}")
-    flags = table.get("sliding_window_flags", {})
-    if not isinstance(flags, dict) or not all(isinstance(v, str) for v in flags.values()):
-        raise MappingError(f"{source}: [decoder] sliding_window_flags maps architecture names to config keys")
-    values = {k: v for k, v in table.items() if k != "sliding_window_flags"}
-    return DecoderFeatures(**values, sliding_window_flags=tuple(sorted(flags.items())))
+    return DecoderFeatures(**table)
+
+
+def _parse_config(table: dict, source: str, architectures: tuple[str, ...]) -> ConfigSpelling:
+    _check_keys(source, "[config]", table, CONFIG_KEYS)
+    groups = table.get("bias_groups", {})
+    _check_keys(source, "[config.bias_groups]", groups, set(BIAS_GROUPS))
+    archs = []
+    for name, entry in table.get("architectures", {}).items():
+        where = f"[config.architectures.{name}]"
+        if name not in architectures:
+            raise MappingError(f"{source}: {where} is not one of the family's architectures"
+                               f"{_suggest(name, architectures)}")
+        _check_keys(source, where, entry, ARCH_CONFIG_KEYS)
+        if "model_type" not in entry:
+            raise MappingError(f"{source}: {where} needs a model_type")
+        biases = entry.get("biases", {})
+        _check_keys(source, f"{where} biases", biases, set(groups))
+        if entry.get("window", "none") not in WINDOW_SPELLINGS:
+            raise MappingError(f"{source}: {where} window '{entry['window']}' is not a spelling reshard reads"
+                               f"{_suggest(str(entry['window']), WINDOW_SPELLINGS)}")
+        archs.append((name, ArchitectureConfig(model_type=entry["model_type"], biases=tuple(sorted(biases.items())),
+                                               window=entry.get("window", "none"),
+                                               rotary_fraction=bool(entry.get("rotary_fraction", False)))))
+    return ConfigSpelling(norm_eps=table.get("norm_eps", "rms_norm_eps"),
+                          bias_groups=tuple((g, tuple(w)) for g, w in groups.items()),
+                          architectures=tuple(archs))
 
 
 def _check_packs(weights: list[WeightSpec], source: str) -> None:

@@ -44,6 +44,12 @@ def check_destination(src: str, dst: str, overwrite: bool) -> None:
             raise PlanError(f"{dst} exists and is not a folder: choose another output folder")
         if os.listdir(dst) and not overwrite:
             raise PlanError(f"{dst} already exists and is not empty; pass --overwrite to replace it")
+        return
+    parent = os.path.dirname(os.path.abspath(dst))
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise PlanError(f"{dst} is below {parent}, which is a file, not a folder: choose another output folder")
 
 
 class OutputLock:

@@ -90,7 +90,7 @@ def test_verify_reports_config_and_missing_tensors(tmp_path):
     a = make_hf(tmp_path / "a", hidden=64, heads=8, kv_heads=2, ffn=96, vocab=1000)
     b = make_hf(tmp_path / "b", hidden=64, heads=8, kv_heads=2, ffn=96, vocab=1000, tied=True)
     report = json.loads(cli("verify", a, b, "--json").stdout)
-    assert {"key": "tie_word_embeddings", "a": False, "b": True} in report["config_differences"]
+    assert {"key": "tied", "a": False, "b": True} in report["config_differences"]
     assert [t["name"] for t in report["tensors"] if t["status"] == "missing_in_b"] == ["lm_head.weight"]
 
 

@@ -13,7 +13,8 @@ import torch
 from checkpoints import make_hf
 from reshard.errors import MappingError, ReshardError
 from reshard.layouts.base import Options
-from reshard.mapping import DecoderFeatures, load_shipped, parse_family, shipped_mapping_text
+from reshard.core.model_config import ModelConfig
+from reshard.mapping import ACTIVATIONS, DecoderFeatures, load_shipped, parse_family, shipped_mapping_text
 from reshard.verification.forward.decoder import TPGroup, cast_weights, forward
 from reshard.verification.forward.hf_rank import load_rank as load_hf_rank
 from reshard.verification.forward.rank_weights import DecoderConfig, LayerWeights, RankWeights
@@ -39,8 +40,13 @@ def _neox_weights(model, config) -> RankWeights:
             o=sd[p + "attention.dense.weight"], o_bias=sd[p + "attention.dense.bias"],
             gate=None, up=sd[p + "mlp.dense_h_to_4h.weight"], up_bias=sd[p + "mlp.dense_h_to_4h.bias"],
             down=sd[p + "mlp.dense_4h_to_h.weight"], down_bias=sd[p + "mlp.dense_4h_to_h.bias"]))
-    features = DecoderFeatures(norm="layer", mlp="plain", activation="gelu", norm_eps="layer_norm_eps")
-    decoder_config = DecoderConfig.from_hf(config.to_dict() | {"architectures": ["GPTNeoXForCausalLM"]}, features)
+    features = DecoderFeatures(norm="layer", mlp="plain")
+    meaning = ModelConfig(architecture="GPTNeoXForCausalLM", hidden=hidden, layers=config.num_hidden_layers,
+                          heads=nh, kv_heads=nh, head_dim=d, ffn=config.intermediate_size, vocab=config.vocab_size,
+                          norm="layer", norm_eps=config.layer_norm_eps, activation=ACTIVATIONS[config.hidden_act],
+                          rope_theta=config.rope_parameters["rope_theta"], qkv_bias=True, o_bias=True,
+                          mlp_bias=True)
+    decoder_config = DecoderConfig.from_meaning(meaning, features)
     emb = sd["gpt_neox.embed_in.weight"]
     return RankWeights(config=decoder_config, rank=0, world=1, embedding=emb, vocab_start=0, layers=layers,
                        final_norm=sd["gpt_neox.final_layer_norm.weight"],
@@ -101,17 +107,19 @@ def test_weights_that_do_not_fit_the_features_are_refused(tmp_path):
         forward(weights, ids, TPGroup())
 
 
-def test_unknown_activation_is_refused_before_running():
-    config = {"hidden_size": 64, "num_attention_heads": 8, "num_hidden_layers": 2, "vocab_size": 10,
-              "hidden_act": "quick_gelu"}
-    with pytest.raises(ReshardError, match="hidden_act 'quick_gelu' is not an activation the forward verifier"):
-        DecoderConfig.from_hf(config, load_shipped("llama").decoder)
+def test_what_the_decoder_lacks_is_refused_before_running():
+    meaning = ModelConfig(architecture="LlamaForCausalLM", hidden=64, layers=2, heads=8, kv_heads=8, head_dim=8,
+                          ffn=96, vocab=10, activation="quick_gelu")
+    with pytest.raises(ReshardError, match="does not implement activation 'quick_gelu'"):
+        DecoderConfig.from_meaning(meaning, load_shipped("llama").decoder)
+    yarn = meaning.replace(activation="silu", rope_scaling=(("factor", 4.0), ("rope_type", "yarn")))
+    with pytest.raises(ReshardError, match="does not implement rope_scaling type 'yarn'"):
+        DecoderConfig.from_meaning(yarn, load_shipped("llama").decoder)
 
 
 def test_decoder_table_is_strict():
     data = tomllib.loads(shipped_mapping_text("llama"))
-    assert parse_family(data, "llama").decoder == DecoderFeatures(
-        sliding_window_flags=(("Qwen2ForCausalLM", "use_sliding_window"),))
+    assert parse_family(data, "llama").decoder == DecoderFeatures()
     for key, value, message in [("norm", "rmsnorm", "did you mean 'rms'"), ("mlp", "glu", "not a decoder feature"),
                                 ("activation", "gelu_fast", "not one the decoder implements")]:
         bad = dict(data, decoder=dict(data["decoder"], **{key: value}))

@@ -33,9 +33,10 @@ class ToyLayout(Layout):
     def targets(self, source: Source, opts: Options, dtype: str) -> TargetPlan:
         files = [TargetSpec(f"tensors/{name}.safetensors", "safetensors", [tensor.whole()], metadata={"format": "pt"})
                  for name, tensor in source.model.tensors.items()]
-        return TargetPlan(files, state=dtype)
+        config, notes = hf.planned_config(source.model, dtype, opts, "toy")
+        return TargetPlan(files, state=config, notes=notes)
 
     def finalize(self, out: str, source: Source, plan, state) -> None:
-        hf.write_config(out, source.model, state)
+        hf.write_config(out, state)
         with open(os.path.join(out, MARKER), "w") as f:
             json.dump({"tensors": sum(len(f.tensors) for f in plan.files)}, f)

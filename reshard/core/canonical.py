@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from reshard.core.model_config import ModelConfig
 from reshard.core.pieces import Piece, StoredTensor
 from reshard.errors import CheckpointError
 from reshard.mapping import Family, WeightSpec
@@ -36,6 +37,7 @@ class CanonicalModel:
     tensors: dict[str, CanonicalTensor]
     tied: bool
     dtypes: dict[str, str] = field(default_factory=dict)  # canonical name -> dtype (set from the source)
+    meaning: ModelConfig | None = None  # what the config means (set by the layout that read it)
 
     @property
     def num_layers(self) -> int:

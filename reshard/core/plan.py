@@ -76,6 +76,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     source_root: str = ""
     read_bytes: dict[str, int] = field(default_factory=dict)  # source file -> bytes the plan reads from it
+    allow_cast_overflow: bool = False  # a --dtype cast may turn finite values into inf
 
     @property
     def nbytes(self) -> int:

@@ -36,6 +36,7 @@ class Options:
     architecture: str | None = None  # HF architecture for a Megatron source without one recorded
     mapping: str | None = None  # a user's mapping file
     allow_replica_mismatch: bool = False
+    allow_lossy_config: tuple[str, ...] = ()  # canonical config fields a target may drop (ConfigLoss)
 
 
 @dataclass
@@ -123,6 +124,7 @@ class TargetPlan:
 
     files: list[TargetSpec]
     state: Any = None
+    notes: list[str] = field(default_factory=list)  # e.g. config fields dropped by --allow-lossy-config
 
 
 class Layout:

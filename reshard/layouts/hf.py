@@ -17,6 +17,8 @@ from reshard.io.tensorfile import TensorFile
 from reshard.io.torch_format import TorchFile
 from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, check_shape, find_side_files,
                                   pack_by_size)
+from reshard.core.model_config import ConfigLoss
+from reshard.layouts.hf_config import read_meaning, write_config as write_hf_config
 from reshard.mapping import family_for_architecture
 
 NAME = "hf"
@@ -47,8 +49,15 @@ def _weight_files(path: str) -> list[str]:
                 if not os.path.isfile(os.path.join(path, f)):
                     raise CheckpointError(f"{index_path} names {f}, which does not exist: the download is incomplete")
             return [os.path.join(path, f) for f in files]
-    found = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    found = [p for p in sorted(glob.glob(os.path.join(path, "*.safetensors")))
+             if not is_other_format(os.path.basename(p))]
     return found or sorted(glob.glob(os.path.join(path, "pytorch_model*.bin")))
+
+
+def is_other_format(name: str) -> bool:
+    """Safetensors files that sit beside a model's weights but are not them: Mistral's ``consolidated*``
+    (its own format) and a PEFT ``adapter_model`` (an adapter, not the model)."""
+    return name.startswith("consolidated") or name.startswith("adapter_model")
 
 
 def check_index(path: str, paths: list[str], files: list) -> None:
@@ -68,17 +77,49 @@ def read_config(path: str) -> dict:
     cfg_path = os.path.join(path, "config.json")
     try:
         with open(cfg_path) as f:
-            return json.load(f)
+            config = json.load(f)
     except FileNotFoundError:
         raise CheckpointError(f"{path} has no config.json: an HF checkpoint needs one") from None
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{cfg_path}: invalid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{cfg_path} holds {json.dumps(config)[:40]}, not a JSON object of model settings: "
+                              "restore the model's config.json")
+    return config
+
+
+def check_unquantized(where: str, config: dict, files: list[TensorFile]) -> None:
+    """Refuse a quantized checkpoint by name (reshard moves full-precision weights)."""
+    quant = config.get("quantization_config")
+    method = quant.get("quant_method", "unknown method") if isinstance(quant, dict) else None
+    fp8 = next((f"{n} ({loc.dtype})" for f in files for n, loc in f.tensors.items() if loc.dtype.startswith("F8")),
+               None)
+    if method or fp8:
+        what = f"quantization_config: {method}" if method else f"tensor {fp8}"
+        raise CheckpointError(f"{where} is a quantized checkpoint ({what}); reshard converts unquantized "
+                              "weights: dequantize it first, or convert the original bf16/fp16 release")
+
+
+def custom_code_files(path: str, config: dict) -> list[str]:
+    """The ``*.py`` modules config.json's ``auto_map`` names (``trust_remote_code`` models), to copy along."""
+    auto_map = config.get("auto_map")
+    if not isinstance(auto_map, dict):
+        return []
+    modules = set()
+    for value in auto_map.values():
+        for ref in value if isinstance(value, list) else [value]:
+            if isinstance(ref, str) and "--" not in ref and "." in ref:  # "repo--module.Class" is another repo
+                modules.add(ref.rsplit(".", 1)[0].replace(".", "/") + ".py")
+    return sorted(os.path.join(path, m) for m in modules if os.path.isfile(os.path.join(path, m)))
 
 
 def architecture_of(config: dict, opts: Options) -> str:
     if opts.architecture:
         return opts.architecture
     archs = config.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise CheckpointError(f"config.json 'architectures' must be a list of class names such as "
+                              f"[\"LlamaForCausalLM\"], not {json.dumps(archs)}; fix it or pass --architecture")
     if not archs:
         raise CheckpointError("config.json has no 'architectures'; pass --architecture (e.g. LlamaForCausalLM)")
     return archs[0]
@@ -90,12 +131,20 @@ def open_source(path: str, opts: Options) -> Source:
     if not paths:
         raise CheckpointError(f"{path} has config.json but no *.safetensors or pytorch_model*.bin weights")
     files = [TorchFile(p) if p.endswith(".bin") else SafetensorsFile(p) for p in paths]
-    return build_source(path, config, files, opts, find_side_files(path))
+    source = build_source(path, config, files, opts, find_side_files(path) + custom_code_files(path, config))
+    skipped = sorted(n for n in os.listdir(path) if n.endswith(".safetensors") and is_other_format(n)
+                     and os.path.join(path, n) not in paths)
+    if skipped:
+        source.info["notes"].append(f"skipped {', '.join(skipped)}: not the model's weights (Mistral's "
+                                    "consolidated format or a PEFT adapter)")
+    return source
 
 
 def build_source(path: str, config: dict, files: list[TensorFile], opts: Options, side_files: list[str]) -> Source:
     """The canonical view of HF tensor files whose headers are already parsed (local files or remote headers)."""
-    family = family_for_architecture(architecture_of(config, opts), opts.mapping)
+    architecture = architecture_of(config, opts)
+    check_unquantized(path, config, files)
+    family = family_for_architecture(architecture, opts.mapping)
     paths = [f.path for f in files]
     where: dict[str, int] = {}
     for i, f in enumerate(files):
@@ -116,8 +165,13 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
     present = {spec.hf for spec, _ in matched.values() if spec.optional}
     output_spec = next((s for s in family.weights if s.tied_to), None)
     has_output = output_spec is not None and output_spec.hf in where
+    notes = []
     tied = bool(config.get("tie_word_embeddings", not has_output)) if output_spec else False
+    if output_spec and "tie_word_embeddings" not in config and not has_output:
+        notes.append(f"config.json has no tie_word_embeddings and there is no {output_spec.hf}: taken as tied "
+                     "(transformers' default is untied; add \"tie_word_embeddings\": true to say so)")
     model = build_canonical(family, config, present, tied)
+    model.meaning = read_meaning(config, family, architecture, model.dims, present, tied, path)
     stored = []
     for name, tensor in model.tensors.items():
         if name not in where:
@@ -135,7 +189,7 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
         raise CheckpointError(f"{path}: tensor '{sorted(extra)[0]}' does not fit the config "
                               f"({model.num_layers} layers); the config does not match the weights")
     return Source(layout=NAME, root=path, model=model, files=files, stored=stored,
-                  degrees={"tp": 1, "pp": 1}, info={"config": config}, side_files=side_files)
+                  degrees={"tp": 1, "pp": 1}, info={"config": config, "notes": notes}, side_files=side_files)
 
 
 def targets(model: CanonicalModel, opts: Options) -> list[TargetSpec]:
@@ -150,24 +204,33 @@ def targets(model: CanonicalModel, opts: Options) -> list[TargetSpec]:
     return [TargetSpec(n, "safetensors", s, metadata={"format": "pt"}) for n, s in zip(names, shards)]
 
 
-def output_config(model: CanonicalModel, dtype: str) -> dict:
-    config = dict(model.config)
-    config["tie_word_embeddings"] = model.tied
-    key = "dtype" if "dtype" in config and "torch_dtype" not in config else "torch_dtype"
-    config[key] = dtypes.hf_config_dtype(dtype)
+def output_config(model: CanonicalModel, dtype: str, loss: ConfigLoss) -> dict:
+    """The output's config.json: the source's, with every meaning-bearing key written from the canonical config
+    (what the architecture cannot spell goes to ``loss``) and the output dtype under every dtype key it has."""
+    config = write_hf_config(model.meaning, model.config, model.family, loss)
+    keys = [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]
+    for key in keys:
+        config[key] = dtypes.hf_config_dtype(dtype)
     return config
 
 
-def write_config(out: str, model: CanonicalModel, dtype: str) -> None:
-    """``config.json`` of the output (the canonical config with the output's dtype and tie flag)."""
+def planned_config(model: CanonicalModel, dtype: str, opts: Options, target: str) -> tuple[dict, list[str]]:
+    """:func:`output_config` checked at plan time: a loss not allowed by ``--allow-lossy-config`` raises."""
+    loss = ConfigLoss(target, opts.allow_lossy_config)
+    config = output_config(model, dtype, loss)
+    return config, loss.check()
+
+
+def write_config(out: str, config: dict) -> None:
+    """Write ``config.json`` into ``out``."""
     with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(output_config(model, dtype), f, indent=2, sort_keys=True)
+        json.dump(config, f, indent=2, sort_keys=True)
         f.write("\n")
 
 
-def finalize(out: str, model: CanonicalModel, files: list, dtype: str) -> None:
+def finalize(out: str, config: dict, files: list) -> None:
     """Write config.json, then the index last (only for a sharded output). ``files``: the plan's TargetFiles."""
-    write_config(out, model, dtype)
+    write_config(out, config)
     if len(files) > 1:
         weight_map = {t.name: spec.path for spec in files for t in spec.tensors}
         total = sum(spec.nbytes for spec in files)
@@ -180,7 +243,7 @@ def remote_weight_files(names: list[str], read_text) -> list[str]:
     ``model.safetensors``, else the top-level ``*.safetensors`` (never Mistral's ``consolidated*``);
     ``pytorch_model*.bin`` (+ index) only when no safetensors exist. Sub-folders hold other formats."""
     top = [p for p in names if "/" not in p]
-    safetensors = sorted(p for p in top if p.endswith(".safetensors") and not p.startswith("consolidated"))
+    safetensors = sorted(p for p in top if p.endswith(".safetensors") and not is_other_format(p))
     if INDEX in top:
         try:
             named = sorted(set(json.loads(read_text(INDEX)).get("weight_map", {}).values()))
@@ -216,10 +279,11 @@ class HFLayout(Layout):
     def targets(self, source: Source, opts: Options, dtype: str) -> TargetPlan:
         if opts.tp != 1 or opts.pp != 1:
             raise PlanError("the hf layout holds the full model: --tp and --pp must be 1 for --to hf")
-        return TargetPlan(targets(source.model, opts), state=dtype)
+        config, notes = planned_config(source.model, dtype, opts, "Hugging Face")
+        return TargetPlan(targets(source.model, opts), state=config, notes=notes)
 
     def finalize(self, out: str, source: Source, plan, state) -> None:
-        finalize(out, source.model, plan.files, state)
+        finalize(out, state, plan.files)
 
     def remote_files(self, names: list[str], read_text) -> list[str]:
         return remote_weight_files(names, read_text)

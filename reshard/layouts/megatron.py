@@ -17,14 +17,18 @@ import re
 import sys
 
 from reshard.core.canonical import CanonicalModel, build_canonical
+from reshard.core.model_config import ConfigLoss, ModelConfig
 from reshard.core.pieces import StoredTensor
 from reshard.core.sharding import (check_megatron_degrees, megatron_padded_vocab, megatron_qkv_pieces, pack_members,
                                    rank_slice, stage_layers)
 from reshard.errors import CheckpointError, PlanError
+from reshard.io import dtypes
 from reshard.io.partial import replace_with_text
 from reshard.io.readahead import read_heads_in_background
 from reshard.io.torch_format import MegatronEnum, TensorSlot, TorchFile, torch_dtype_global
 from reshard.layouts.base import Layout, Options, Source, TargetPlan, TargetSpec, check_shape, find_side_files
+from reshard.layouts.hf_config import write_config as write_hf_config
+from reshard.layouts.megatron_args import args_from_meaning, meaning_from_args
 from reshard.mapping import Family, WeightSpec, family_for_architecture
 
 NAME = "megatron"
@@ -33,7 +37,6 @@ RANK_FILE = "model_optim_rng.pt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _REMOTE_RANK_FILE = re.compile(r"^(iter_\d{7}|release)/mp_rank_\d{2}(_\d{3})?/model_optim_rng\.pt$")
-MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 
 
 # ----------------------------------------------------------------------------------------- shared rules
@@ -133,14 +136,22 @@ def _checkpoint_root(path: str, iter_dir: str) -> str:
 
 
 def true_vocab_size(args, opts: Options, root: str) -> int:
-    """The unpadded vocab: --vocab-size, recorded HF config, args.vocab_size, config.json or tokenizer.json."""
+    """The unpadded vocab: the recorded HF config's or ``args.vocab_size`` (``--vocab-size`` must then agree),
+    else ``--vocab-size``, config.json or tokenizer.json next to the checkpoint."""
+    hf_config = getattr(args, "hf_config", None)
+    recorded = None
+    if isinstance(hf_config, dict) and hf_config.get("vocab_size"):
+        recorded = int(hf_config["vocab_size"])
+    elif isinstance(getattr(args, "vocab_size", None), int):
+        recorded = args.vocab_size
+    if recorded is not None:
+        if opts.vocab_size and int(opts.vocab_size) != recorded:
+            raise CheckpointError(f"--vocab-size {opts.vocab_size} disagrees with the vocab size {recorded} the "
+                                  f"checkpoint records ({'dropping' if opts.vocab_size < recorded else 'adding'} "
+                                  f"{abs(recorded - int(opts.vocab_size))} rows of the embedding); omit --vocab-size")
+        return recorded
     if opts.vocab_size:
         return int(opts.vocab_size)
-    hf_config = getattr(args, "hf_config", None)
-    if isinstance(hf_config, dict) and hf_config.get("vocab_size"):
-        return int(hf_config["vocab_size"])
-    if isinstance(getattr(args, "vocab_size", None), int):
-        return args.vocab_size
     cfg = os.path.join(root, "config.json")
     if os.path.isfile(cfg):
         try:
@@ -159,48 +170,31 @@ def true_vocab_size(args, opts: Options, root: str) -> int:
                           "--vocab-size N or put the tokenizer.json / config.json next to the checkpoint")
 
 
-def hf_config_from_args(args, opts: Options, vocab: int) -> dict:
-    """The HF config.json a Megatron run's args describe (a recorded ``hf_config`` wins)."""
+def read_args(args, opts: Options, root: str, where: str) -> tuple[ModelConfig, Family, dict]:
+    """A Megatron run's meaning (its args decide; a recorded ``hf_config`` only names the architecture and
+    carries the config.json keys args have no place for), its family, and an HF-spelled config dict."""
+    vocab = true_vocab_size(args, opts, root)
     recorded = getattr(args, "hf_config", None)
-    if isinstance(recorded, dict):
-        config = dict(recorded)
-        config["vocab_size"] = vocab
-        return config
-    get = lambda key, default=None: getattr(args, key, default)  # noqa: E731
-    if not get("swiglu", False) or get("normalization", "LayerNorm") != "RMSNorm" \
-            or get("position_embedding_type", "learned_absolute") != "rope":
-        raise CheckpointError("this Megatron checkpoint is not a Llama-family model (needs swiglu, RMSNorm and "
-                              "rope in its args); no shipped mapping covers it")
-    qkv_bias = bool(get("add_qkv_bias", False))
-    bias = bool(get("add_bias_linear", False))
-    arch = opts.architecture or ("Qwen2ForCausalLM" if qkv_bias and not bias else "LlamaForCausalLM")
-    heads = get("num_attention_heads")
-    groups = get("num_query_groups") if get("group_query_attention", False) else heads
-    dtype = str(get("params_dtype"))  # a torch.dtype or its stand-in: both print as torch.<name>
+    recorded = dict(recorded) if isinstance(recorded, dict) else None
+    architecture = opts.architecture or ((recorded.get("architectures") or [None])[0] if recorded else None)
+    meaning = meaning_from_args(args, vocab, architecture, where)
+    family = family_for_architecture(meaning.architecture, opts.mapping)
+    base = recorded or {"torch_dtype": _args_dtype(args), "head_dim": meaning.head_dim}
+    config = write_hf_config(meaning, base, family, ConfigLoss("record"))  # losses are refused by each target
+    return meaning, family, config
+
+
+def _args_dtype(args) -> str:
+    dtype = str(getattr(args, "params_dtype", None))  # a torch.dtype or its stand-in: both print as torch.<name>
     if dtype not in ("torch.bfloat16", "torch.float16", "torch.float32"):
-        dtype = "torch.bfloat16" if get("bf16") else "torch.float16" if get("fp16") else "torch.float32"
-    config = {
-        "architectures": [arch], "model_type": MODEL_TYPES.get(arch, "llama"),
-        "hidden_size": get("hidden_size"), "intermediate_size": get("ffn_hidden_size"),
-        "num_hidden_layers": get("num_layers"), "num_attention_heads": heads,
-        "num_key_value_heads": groups or heads, "head_dim": get("kv_channels") or get("hidden_size") // heads,
-        "vocab_size": vocab, "max_position_embeddings": get("max_position_embeddings") or get("seq_length"),
-        "rms_norm_eps": get("norm_epsilon", 1e-5), "rope_theta": float(get("rotary_base", 10000)),
-        "tie_word_embeddings": not get("untie_embeddings_and_output_weights", False),
-        "hidden_act": "silu", "torch_dtype": str(dtype).removeprefix("torch."),
-    }
-    if arch != "Qwen2ForCausalLM":
-        config["attention_bias"] = bias
-        config["mlp_bias"] = bias
-    if get("use_rope_scaling", False):
-        config["rope_scaling"] = {"rope_type": "llama3", "factor": float(get("rope_scaling_factor", 8.0)),
-                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                  "original_max_position_embeddings": 8192}
-    return config
+        dtype = "torch.bfloat16" if getattr(args, "bf16", False) else \
+            "torch.float16" if getattr(args, "fp16", False) else "torch.float32"
+    return dtype.removeprefix("torch.")
 
 
 def _scan_ranks(folder: str) -> dict[tuple[int, int], str]:
     found: dict[tuple[int, int], str] = {}
+    forms: dict[bool, str] = {}
     for name in sorted(os.listdir(folder)):
         m = _RANK_DIR.match(name)
         if not m:
@@ -208,6 +202,10 @@ def _scan_ranks(folder: str) -> dict[tuple[int, int], str]:
         if m.group(3) is not None:
             raise CheckpointError(f"{folder}/{name}: expert-parallel rank folders are not supported for this family")
         tp_rank, pp_rank = int(m.group(1)), int(m.group(2) or 0)
+        forms.setdefault(m.group(2) is not None, name)
+        if len(forms) > 1:
+            raise CheckpointError(f"{folder} holds both {forms[False]} (a pp=1 rank) and {forms[True]} (a pp>1 "
+                                  "rank): folders of two runs are mixed; remove the one you do not mean")
         path = os.path.join(folder, name, RANK_FILE)
         if not os.path.isfile(path):
             raise CheckpointError(f"{os.path.join(folder, name)} has no {RANK_FILE}: the checkpoint is incomplete")
@@ -240,9 +238,8 @@ def open_source(path: str, opts: Options) -> Source:
         if value != found:
             raise CheckpointError(f"{folder}: args say {label}_model_parallel_size={value} but the rank folders "
                                   f"give {found}: the checkpoint is inconsistent or incomplete")
-    vocab = true_vocab_size(args, opts, root)
-    config = hf_config_from_args(args, opts, vocab)
-    family = family_for_architecture(opts.architecture or config["architectures"][0], opts.mapping)
+    meaning, family, config = read_args(args, opts, root, folder)
+    vocab = meaning.vocab
 
     # Which chunks (model / model0, model1, ...) each rank file holds, and their layer counts.
     chunk_layers: dict[tuple[int, str], int] = {}
@@ -267,6 +264,11 @@ def open_source(path: str, opts: Options) -> Source:
         for p in range(pp):
             starts[(p, chunk)] = offset
             offset += chunk_layers.get((p, chunk), 0)
+    legacy = sorted(n for n in names_all if n.startswith(("language_model", "encoder.", "word_embeddings")))
+    if legacy:
+        raise CheckpointError(f"{folder}: the rank files use legacy (pre-Megatron-Core) Megatron-LM names such as "
+                              f"'{legacy[0]}'; reshard reads Megatron-Core (mcore) checkpoints: convert it with "
+                              "Megatron-LM's tools/checkpoint (--saver mcore) first")
     if offset != config["num_hidden_layers"]:
         raise CheckpointError(f"{folder}: the rank files hold {offset} layers but args say "
                               f"{config['num_hidden_layers']}: a pipeline stage is missing or inconsistent")
@@ -275,8 +277,16 @@ def open_source(path: str, opts: Options) -> Source:
     for spec in family.weights:
         if spec.optional and spec.megatron_name(spec_name).format(layer=0) in names_all:
             present.add(spec.hf)
-    tied = not getattr(args, "untie_embeddings_and_output_weights", False)
+    tied = meaning.tied
     model = build_canonical(family, config, present, tied)
+    model.meaning = meaning
+    for group, templates in family.config.bias_groups:
+        has = all(t in present for t in templates)
+        if has != getattr(meaning, f"{group}_bias"):
+            raise CheckpointError(f"{folder}: the args {'do not ' if has else ''}ask for {group} biases but the rank "
+                                  f"files {'hold' if has else 'lack'} them (add_bias_linear="
+                                  f"{getattr(args, 'add_bias_linear', None)}, add_qkv_bias="
+                                  f"{getattr(args, 'add_qkv_bias', None)}): the checkpoint is inconsistent")
     emb_spec = next(s for s in family.weights if s.split == "vocab" and s.stage == "first")
     emb_loc = files[0].tensors.get(f"{chunk_keys[0]}/{emb_spec.megatron_name(spec_name)}")
     if emb_loc is None:
@@ -313,6 +323,9 @@ def open_source(path: str, opts: Options) -> Source:
                                       f"'{family.name}' (a config / weights mismatch?)")
     dropped = sorted({k for f in files for k in f.structure if k not in ("model", "args", "checkpoint_version",
                                                                         "iteration") and k not in chunk_keys})
+    beside = sorted({n for path in ranks.values() for n in os.listdir(os.path.dirname(path)) if n != RANK_FILE})
+    if beside:  # e.g. distrib_optim.pt: the distributed optimizer's state, saved beside each rank's model file
+        dropped.append(f"files beside the rank files ({', '.join(beside)}: e.g. distributed optimizer state)")
     info = {"args": args, "iteration": iteration, "spec": spec_name, "padded_vocab": padded,
             "vocab_divisor": getattr(args, "make_vocab_size_divisible_by", None), "dropped": dropped}
     return Source(layout=NAME, root=root, model=model, files=files, stored=stored,
@@ -322,50 +335,47 @@ def open_source(path: str, opts: Options) -> Source:
 # ---------------------------------------------------------------------------------------------- writing
 
 def build_args(model: CanonicalModel, opts: Options, padded: int, divisor: int, dtype: str,
-               base: argparse.Namespace | None) -> argparse.Namespace:
-    """A faithful Megatron-LM ``args`` for the output (so ``--use-checkpoint-args`` works)."""
-    c, d = model.config, model.dims
+               base: argparse.Namespace | None, loss: ConfigLoss) -> argparse.Namespace:
+    """A faithful Megatron-LM ``args`` for the output (so ``--use-checkpoint-args`` works): the meaning's fields
+    (:func:`~reshard.layouts.megatron_args.args_from_meaning`; what args cannot spell goes to ``loss``), the
+    degrees, and the source run's other args when it was a Megatron run."""
     values = {}
     if base is not None:  # keep the run's own args; enum stand-ins cannot be written back without Megatron
         values = {k: v for k, v in vars(base).items() if not isinstance(v, MegatronEnum)}
+    values.update(args_from_meaning(model.meaning, loss))
+    record = write_hf_config(model.meaning, model.config, model.family, ConfigLoss("record"))
+    record["torch_dtype"] = dtypes.hf_config_dtype(dtype)
     values.update(
-        num_layers=d["L"], hidden_size=d["H"], ffn_hidden_size=d["F"], num_attention_heads=d["nh"],
-        group_query_attention=d["ng"] != d["nh"], num_query_groups=d["ng"], kv_channels=d["d"],
-        padded_vocab_size=padded, vocab_size=d["V"], make_vocab_size_divisible_by=divisor,
+        padded_vocab_size=padded, make_vocab_size_divisible_by=divisor,
         tensor_model_parallel_size=opts.tp, pipeline_model_parallel_size=opts.pp,
         virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=1, world_size=opts.tp * opts.pp,
-        data_parallel_size=1, swiglu=True, normalization="RMSNorm", position_embedding_type="rope",
-        use_rotary_position_embeddings=True, rotary_base=int(c.get("rope_theta", 10000)),
-        rotary_percent=1.0, rotary_interleaved=False,
-        add_bias_linear=bool(c.get("attention_bias", False)),
-        add_qkv_bias=any(s.slot == "q" and s.optional and model.has_spec(s) for s in model.family.weights),
-        untie_embeddings_and_output_weights=not model.tied,
-        max_position_embeddings=c.get("max_position_embeddings"),
-        seq_length=values.get("seq_length") or c.get("max_position_embeddings"),
-        norm_epsilon=c.get("rms_norm_eps", 1e-5), params_dtype=torch_dtype_global(dtype),
-        bf16=dtype == "BF16", fp16=dtype == "F16",
+        data_parallel_size=1, seq_length=values.get("seq_length") or model.meaning.max_positions,
+        params_dtype=torch_dtype_global(dtype), bf16=dtype == "BF16", fp16=dtype == "F16",
         transformer_impl="transformer_engine" if opts.megatron_spec == "te" else "local",
-        apply_query_key_layer_scaling=False, attention_softmax_in_fp32=True,
-        hf_config=dict(c),
+        apply_query_key_layer_scaling=False, attention_softmax_in_fp32=True, hf_config=record,
     )
-    scaling = c.get("rope_scaling") or {}
-    if scaling.get("rope_type") == "llama3":
-        values.update(use_rope_scaling=True, rope_scaling_factor=scaling.get("factor", 8.0))
     values.setdefault("tokenizer_type", "HuggingFaceTokenizer")
     return argparse.Namespace(**values)
 
 
-def targets(model: CanonicalModel, opts: Options, source: Source, dtype: str) -> tuple[list[TargetSpec], str]:
+def targets(model: CanonicalModel, opts: Options, source: Source, dtype: str
+            ) -> tuple[list[TargetSpec], str, list[str]]:
     """Rank files for Megatron at ``opts.tp`` x ``opts.pp``; also returns the iteration label :func:`finalize`
-    writes into the tracker."""
+    writes into the tracker, and notes (config fields dropped with --allow-lossy-config)."""
     if opts.megatron_spec not in ("te", "local"):
         raise PlanError(f"unknown --megatron-spec '{opts.megatron_spec}': use te or local")
+    if opts.vocab_divisor is not None and opts.vocab_divisor < 1:
+        raise PlanError(f"--make-vocab-size-divisible-by must be a positive integer (got {opts.vocab_divisor}); "
+                        "Megatron pads the vocab to a multiple of it times tp (default 128)")
     check_megatron_degrees(model, opts.tp, opts.pp)
     divisor = opts.vocab_divisor or source.info.get("vocab_divisor") or 128
     padded = megatron_padded_vocab(model.vocab_size, opts.tp, divisor)
     iteration = source.info.get("iteration", "release") if source.layout == NAME else "release"
     folder = "release" if iteration == "release" else f"iter_{int(iteration):07d}"
-    args = build_args(model, opts, padded, divisor, dtype, source.info.get("args") if source.layout == NAME else None)
+    loss = ConfigLoss("Megatron", opts.allow_lossy_config)
+    args = build_args(model, opts, padded, divisor, dtype, source.info.get("args") if source.layout == NAME else None,
+                      loss)
+    notes = loss.check()
     specs = []
     stages = stage_layers(model.num_layers, opts.pp)
     for p, layers in enumerate(stages):
@@ -379,7 +389,7 @@ def targets(model: CanonicalModel, opts: Options, source: Source, dtype: str) ->
                        "iteration": 0 if iteration == "release" else int(iteration), "model": state}
             specs.append(TargetSpec(f"{folder}/{rank_dir(t, p, opts.pp)}/{RANK_FILE}", "torch", tensors,
                                     payload=payload))
-    return specs, iteration
+    return specs, iteration, notes
 
 
 def finalize(out: str, iteration: str) -> None:
@@ -407,8 +417,8 @@ class MegatronLayout(Layout):
         return open_source(root, opts)
 
     def targets(self, source: Source, opts: Options, dtype: str) -> TargetPlan:
-        specs, iteration = targets(source.model, opts, source, dtype)
-        return TargetPlan(specs, state=iteration)
+        specs, iteration, notes = targets(source.model, opts, source, dtype)
+        return TargetPlan(specs, state=iteration, notes=notes)
 
     def finalize(self, out: str, source: Source, plan, state) -> None:
         finalize(out, state)

@@ -25,6 +25,7 @@ from reshard.io import dtypes
 from reshard.io.partial import replace_with_text
 from reshard.io.safetensors_format import SafetensorsFile
 from reshard.layouts import hf
+from reshard.layouts.hf_config import read_meaning
 from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, check_shape, find_side_files,
                                   pack_by_size, stored_dtype)
 from reshard.mapping import WeightSpec, family_for_architecture
@@ -167,6 +168,7 @@ def open_source(path: str, opts: Options) -> Source:
     present = {s.hf for s in family.weights
                if s.optional and (s.vllm_name.format(layer=0) if s.per_layer else s.vllm_name) in where[0]}
     model = build_canonical(family, config, present, tied)
+    model.meaning = read_meaning(config, family, hf.architecture_of(config, opts), model.dims, present, tied, path)
     _check_names(model)
     try:
         check_vllm_degrees(model, tp)
@@ -181,7 +183,8 @@ def open_source(path: str, opts: Options) -> Source:
     padded = loc.shape[0] * tp
     if padded < model.vocab_size:
         raise CheckpointError(f"{path}: '{vocab_name}' holds {padded} rows over {tp} ranks, fewer than the vocab "
-                              f"size {model.vocab_size}: config.json does not match the weights")
+                              f"size {model.vocab_size}: config.json does not match the weights, or rank files "
+                              f"are missing (found ranks 0..{tp - 1})")
 
     stored: list[tuple[int, StoredTensor]] = []
     dropped = set()
@@ -194,7 +197,13 @@ def open_source(path: str, opts: Options) -> Source:
                     continue
                 raise CheckpointError(f"{path}: tensor '{tensor.name}' is missing from rank {rank}'s files")
             loc = files[index].tensors[tensor.name]
-            check_shape(files[index].path, tensor.name, loc.shape, tensor.shape)
+            try:
+                check_shape(files[index].path, tensor.name, loc.shape, tensor.shape)
+            except CheckpointError as exc:
+                if recorded is not None:
+                    raise
+                raise CheckpointError(f"{exc}, or rank files are missing (found ranks 0..{tp - 1}; nothing records "
+                                      "the tensor_parallel_size this folder was saved at)") from None
             if tensor.fill is not None:
                 dropped.add(tensor.name.rsplit(".", 1)[-1])
                 continue
@@ -210,7 +219,7 @@ def open_source(path: str, opts: Options) -> Source:
     info = {"config": config, "padded_vocab": padded, "recorded_tp": recorded,
             "dropped": [f"vLLM attention scale scalars ({', '.join(sorted(dropped))})"] if dropped else []}
     return Source(layout=NAME, root=path, model=model, files=files, stored=stored, degrees={"tp": tp, "pp": 1},
-                  info=info, side_files=find_side_files(path))
+                  info=info, side_files=find_side_files(path) + hf.custom_code_files(path, config))
 
 
 # ---------------------------------------------------------------------------------------------- writing
@@ -235,9 +244,9 @@ def targets(model: CanonicalModel, opts: Options, dtype: str) -> tuple[list[Targ
     return specs, padded
 
 
-def finalize(out: str, model: CanonicalModel, dtype: str, tp: int, padded_vocab: int, files: list) -> None:
+def finalize(out: str, model: CanonicalModel, config: dict, tp: int, padded_vocab: int, files: list) -> None:
     """Write config.json, then ``reshard.json`` (the TP size vLLM does not record) last."""
-    hf.write_config(out, model, dtype)
+    hf.write_config(out, config)
     record = {
         "layout": NAME, "tensor_parallel_size": tp, "pattern": PATTERN,
         "padded_vocab_size": padded_vocab, "vocab_size": model.vocab_size,
@@ -264,10 +273,11 @@ class VLLMLayout(Layout):
 
     def targets(self, source: Source, opts: Options, dtype: str) -> TargetPlan:
         specs, padded = targets(source.model, opts, dtype)
-        return TargetPlan(specs, state={"tp": opts.tp, "padded_vocab": padded, "dtype": dtype})
+        config, notes = hf.planned_config(source.model, dtype, opts, "vLLM")
+        return TargetPlan(specs, state={"tp": opts.tp, "padded_vocab": padded, "config": config}, notes=notes)
 
     def finalize(self, out: str, source: Source, plan, state) -> None:
-        finalize(out, source.model, state["dtype"], state["tp"], state["padded_vocab"], plan.files)
+        finalize(out, source.model, state["config"], state["tp"], state["padded_vocab"], plan.files)
 
     def remote_files(self, names: list[str], read_text) -> list[str]:
         return sorted(n for n in names if _FILE.match(n))

@@ -11,18 +11,18 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from reshard.core.model_config import differences
 from reshard.core.plan import CanonicalIndex, TargetTensor
 from reshard.execute import assemble, bits_equal, run_replica_checks
 from reshard.hub import open_source
 from reshard.layouts.base import Options, Source
 
-CONFIG_KEYS = ("rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings", "hidden_act")
 
 
 @dataclass
 class TensorResult:
     name: str
-    status: str  # equal | equal_after_cast | within_tolerance | different | missing_in_a | missing_in_b
+    status: str  # equal | equal_after_cast | within_tolerance | different | cast_overflow | missing_in_a | missing_in_b
     dtype_a: str | None = None
     dtype_b: str | None = None
     sha256_a: str | None = None
@@ -83,6 +83,11 @@ def compare_tensors(name: str, a: torch.Tensor, b: torch.Tensor, atol: float | N
         if res.sha256_a == res.sha256_b:
             res.status = "equal"
             return res
+    if a.dtype != b.dtype and a.is_floating_point() and b.is_floating_point():
+        wide, narrow = (a, b) if a.element_size() >= b.element_size() else (b, a)
+        if bool((~torch.isfinite(narrow) & torch.isfinite(wide)).any()):
+            res.status = "cast_overflow"  # finite values became inf/NaN: never equal, whatever the tolerance
+            return res
     if atol is not None or rtol is not None:
         bound = (atol or 0.0) + (rtol or 0.0) * a.double().abs()
         if bool((diff <= bound).all()):
@@ -95,15 +100,11 @@ def compare_tensors(name: str, a: torch.Tensor, b: torch.Tensor, atol: float | N
     return res
 
 
-def _config_view(source: Source) -> dict:
-    model = source.model
-    view = {f"dims.{k}": v for k, v in model.dims.items()}
-    view["tie_word_embeddings"] = model.tied
-    view["architecture"] = (model.config.get("architectures") or [None])[0]
-    for key in CONFIG_KEYS:
-        value = model.config.get(key)
-        view[key] = float(value) if isinstance(value, (int, float)) and key != "max_position_embeddings" else value
-    return view
+def config_differences(sa: Source, sb: Source) -> list[dict]:
+    """Differences between the two canonical configs (what the models compute, whatever the spelling). The
+    architecture name alone is not one: a Mistral without a window computes what a Llama does."""
+    return [{"key": field, "a": a, "b": b} for field, a, b in differences(sa.model.meaning, sb.model.meaning)
+            if field != "architecture"]
 
 
 def verify(a: str, b: str, *, atol: float | None = None, rtol: float | None = None,
@@ -113,10 +114,7 @@ def verify(a: str, b: str, *, atol: float | None = None, rtol: float | None = No
     opts = Options(vocab_size=vocab_size, architecture=architecture, mapping=mapping)
     with open_source(a, opts) as sa, open_source(b, opts) as sb:
         report = VerifyReport(a, b, sa.layout, sb.layout)
-        ca, cb = _config_view(sa), _config_view(sb)
-        for key in sorted(set(ca) | set(cb)):
-            if ca.get(key) != cb.get(key):
-                report.config_differences.append({"key": key, "a": ca.get(key), "b": cb.get(key)})
+        report.config_differences = config_differences(sa, sb)
         ia = CanonicalIndex(sa.stored, {n: t.shape for n, t in sa.model.tensors.items()})
         ib = CanonicalIndex(sb.stored, {n: t.shape for n, t in sb.model.tensors.items()})
         for name in sa.model.tensors:

@@ -57,9 +57,10 @@ def verify_forward(a: str, b: str, *, nproc: int | None = None, backend: str | N
         layouts = (sa.layout, sb.layout)
         degrees = (sa.degrees.get("tp", 1), sb.degrees.get("tp", 1))
         vocabs = (sa.model.vocab_size, sb.model.vocab_size)
-        DecoderConfig.from_hf(sa.model.config, sa.model.family.decoder)  # refuses what the decoder lacks, for A too
-        config_b = DecoderConfig.from_hf(sb.model.config, sb.model.family.decoder)
-        ffn_b = sb.model.dims.get("F", 0)
+        meanings = (sa.model.meaning, sb.model.meaning)
+        config_a = DecoderConfig.from_meaning(meanings[0], sa.model.family.decoder)  # refuses what it lacks
+        config_b = DecoderConfig.from_meaning(meanings[1], sb.model.family.decoder)
+        ffn_b = meanings[1].ffn
     for label, name in zip("AB", layouts):
         if get_layout(name).rank_loader is None:
             raise PlanError(f"{label} is a {name} checkpoint, which the forward verifier cannot read (it reads "
@@ -68,6 +69,12 @@ def verify_forward(a: str, b: str, *, nproc: int | None = None, backend: str | N
     if vocabs[0] != vocabs[1]:
         raise ReshardError(f"A has vocab {vocabs[0]} and B has vocab {vocabs[1]}: their logits cannot be compared",
                            exit_code=1)
+    shape = ("hidden", "layers", "heads", "kv_heads", "head_dim", "ffn")
+    unlike = [f"{k} {getattr(meanings[0], k)} vs {getattr(meanings[1], k)}" for k in shape
+              if getattr(meanings[0], k) != getattr(meanings[1], k)]
+    if unlike:
+        raise ReshardError(f"A and B are different models ({', '.join(unlike)}): a forward check compares one "
+                           "model in two layouts", exit_code=1)
     vocab = vocabs[0]
     if nproc is None:
         nproc = degrees[1]
@@ -97,6 +104,12 @@ def verify_forward(a: str, b: str, *, nproc: int | None = None, backend: str | N
                      timeout=timeout)
     result = launch(job)
     result["seed"] = None if prompt_ids else seed
+    tokens = len(ids[0])
+    for label, config in (("A", config_a), ("B", config_b)):
+        if config.window_layers and tokens <= config.sliding_window:
+            result.setdefault("notes", []).append(
+                f"{label}'s sliding window ({config.sliding_window} tokens) is not exercised by {tokens} tokens: "
+                f"pass --seq-len above {config.sliding_window} to check it")
     return result
 
 

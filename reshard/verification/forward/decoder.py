@@ -219,8 +219,10 @@ def forward(weights: RankWeights, ids: torch.Tensor, tp: TPGroup, record: bool =
     if record:
         out.states.append(("embedding", x.detach().cpu()))
     cos, sin = rope_cos_sin(config, ids.shape[1], ids.device, dtype)
-    mask = attention_mask(ids.shape[1], config.sliding_window, ids.device)
+    full = attention_mask(ids.shape[1], None, ids.device)
+    windowed = attention_mask(ids.shape[1], config.sliding_window, ids.device)
     for i, layer in enumerate(weights.layers):
+        mask = windowed if i in config.window_layers else full
         x = x + attention(norm(config, x, layer.input_norm, layer.input_norm_bias), layer, config, cos, sin, mask, tp)
         if record:
             out.states.append((f"layer {i} attention", x.detach().cpu()))

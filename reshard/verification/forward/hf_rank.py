@@ -25,7 +25,7 @@ def load_rank(path: str, rank: int, world: int, opts: Options) -> RankWeights:
 
 def _slice(source, rank: int, world: int) -> RankWeights:
     model = source.model
-    config = DecoderConfig.from_hf(model.config, model.family.decoder)
+    config = DecoderConfig.from_meaning(model.meaning, model.family.decoder)
     check_world(config, world, model.dims["F"])
     where = {stored.name: index for index, stored in source.stored}
     d = config.head_dim

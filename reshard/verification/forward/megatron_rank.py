@@ -19,7 +19,6 @@ from reshard.errors import CheckpointError, ReshardError
 from reshard.io.torch_format import TorchFile
 from reshard.layouts import megatron
 from reshard.layouts.base import Options
-from reshard.mapping import family_for_architecture
 from reshard.verification.forward.rank_weights import (DecoderConfig, LayerWeights, RankWeights, check_world,
                                                        split_grouped_qkv, split_halves)
 
@@ -68,11 +67,9 @@ def _read(path: str, folder: str, files: list[TorchFile], rank: int, world: int,
         raise CheckpointError(f"{files[0].path}: no 'args' in the checkpoint: cannot tell the model config")
     args = first["args"]
     root = megatron._checkpoint_root(path, folder)
-    hf_config = megatron.hf_config_from_args(args, opts, megatron.true_vocab_size(args, opts, root))
-    family = family_for_architecture(opts.architecture or hf_config["architectures"][0], opts.mapping)
-    dims = family.resolve_dims(hf_config)
-    config = DecoderConfig.from_hf(hf_config, family.decoder)
-    check_world(config, world, dims["F"])
+    meaning, family, _ = megatron.read_args(args, opts, root, folder)
+    config = DecoderConfig.from_meaning(meaning, family.decoder)
+    check_world(config, world, meaning.ffn)
     all_keys = {k for f in files for c in _chunks(f) for k in f.structure[c]}
     spec_name = "te" if any(k.endswith("linear_qkv.layer_norm_weight") for k in all_keys) else "local"
     names = {s.hf: s.megatron_name(spec_name) for s in family.weights}

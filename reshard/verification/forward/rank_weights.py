@@ -21,7 +21,12 @@ from dataclasses import dataclass, field
 import torch
 
 from reshard.errors import CheckpointError, ReshardError
-from reshard.mapping import ACTIVATIONS, DecoderFeatures
+from reshard.core.model_config import ModelConfig
+from reshard.mapping import DecoderFeatures
+
+#: RoPE scaling types and activations the decoder implements (decoder.rope_inv_freq, ACTIVATION_FUNCTIONS).
+ROPE_TYPES = ("default", "linear", "llama3")
+ACTIVATION_NAMES = ("silu", "gelu", "gelu_tanh", "relu")
 
 
 @dataclass
@@ -38,6 +43,7 @@ class DecoderConfig:
     rope_theta: float
     rope_scaling: dict | None = None
     sliding_window: int | None = None
+    window_layers: tuple[int, ...] = ()  # the layers that use the sliding window
     architecture: str = ""
     norm: str = "rms"  # rms | layer
     mlp: str = "gated"  # gated | plain
@@ -45,29 +51,28 @@ class DecoderConfig:
     activation: str = "silu"  # silu | gelu | gelu_tanh | relu
 
     @classmethod
-    def from_hf(cls, config: dict, features: DecoderFeatures = DecoderFeatures()) -> "DecoderConfig":
-        """From config.json values, read through the keys the family's ``[decoder]`` table names."""
-        heads = int(config["num_attention_heads"])
-        rope = config.get("rope_parameters") or {}
-        theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
-        scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        arch = (config.get("architectures") or [""])[0]
-        window = config.get(features.sliding_window)
-        flag = dict(features.sliding_window_flags).get(arch)
-        if flag and not config.get(flag, False):
-            window = None
-        act = config.get("hidden_act") or features.activation
-        if act not in ACTIVATIONS:
-            raise ReshardError(f"hidden_act '{act}' is not an activation the forward verifier implements "
-                               f"(supported: {', '.join(ACTIVATIONS)}); use the digest check instead")
-        return cls(hidden=int(config["hidden_size"]), heads=heads,
-                   kv_heads=int(config.get("num_key_value_heads") or heads),
-                   head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
-                   layers=int(config["num_hidden_layers"]), vocab=int(config["vocab_size"]),
-                   eps=float(config.get(features.norm_eps, 1e-6)), rope_theta=float(theta),
-                   rope_scaling=dict(scaling) if scaling else None,
-                   sliding_window=int(window) if window else None, architecture=arch, norm=features.norm,
-                   mlp=features.mlp, position=features.position, activation=ACTIVATIONS[act])
+    def from_meaning(cls, meaning: ModelConfig, features: DecoderFeatures = DecoderFeatures()) -> "DecoderConfig":
+        """From the canonical config and the family's decoder features; refuses (before any worker starts, as
+        ``verify --forward`` builds it for both sides first) what the decoder does not implement."""
+        lacking = []
+        if meaning.rope_type not in ROPE_TYPES:
+            lacking.append(f"rope_scaling type '{meaning.rope_type}' (it implements {', '.join(ROPE_TYPES)})")
+        if meaning.rotary_fraction != 1.0:
+            lacking.append(f"partial rotary ({meaning.rotary_fraction})")
+        if meaning.rope_interleaved:
+            lacking.append("interleaved RoPE")
+        if meaning.residual_post_norm:
+            lacking.append("the residual taken after the norm")
+        if meaning.activation not in ACTIVATION_NAMES:
+            lacking.append(f"activation '{meaning.activation}' (it implements {', '.join(ACTIVATION_NAMES)})")
+        if lacking:
+            raise ReshardError(f"the forward verifier does not implement {'; '.join(lacking)}; verify this "
+                               "checkpoint with the digest check (reshard verify without --forward)")
+        return cls(hidden=meaning.hidden, heads=meaning.heads, kv_heads=meaning.kv_heads, head_dim=meaning.head_dim,
+                   layers=meaning.layers, vocab=meaning.vocab, eps=meaning.norm_eps, rope_theta=meaning.rope_theta,
+                   rope_scaling=meaning.scaling or None, sliding_window=meaning.sliding_window,
+                   window_layers=meaning.windowed_layers(), architecture=meaning.architecture, norm=features.norm,
+                   mlp=features.mlp, position=features.position, activation=meaning.activation)
 
 
 @dataclass

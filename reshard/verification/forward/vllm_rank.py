@@ -14,6 +14,7 @@ from reshard.errors import CheckpointError, ReshardError
 from reshard.io.safetensors_format import SafetensorsFile
 from reshard.layouts import hf, vllm
 from reshard.layouts.base import Options
+from reshard.layouts.hf_config import read_meaning
 from reshard.mapping import family_for_architecture
 from reshard.verification.forward.rank_weights import (DecoderConfig, LayerWeights, RankWeights, check_world,
                                                        split_halves, split_stacked_qkv)
@@ -36,10 +37,14 @@ def _read(path: str, files: list[SafetensorsFile], rank: int, world: int, opts: 
     hf_config = hf.read_config(path)
     family = family_for_architecture(hf.architecture_of(hf_config, opts), opts.mapping)
     dims = family.resolve_dims(hf_config)
-    config = DecoderConfig.from_hf(hf_config, family.decoder)
-    check_world(config, world, dims["F"])
     where = {name: f for f in files for name in f.tensors}
     names = {s.hf: s.vllm_name for s in family.weights}
+    present = {s.hf for s in family.weights if s.optional and s.vllm_name.format(layer=0) in where}
+    emb_name, head_name = names["model.embed_tokens.weight"], names["lm_head.weight"]
+    tied = not (emb_name in where and head_name in where)
+    meaning = read_meaning(hf_config, family, hf.architecture_of(hf_config, opts), dims, present, tied, path)
+    config = DecoderConfig.from_meaning(meaning, family.decoder)
+    check_world(config, world, dims["F"])
 
     def get(hf_name: str, layer: int | None = None, optional: bool = False):
         name = names[hf_name].format(layer=layer) if layer is not None else names[hf_name]
@@ -67,8 +72,6 @@ def _read(path: str, files: list[SafetensorsFile], rank: int, world: int, opts: 
             down=get(p + "mlp.down_proj.weight", i), q_bias=qb, k_bias=kb, v_bias=vb,
             o_bias=get(p + "self_attn.o_proj.bias", i, True), gate_bias=gb, up_bias=ub,
             down_bias=get(p + "mlp.down_proj.bias", i, True)))
-    emb_name, head_name = names["model.embed_tokens.weight"], names["lm_head.weight"]
-    tied = not (emb_name in where and head_name in where)
     if tied:
         kept = vllm.kept_tied_name([emb_name, head_name])
         if kept not in where:

@@ -1,0 +1,129 @@
+"""The canonical model config: what a checkpoint's settings mean for the computation, whatever their spelling.
+
+Every layout reads its own spelling into one :class:`ModelConfig` (config.json in transformers 4 or 5 spelling,
+Megatron-LM args, ...) and writes it back in a target's spelling. A value a target cannot express is refused at
+plan time (:class:`ConfigLoss`), never dropped; ``verify`` compares these objects, so spellings do not matter and
+meaning does. Pure data: no I/O.
+
+RoPE: ``rope_theta`` and ``rope_scaling`` (``None`` or the sorted items of transformers' scaling dict without the
+theta: ``rope_type`` = ``linear`` | ``llama3`` | ``dynamic`` | ``yarn`` | ``longrope`` | ..., and its
+parameters), ``rotary_fraction`` (the share of each head's dims that rotate), ``rope_interleaved`` (pairs
+``(2i, 2i+1)`` rotate instead of HF's halves). Sliding window: ``sliding_window`` tokens (a query attends to itself
+and the ``sliding_window - 1`` keys before it), on ``sliding_layers`` (``None``: every layer). Biases: ``qkv_bias``
+(q, k, v projections), ``o_bias`` (attention output), ``mlp_bias`` (every MLP linear).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from reshard.errors import PlanError
+
+#: Fields a reader may not know from its spelling (dims are checked against the weights instead).
+SEMANTIC_FIELDS = ("architecture", "hidden", "layers", "heads", "kv_heads", "head_dim", "ffn", "vocab",
+                   "max_positions", "norm", "norm_eps", "activation", "rope_theta", "rope_scaling",
+                   "rotary_fraction", "rope_interleaved", "sliding_window", "sliding_layers", "qkv_bias", "o_bias",
+                   "mlp_bias", "tied", "residual_post_norm")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What changes the function a checkpoint computes (see the module docstring for each group)."""
+
+    architecture: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    max_positions: int | None = None
+    norm: str = "rms"
+    norm_eps: float = 1e-6
+    activation: str = "silu"
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    rotary_fraction: float = 1.0
+    rope_interleaved: bool = False
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] | None = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    tied: bool = False
+    residual_post_norm: bool = False  # Megatron apply_residual_connection_post_layernorm
+
+    @property
+    def rope_type(self) -> str:
+        return dict(self.rope_scaling or ()).get("rope_type", "default")
+
+    @property
+    def scaling(self) -> dict:
+        """``rope_scaling`` as a dict (empty for plain RoPE)."""
+        return dict(self.rope_scaling or ())
+
+    def windowed_layers(self) -> tuple[int, ...]:
+        """The layers that use the sliding window (none without one)."""
+        if not self.sliding_window:
+            return ()
+        return tuple(range(self.layers)) if self.sliding_layers is None else self.sliding_layers
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["rope_scaling"] = self.scaling or None
+        d["sliding_layers"] = list(self.sliding_layers) if self.sliding_layers is not None else None
+        return d
+
+
+def normalize_scaling(scaling: dict | None) -> tuple[tuple[str, Any], ...] | None:
+    """transformers' ``rope_scaling`` / ``rope_parameters`` dict as canonical items: ``type`` read as
+    ``rope_type``, the theta and the partial-rotary factor removed (fields of their own), numbers as floats except
+    ``original_max_position_embeddings``; ``None`` for plain RoPE."""
+    if not scaling:
+        return None
+    items = {}
+    for key, value in scaling.items():
+        if key in ("rope_theta", "partial_rotary_factor"):
+            continue
+        key = "rope_type" if key == "type" else key
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            items[key] = tuple(value) if isinstance(value, list) else value
+        else:
+            items[key] = int(value) if key == "original_max_position_embeddings" else float(value)
+    if items.get("rope_type", "default") == "default" and set(items) <= {"rope_type"}:
+        return None
+    return tuple(sorted(items.items()))
+
+
+def differences(a: ModelConfig, b: ModelConfig) -> list[tuple[str, Any, Any]]:
+    """(field, a's value, b's value) for every field that differs."""
+    da, db = a.as_dict(), b.as_dict()
+    return [(f, da[f], db[f]) for f in SEMANTIC_FIELDS if da[f] != db[f]]
+
+
+@dataclass
+class ConfigLoss:
+    """Collects what a target spelling cannot express; :meth:`check` refuses unless the field is allowed lossy."""
+
+    target: str
+    allowed: tuple[str, ...] = ()
+    lost: list[tuple[str, Any, str]] = dataclasses.field(default_factory=list)
+
+    def cannot(self, field: str, value: Any, why: str) -> None:
+        self.lost.append((field, value, why))
+
+    def check(self) -> list[str]:
+        """Raise ``PlanError`` for the first loss not allowed; return notes for the allowed ones."""
+        for field, value, why in self.lost:
+            if field not in self.allowed:
+                raise PlanError(f"the {self.target} config cannot express {field} = {value!r} ({why}); the output "
+                                f"would compute a different function. Convert to another layout, or pass "
+                                f"--allow-lossy-config {field} to drop it knowingly")
+        return [f"dropped {field} = {value!r} from the {self.target} config ({why}; --allow-lossy-config)"
+                for field, value, why in self.lost]

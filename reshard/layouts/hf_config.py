@@ -1,0 +1,180 @@
+"""config.json <-> :class:`~reshard.core.model_config.ModelConfig`, for every layout that writes a config.json
+(hf, vllm) and for the ``hf_config`` Megatron args record.
+
+Reads both spellings: transformers 5 (``rope_parameters`` = ``{rope_type, rope_theta, <params>,
+partial_rotary_factor}``) and transformers 4 (``rope_theta`` + ``rope_scaling`` with ``rope_type`` or the older
+``type``, ``partial_rotary_factor``). Writes the spelling of the config it starts from (transformers 4 when there
+is none: both versions read it). Which weights are biases, which config key switches them and how a sliding
+window is spelt per architecture come from the family's ``[config]`` table; what an architecture cannot spell is
+a :class:`~reshard.core.model_config.ConfigLoss` (refused at plan time), never dropped.
+"""
+
+from __future__ import annotations
+
+from reshard.core.model_config import ConfigLoss, ModelConfig, normalize_scaling
+from reshard.errors import CheckpointError, PlanError
+from reshard.mapping import ACTIVATIONS, Family
+
+#: The decoder's activation names -> the hidden_act transformers spells them with.
+HIDDEN_ACT = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
+
+
+def _rope(config: dict, where: str) -> tuple[float, tuple | None, float]:
+    """(theta, normalized scaling, rotary fraction) from either spelling."""
+    params = config.get("rope_parameters")
+    scaling = config.get("rope_scaling")
+    if params is not None and not isinstance(params, dict):
+        raise CheckpointError(f"{where}: rope_parameters must be an object, not {type(params).__name__}")
+    if scaling is not None and not isinstance(scaling, dict):
+        raise CheckpointError(f"{where}: rope_scaling must be an object or null, not {type(scaling).__name__}")
+    if params:
+        theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+        if "rope_theta" in config and "rope_theta" in params and float(config["rope_theta"]) != float(theta):
+            raise CheckpointError(f"{where}: rope_theta {config['rope_theta']} and rope_parameters.rope_theta "
+                                  f"{theta} disagree; keep one")
+        if scaling and normalize_scaling(scaling) != normalize_scaling(params):
+            raise CheckpointError(f"{where}: rope_scaling and rope_parameters disagree; keep one")
+        fraction = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+        return float(theta), normalize_scaling(params), float(fraction)
+    return (float(config.get("rope_theta", 10000.0)), normalize_scaling(scaling),
+            float(config.get("partial_rotary_factor", 1.0)))
+
+
+def _window(config: dict, spelling: str, layers: int) -> tuple[int | None, tuple[int, ...] | None]:
+    """(window, windowed layers or None for all) as the architecture spells it."""
+    if spelling == "none":
+        return None, None
+    if spelling == "all_layers":
+        window = config.get("sliding_window")
+        return (int(window), None) if window else (None, None)
+    window = config.get("sliding_window") if config.get("use_sliding_window", False) else None
+    if not window:
+        return None, None
+    types = config.get("layer_types")
+    if isinstance(types, list) and len(types) == layers:
+        windowed = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    else:
+        start = config.get("max_window_layers", 0) or 0
+        windowed = tuple(range(int(start), layers))
+    if not windowed:
+        return None, None
+    return int(window), None if windowed == tuple(range(layers)) else windowed
+
+
+def read_meaning(config: dict, family: Family, architecture: str, dims: dict[str, int], present: set[str],
+                 tied: bool, where: str) -> ModelConfig:
+    """The meaning of an HF-style ``config`` whose weights include the optional templates ``present``."""
+    spelling = family.config.architecture(architecture)
+    theta, scaling, fraction = _rope(config, where)
+    biases = {}
+    for group, templates in family.config.bias_groups:
+        found = [t in present for t in templates]
+        if any(found) and not all(found):
+            missing = [t for t, f in zip(templates, found) if not f]
+            raise CheckpointError(f"{where}: the {group} biases are partly present ({missing[0]} is missing): "
+                                  "the weights are incomplete")
+        biases[group] = all(found)
+    window, windowed = _window(config, spelling.window if spelling else "none", dims["L"])
+    act = config.get("hidden_act") or family.decoder.activation
+    return ModelConfig(
+        architecture=architecture, hidden=dims["H"], layers=dims["L"], heads=dims["nh"],
+        kv_heads=dims.get("ng", dims["nh"]), head_dim=dims.get("d", dims["H"] // dims["nh"]), ffn=dims.get("F", 0),
+        vocab=dims["V"], max_positions=config.get("max_position_embeddings"), norm=family.decoder.norm,
+        norm_eps=float(config.get(family.config.norm_eps, 1e-6)), activation=ACTIVATIONS.get(act, act),
+        rope_theta=theta, rope_scaling=scaling, rotary_fraction=fraction, sliding_window=window,
+        sliding_layers=windowed, qkv_bias=biases.get("qkv", False), o_bias=biases.get("o", False),
+        mlp_bias=biases.get("mlp", False), tied=tied)
+
+
+def write_config(meaning: ModelConfig, base: dict | None, family: Family, loss: ConfigLoss) -> dict:
+    """``base`` (the source's config.json, or None) with every meaning-bearing key set from ``meaning``;
+    anything the architecture cannot spell is reported to ``loss``."""
+    spelling = family.config.architecture(meaning.architecture)
+    if spelling is None:
+        raise PlanError(f"mapping '{family.name}' has no [config.architectures.{meaning.architecture}] table: "
+                        "reshard does not know how its config.json spells the model")
+    c = dict(base or {})
+    c.update(architectures=[meaning.architecture], model_type=spelling.model_type, hidden_size=meaning.hidden,
+             intermediate_size=meaning.ffn, num_hidden_layers=meaning.layers, num_attention_heads=meaning.heads,
+             num_key_value_heads=meaning.kv_heads, vocab_size=meaning.vocab, tie_word_embeddings=meaning.tied)
+    c[family.config.norm_eps] = meaning.norm_eps
+    if "head_dim" in c or meaning.head_dim != meaning.hidden // meaning.heads:
+        c["head_dim"] = meaning.head_dim
+    if meaning.max_positions is not None:
+        c["max_position_embeddings"] = meaning.max_positions
+    if ACTIVATIONS.get(c.get("hidden_act")) != meaning.activation:
+        if meaning.activation not in HIDDEN_ACT:
+            loss.cannot("activation", meaning.activation, "no transformers hidden_act spells it")
+        c["hidden_act"] = HIDDEN_ACT.get(meaning.activation, meaning.activation)
+    _write_rope(c, meaning, spelling.rotary_fraction, loss)
+    if meaning.residual_post_norm:
+        loss.cannot("residual_post_norm", True, "transformers' decoders add the residual before the norm")
+    assigned: dict[str, bool] = {}
+    for group, setting in spelling.biases:
+        value = getattr(meaning, f"{group}_bias")
+        if isinstance(setting, bool):
+            if value != setting:
+                loss.cannot(f"{group}_bias", value, f"{meaning.architecture} {'always' if setting else 'never'} has "
+                            f"{group} biases")
+        elif assigned.setdefault(setting, value) != value:
+            loss.cannot(f"{group}_bias", value, f"{meaning.architecture}'s {setting} switches several bias groups "
+                        "together, and they differ")
+        else:
+            c[setting] = value
+    _write_window(c, meaning, spelling.window, loss)
+    return c
+
+
+def _write_rope(c: dict, meaning: ModelConfig, partial_ok: bool, loss: ConfigLoss) -> None:
+    if meaning.rope_interleaved:
+        loss.cannot("rope_interleaved", True, "transformers rotates halves; interleaved pairs would need the q/k "
+                    "rows permuted, which reshard does not do yet")
+    if meaning.rotary_fraction != 1.0 and not partial_ok:
+        loss.cannot("rotary_fraction", meaning.rotary_fraction, f"{meaning.architecture} rotates every head dim")
+    scaling = meaning.scaling
+    if "rope_parameters" in c:  # transformers 5 spelling
+        params = {"rope_type": scaling.pop("rope_type", "default"), "rope_theta": meaning.rope_theta,
+                  **{k: list(v) if isinstance(v, tuple) else v for k, v in scaling.items()}}
+        if meaning.rotary_fraction != 1.0:
+            params["partial_rotary_factor"] = meaning.rotary_fraction
+        c["rope_parameters"] = params
+        for key in ("rope_theta", "rope_scaling", "partial_rotary_factor"):
+            c.pop(key, None)
+        return
+    c["rope_theta"] = meaning.rope_theta
+    if scaling:
+        c["rope_scaling"] = {k: list(v) if isinstance(v, tuple) else v for k, v in scaling.items()}
+    elif c.get("rope_scaling") is not None:
+        c["rope_scaling"] = None
+    if meaning.rotary_fraction != 1.0:
+        c["partial_rotary_factor"] = meaning.rotary_fraction
+    else:
+        c.pop("partial_rotary_factor", None)
+
+
+def _write_window(c: dict, meaning: ModelConfig, spelling: str, loss: ConfigLoss) -> None:
+    window, windowed = meaning.sliding_window, meaning.windowed_layers()
+    if spelling == "none":
+        if window:
+            loss.cannot("sliding_window", window, f"{meaning.architecture} has no sliding window")
+        return
+    if spelling == "all_layers":
+        if window and meaning.sliding_layers is not None:
+            loss.cannot("sliding_layers", list(meaning.sliding_layers),
+                        f"{meaning.architecture} applies its window to every layer")
+        c["sliding_window"] = window
+        return
+    if window or "use_sliding_window" in c:
+        c["use_sliding_window"] = bool(window)
+    if window:
+        c["sliding_window"] = window
+        types = ["sliding_attention" if i in windowed else "full_attention" for i in range(meaning.layers)]
+        tail = windowed == tuple(range(windowed[0], meaning.layers))
+        if tail:
+            c["max_window_layers"] = windowed[0]
+        elif "layer_types" not in c:
+            loss.cannot("sliding_layers", list(windowed), "transformers 4's max_window_layers spells only a run of "
+                        "final layers (transformers 5's layer_types would, in a config that has them)")
+        c["layer_types"] = types
+    elif "layer_types" in c:
+        c["layer_types"] = ["full_attention"] * meaning.layers

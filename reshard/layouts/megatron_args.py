@@ -1,0 +1,113 @@
+"""Megatron-LM ``args`` <-> :class:`~reshard.core.model_config.ModelConfig`.
+
+The args fields that change what a Megatron-Core GPT model computes, as Megatron-LM's
+``core_transformer_config_from_args`` and ``GPTModel`` read them: ``rotary_base``; ``use_rope_scaling`` +
+``rope_scaling_factor`` (Llama 3.1 scaling, whose other parameters megatron-core fixes: low 1, high 4, original
+length 8192); ``rotary_seq_len_interpolation_factor`` (linear scaling); ``rotary_percent``; ``rotary_interleaved``;
+``window_size`` ``(left, 0)`` (a window of ``left + 1`` tokens on every layer; ``window_attn_skip_freq`` mixes
+in full layers); ``add_qkv_bias`` (q/k/v biases) and ``add_bias_linear`` (every linear); ``swiglu`` (SiLU-gated
+MLP); ``normalization`` and ``norm_epsilon``; ``apply_residual_connection_post_layernorm``;
+``untie_embeddings_and_output_weights``; the dims. Anything else in the meaning is a loss for this target.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from reshard.core.model_config import ConfigLoss, ModelConfig
+from reshard.errors import CheckpointError
+
+#: megatron-core's RotaryEmbedding._apply_scaling parameters other than the factor (not settable from args).
+LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def meaning_from_args(args, vocab: int, architecture: str | None, where: str) -> ModelConfig:
+    """The meaning of a Megatron run's ``args`` (``architecture``: recorded or given, else derived)."""
+    get = lambda key, default=None: getattr(args, key, default)  # noqa: E731
+    position = get("position_embedding_type", "learned_absolute")
+    if not get("swiglu", False) or get("normalization", "LayerNorm") != "RMSNorm" or position != "rope":
+        what = position if position != "rope" else "swiglu and RMSNorm"
+        raise CheckpointError(f"{where}: this Megatron checkpoint is not a Llama-family model (its args need "
+                              f"swiglu, RMSNorm and rope; it has {what}); no shipped mapping covers it")
+    heads = get("num_attention_heads")
+    groups = get("num_query_groups") if get("group_query_attention", False) else heads
+    scaling = None
+    if get("use_rope_scaling", False):
+        scaling = {"rope_type": "llama3", "factor": float(get("rope_scaling_factor", 8.0)), **LLAMA3_FIXED}
+    elif get("rotary_seq_len_interpolation_factor") not in (None, 1, 1.0):
+        scaling = {"rope_type": "linear", "factor": float(get("rotary_seq_len_interpolation_factor"))}
+    window, windowed = None, None
+    size = get("window_size")
+    if size is not None:
+        left, right = (list(size) + [0, 0])[:2]
+        if right not in (0, None) or left is None or left < 0:
+            raise CheckpointError(f"{where}: window_size {tuple(size)} looks ahead; only causal windows "
+                                  "(left, 0) are supported")
+        window = int(left) + 1
+        if get("window_attn_skip_freq") is not None:
+            raise CheckpointError(f"{where}: window_attn_skip_freq {get('window_attn_skip_freq')} (full-attention "
+                                  "layers among windowed ones) is not supported yet")
+    qkv_bias = bool(get("add_qkv_bias", False) or get("add_bias_linear", False))
+    bias = bool(get("add_bias_linear", False))
+    if architecture is None:
+        architecture = ("MistralForCausalLM" if window else "Qwen2ForCausalLM" if qkv_bias and not bias
+                        else "LlamaForCausalLM")
+    hidden = get("hidden_size")
+    return ModelConfig(
+        architecture=architecture, hidden=hidden, layers=get("num_layers"), heads=heads,
+        kv_heads=groups or heads, head_dim=get("kv_channels") or hidden // heads, ffn=get("ffn_hidden_size"),
+        vocab=vocab, max_positions=get("max_position_embeddings") or get("seq_length"), norm="rms",
+        norm_eps=float(get("norm_epsilon", 1e-5)), activation="silu", rope_theta=float(get("rotary_base", 10000)),
+        rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
+        rotary_fraction=float(get("rotary_percent", 1.0)), rope_interleaved=bool(get("rotary_interleaved", False)),
+        sliding_window=window, sliding_layers=windowed, qkv_bias=qkv_bias, o_bias=bias, mlp_bias=bias,
+        tied=not get("untie_embeddings_and_output_weights", False),
+        residual_post_norm=bool(get("apply_residual_connection_post_layernorm", False)))
+
+
+def args_from_meaning(meaning: ModelConfig, loss: ConfigLoss) -> dict[str, Any]:
+    """The args fields that spell ``meaning``; what args cannot spell goes to ``loss``."""
+    m = meaning
+    values: dict[str, Any] = dict(
+        num_layers=m.layers, hidden_size=m.hidden, ffn_hidden_size=m.ffn, num_attention_heads=m.heads,
+        group_query_attention=m.kv_heads != m.heads, num_query_groups=m.kv_heads, kv_channels=m.head_dim,
+        vocab_size=m.vocab, max_position_embeddings=m.max_positions, swiglu=True, normalization="RMSNorm",
+        norm_epsilon=m.norm_eps, position_embedding_type="rope", use_rotary_position_embeddings=True,
+        rotary_percent=m.rotary_fraction, rotary_interleaved=m.rope_interleaved,
+        apply_residual_connection_post_layernorm=m.residual_post_norm,
+        untie_embeddings_and_output_weights=not m.tied, use_rope_scaling=False,
+        rotary_seq_len_interpolation_factor=None, window_size=None,
+    )
+    if m.norm != "rms":
+        loss.cannot("norm", m.norm, "this Megatron mapping writes RMSNorm")
+    if m.activation != "silu":
+        loss.cannot("activation", m.activation, "Megatron-LM's args spell a gated MLP only as swiglu (SiLU)")
+    theta = m.rope_theta
+    if theta != int(theta):
+        loss.cannot("rope_theta", theta, "Megatron-LM's --rotary-base is an integer")
+    values["rotary_base"] = int(theta)
+    scaling, kind = m.scaling, m.rope_type
+    if kind == "llama3":
+        fixed = {k: scaling.get(k) for k in LLAMA3_FIXED}
+        if {k: float(v) for k, v in fixed.items() if v is not None} != {k: float(v) for k, v in LLAMA3_FIXED.items()}:
+            loss.cannot("rope_scaling", scaling, f"megatron-core fixes llama3 scaling's other parameters at "
+                        f"{LLAMA3_FIXED}")
+        values.update(use_rope_scaling=True, rope_scaling_factor=float(scaling.get("factor", 8.0)))
+    elif kind == "linear":
+        values["rotary_seq_len_interpolation_factor"] = float(scaling["factor"])
+    elif kind != "default":
+        loss.cannot("rope_scaling", scaling, f"megatron-core's GPT model has no '{kind}' RoPE scaling")
+    if m.sliding_window:
+        if m.sliding_layers is not None:
+            loss.cannot("sliding_layers", list(m.sliding_layers), "window_size applies to every layer")
+        values["window_size"] = (m.sliding_window - 1, 0)
+    if (m.qkv_bias, m.o_bias, m.mlp_bias) == (True, True, True):
+        values.update(add_bias_linear=True, add_qkv_bias=True)
+    elif not m.o_bias and not m.mlp_bias:
+        values.update(add_bias_linear=False, add_qkv_bias=m.qkv_bias)
+    else:
+        field = "o_bias" if m.o_bias else "mlp_bias"
+        loss.cannot(field, getattr(m, field), "Megatron-LM's add_bias_linear switches the attention output and "
+                    f"MLP biases together (here qkv {m.qkv_bias}, o {m.o_bias}, mlp {m.mlp_bias})")
+        values.update(add_bias_linear=m.o_bias, add_qkv_bias=m.qkv_bias)
+    return values
