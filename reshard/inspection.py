@@ -39,6 +39,7 @@ def inspect(path: str, *, vocab_size: int | None = None, architecture: str | Non
             "kv_heads": model.dims["ng"],
             "vocab_size": model.vocab_size,
             "tied_embeddings": model.tied,
+            "model_config": {k: v for k, v in model.meaning.as_dict().items() if v not in (None, False)},
             "bytes": sum(os.path.getsize(f.path) for f in source.files),
             "files_per_rank": dict(files_per_rank),
         }

@@ -25,11 +25,11 @@ def run_cli(capsys, *args) -> tuple[int, str, str]:
 
 
 def tiny_transformers_model(transformers, cls_name: str, **extra):
-    """A 2-layer, hidden-64, 8-head, vocab-1003 model from a config class, with seeded noise on every parameter
-    so norms and biases matter."""
-    config = getattr(transformers, cls_name)(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                             num_attention_heads=8, vocab_size=1003, max_position_embeddings=128,
-                                             **extra)
+    """A 2-layer, hidden-64, 8-head, vocab-1003 model from a config class (``extra`` adds or overrides
+    settings), with seeded noise on every parameter so norms and biases matter."""
+    settings = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+                    vocab_size=1003, max_position_embeddings=128)
+    config = getattr(transformers, cls_name)(**{**settings, **extra})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():

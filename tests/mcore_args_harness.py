@@ -66,6 +66,14 @@ MEGATRON_LM_DEFAULTS = {
     "apply_residual_connection_post_layernorm": False,
     "window_size": None,
     "window_attn_skip_freq": None,
+    "softmax_scale": None,
+    "glu_linear_offset": 0.0,
+    "activation_func_clamp_value": None,
+    "no_rope_freq": None,
+    "qk_l2_norm": False,
+    "softmax_type": "vanilla",
+    "attention_output_gate": False,
+    "multi_latent_attention": False,
     "apply_query_key_layer_scaling": False,
     "attention_softmax_in_fp32": False,
     "fp16": False,
@@ -182,6 +190,9 @@ def run_rank(dist, cli: argparse.Namespace) -> None:
         raise SystemExit("MoE args (num_experts) are not supported by this harness")
     if not get("swiglu"):
         raise SystemExit("args.swiglu is False: only SwiGLU models are supported by this harness")
+    for key in ("softmax_type", "attention_output_gate", "multi_latent_attention"):  # other weights/modules
+        if get(key) != MEGATRON_LM_DEFAULTS[key]:
+            raise SystemExit(f"args.{key} = {get(key)!r} is not supported by this harness")
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world, pipeline_model_parallel_size=1)
     # The CUDA seed helper (model_parallel_cuda_manual_seed) needs a GPU; the inference tracker does not.
@@ -195,7 +206,9 @@ def run_rank(dist, cli: argparse.Namespace) -> None:
     # As Megatron-LM's core_transformer_config_from_args: every args field that is a TransformerConfig field,
     # then layernorm_epsilon <- norm_epsilon, layernorm_zero_centered_gamma <- apply_layernorm_1p,
     # num_moe_experts <- num_experts, swiglu -> (F.silu, gated_linear_unit), num_query_groups None without
-    # group_query_attention.  Spelled out field by field here (Megatron-LM is not installed).
+    # group_query_attention.  Spelled out here (Megatron-LM is not installed) for every field that changes what
+    # a dense GPT computes, including ones reshard does not write (softmax_scale, glu_linear_offset, ...: read
+    # at Megatron-LM's defaults when absent), so a checkpoint whose args set them is computed as Megatron would.
     config = TransformerConfig(
         num_layers=get("num_layers"),
         hidden_size=get("hidden_size"),
@@ -215,6 +228,11 @@ def run_rank(dist, cli: argparse.Namespace) -> None:
         apply_residual_connection_post_layernorm=get("apply_residual_connection_post_layernorm"),
         window_size=window,
         window_attn_skip_freq=get("window_attn_skip_freq"),
+        softmax_scale=get("softmax_scale"),
+        glu_linear_offset=get("glu_linear_offset"),
+        activation_func_clamp_value=get("activation_func_clamp_value"),
+        no_rope_freq=get("no_rope_freq"),
+        qk_l2_norm=get("qk_l2_norm"),
         apply_query_key_layer_scaling=get("apply_query_key_layer_scaling"),
         attention_softmax_in_fp32=get("attention_softmax_in_fp32"),
         num_moe_experts=get("num_experts"),
@@ -251,7 +269,8 @@ def run_rank(dist, cli: argparse.Namespace) -> None:
     model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=get("qk_layernorm"),
-                                                        normalization=get("normalization")),
+                                                        normalization=get("normalization"),
+                                                        qk_l2_norm=get("qk_l2_norm")),
         pre_process=True,
         post_process=True,
         parallel_output=False,  # gather the vocab-parallel logits on every rank
@@ -280,11 +299,12 @@ def run_rank(dist, cli: argparse.Namespace) -> None:
     assert torch.isfinite(logits).all()
 
     if rank == 0:
-        used = {k: (str(v) if isinstance(v, torch.dtype) else v)
-                for k, v in ((k, get(k)) for k in sorted(set(REQUIRED) | set(MEGATRON_LM_DEFAULTS)))}
-        if hasattr(args, "rope_scaling_factor"):
-            used["rope_scaling_factor"] = args.rope_scaling_factor
-        torch.save({"logits": logits, "args": used, "dropped": sorted(cli.drop_arg)}, cli.out)
+        keys = sorted((set(REQUIRED) | set(MEGATRON_LM_DEFAULTS)) - {"rope_scaling_factor"})
+        used = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in ((k, get(k)) for k in keys)}
+        if "rope_scaling_factor" in gpt_kwargs:
+            used["rope_scaling_factor"] = gpt_kwargs["rope_scaling_factor"]
+        absent = sorted(k for k in keys if not hasattr(args, k))  # read as Megatron-LM's defaults
+        torch.save({"logits": logits, "args": used, "absent": absent, "dropped": sorted(cli.drop_arg)}, cli.out)
     dist.barrier()
     parallel_state.destroy_model_parallel()
 

@@ -66,9 +66,16 @@ def test_user_mapping_for_own_architecture(tmp_path):
     with pytest.raises(MappingError, match="unknown architecture 'MyLlamaForCausalLM'"):
         reshard.convert(src, str(tmp_path / "m"), to="megatron", tp=2)
     mine = tmp_path / "mine.toml"
-    mine.write_text(LLAMA.replace('name = "llama"', 'name = "mine"').replace(
+    text = LLAMA.replace('name = "llama"', 'name = "mine"').replace(
         'architectures = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"]',
-        'architectures = ["MyLlamaForCausalLM"]'))
+        'architectures = ["MyLlamaForCausalLM"]')
+    mine.write_text(text)  # the [config.architectures.*] tables still name the shipped architectures
+    proc = cli("convert", src, tmp_path / "m", "--to", "megatron", "--tp", "2", "--mapping", mine)
+    assert proc.returncode == 2 and "[config.architectures.LlamaForCausalLM] is not one of the family's " \
+        "architectures (did you mean 'MyLlamaForCausalLM'?)" in proc.stderr
+    tables = text[text.index("[config.architectures.LlamaForCausalLM]"):text.index("[[weight]]")]
+    mine.write_text(text.replace(tables, '[config.architectures.MyLlamaForCausalLM]\nmodel_type = "llama"\n'
+                                 'biases = { qkv = "attention_bias", o = "attention_bias", mlp = "mlp_bias" }\n\n'))
     proc = cli("convert", src, tmp_path / "m", "--to", "megatron", "--tp", "2", "--mapping", mine)
     assert proc.returncode == 0, proc.stderr
     reshard.convert(str(tmp_path / "m"), str(tmp_path / "back"), to="hf", mapping=str(mine))

@@ -25,6 +25,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
 import reshard  # noqa: E402
+from helpers import tiny_transformers_model  # noqa: E402
 from reshard.errors import PlanError  # noqa: E402
 
 HARNESS = Path(__file__).with_name("mcore_args_harness.py")
@@ -38,18 +39,9 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
 
 
 def tiny_model(config_cls: str, **settings):
-    """Like ``helpers.tiny_transformers_model`` (hidden 64, 2 layers, 8 heads, vocab 1003, seeded noise on every
-    parameter), but any size may be overridden (Llama 3 scaling wants max_position_embeddings above 8192)."""
-    kwargs = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-                  vocab_size=VOCAB, max_position_embeddings=128)
-    kwargs.update(settings)
-    config = getattr(transformers, config_cls)(**kwargs)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return model
+    """``helpers.tiny_transformers_model`` (hidden 64, 2 layers, 8 heads, vocab 1003, seeded noise on every
+    parameter); sizes may be overridden (Llama 3 scaling wants max_position_embeddings above 8192)."""
+    return tiny_transformers_model(transformers, config_cls, **settings)
 
 
 def random_ids(seed: int = 1) -> torch.Tensor:
@@ -101,7 +93,15 @@ def convert_and_compare(model, ids: torch.Tensor, tmp_path: Path) -> dict:
 def test_llama3_rope(tmp_path):
     model = tiny_model("LlamaConfig", num_key_value_heads=2, rope_theta=500000.0, rope_scaling=dict(LLAMA3_SCALING),
                        max_position_embeddings=16384)
-    args = convert_and_compare(model, random_ids(), tmp_path)
+    ids = random_ids()
+    # Teeth: the scaling (and its factor) must change transformers' logits by far more than the tolerance.
+    expected = hf_logits(model, ids)
+    for other in (dict(rope_scaling=None), dict(rope_scaling=dict(LLAMA3_SCALING, factor=4.0))):
+        plain = tiny_model("LlamaConfig", num_key_value_heads=2, rope_theta=500000.0, max_position_embeddings=16384,
+                           **other)
+        gap = (expected - hf_logits(plain, ids)).abs().max().item()
+        assert gap > 1e-4, f"{other}: llama3 scaling barely changes the logits ({gap:.3g}): toothless check"
+    args = convert_and_compare(model, ids, tmp_path)
     assert args["use_rope_scaling"] is True and args["rope_scaling_factor"] == 8.0, args
     assert args["rotary_base"] == 500000, args
 

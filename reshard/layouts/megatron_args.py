@@ -19,6 +19,20 @@ from reshard.errors import CheckpointError
 
 #: megatron-core's RotaryEmbedding._apply_scaling parameters other than the factor (not settable from args).
 LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+#: Args that change what megatron-core computes and that the canonical config does not carry (yet), with the
+#: value that changes nothing: any other value is refused on read, never dropped.
+UNCARRIED = {
+    "softmax_scale": None,  # attention scale other than 1/sqrt(head_dim)
+    "glu_linear_offset": 0.0,  # added to the linear half of the gated MLP
+    "activation_func_clamp_value": None,
+    "no_rope_freq": None,  # layers without RoPE
+    "apply_layernorm_1p": False,  # zero-centred norm weights (applied as 1 + w)
+    "qk_layernorm": False,
+    "qk_l2_norm": False,
+    "num_experts": None,  # Mixture of Experts
+    "multi_latent_attention": False,
+    "mtp_num_layers": None,  # multi-token prediction heads
+}
 
 
 def meaning_from_args(args, vocab: int, architecture: str | None, where: str) -> ModelConfig:
@@ -29,6 +43,12 @@ def meaning_from_args(args, vocab: int, architecture: str | None, where: str) ->
         what = position if position != "rope" else "swiglu and RMSNorm"
         raise CheckpointError(f"{where}: this Megatron checkpoint is not a Llama-family model (its args need "
                               f"swiglu, RMSNorm and rope; it has {what}); no shipped mapping covers it")
+    for key, neutral in UNCARRIED.items():
+        value = get(key, neutral)
+        if value is not None and value != neutral:
+            raise CheckpointError(f"{where}: args set {key} = {value!r}, which changes what the model computes and "
+                                  "which reshard does not carry yet; converting it would silently compute another "
+                                  "function")
     heads = get("num_attention_heads")
     groups = get("num_query_groups") if get("group_query_attention", False) else heads
     scaling = None
