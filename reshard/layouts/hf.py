@@ -9,6 +9,7 @@ import math
 import os
 
 from reshard.core.canonical import CanonicalModel, build_canonical, match_template
+from reshard.core.model_config import ConfigLoss
 from reshard.errors import CheckpointError, PlanError
 from reshard.io import dtypes
 from reshard.io.partial import replace_with_text
@@ -17,7 +18,6 @@ from reshard.io.tensorfile import TensorFile
 from reshard.io.torch_format import TorchFile
 from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, check_shape, find_side_files,
                                   pack_by_size)
-from reshard.core.model_config import ConfigLoss
 from reshard.layouts.hf_config import read_meaning, write_config as write_hf_config
 from reshard.mapping import family_for_architecture
 
