@@ -16,7 +16,7 @@ from reshard.layouts.base import Options
 from reshard.core.model_config import ModelConfig
 from reshard.mapping import ACTIVATIONS, DecoderFeatures, load_shipped, parse_family, shipped_mapping_text
 from reshard.verification.forward.decoder import TPGroup, cast_weights, forward
-from reshard.verification.forward.hf_rank import load_rank as load_hf_rank
+from reshard.verification.forward.sliced_rank import load_rank as load_hf_rank
 from reshard.verification.forward.rank_weights import DecoderConfig, LayerWeights, RankWeights
 
 transformers = pytest.importorskip("transformers")

@@ -19,7 +19,7 @@ from reshard.errors import ReshardError
 from reshard.layouts.base import Options
 from reshard.verification.forward import verify_forward
 from reshard.verification.forward.decoder import TPGroup, cast_weights, forward
-from reshard.verification.forward.hf_rank import load_rank as load_hf_rank
+from reshard.verification.forward.sliced_rank import load_rank as load_hf_rank
 from reshard.verification.forward.job import ForwardJob, Side
 from reshard.verification.forward.launch import launch
 from reshard.verification.forward.report import tolerance

@@ -215,7 +215,7 @@ def test_reference_decoder_reproduces_megatron_core_logits(mcore_ckpt, converted
     """The forward verifier's decoder (TP=1 on the HF conversion) gives megatron-core's own logits."""
     from reshard.layouts.base import Options
     from reshard.verification.forward.decoder import TPGroup, cast_weights, forward
-    from reshard.verification.forward.hf_rank import load_rank
+    from reshard.verification.forward.sliced_rank import load_rank
 
     _, _, ref = mcore_ckpt
     weights = cast_weights(load_rank(str(converted_hf), 0, 1, Options()), torch.float32, "cpu")

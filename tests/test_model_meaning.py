@@ -272,7 +272,7 @@ def test_11_sliding_window_is_carried_and_checked(tmp_path):
 def test_11_decoder_window_matches_transformers(tmp_path):
     from reshard.layouts.base import Options
     from reshard.verification.forward.decoder import TPGroup, cast_weights, forward
-    from reshard.verification.forward.hf_rank import load_rank
+    from reshard.verification.forward.sliced_rank import load_rank
 
     hf = save_tiny(tmp_path / "hf", cls="MistralConfig", sliding_window=4, head_dim=8)
     model = transformers.AutoModelForCausalLM.from_pretrained(hf).float().eval()

@@ -23,6 +23,7 @@ BUILTIN = {
     "hf": "reshard.layouts.hf:HFLayout",
     "megatron": "reshard.layouts.megatron:MegatronLayout",
     "vllm": "reshard.layouts.vllm:VLLMLayout",
+    "torch_dist": "reshard.layouts.torch_dist:TorchDistLayout",
 }
 ENTRY_POINT_GROUP = "reshard.layouts"
 _NAME = re.compile(r"^[a-z][a-z0-9_.-]*$")

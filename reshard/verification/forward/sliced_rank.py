@@ -1,22 +1,26 @@
-"""Rank ``r`` of ``world`` from a Hugging Face checkpoint (TP=1 on disk): slice the canonical tensors.
+"""Rank ``r`` of ``world`` from a checkpoint whose data does not depend on a TP degree (Hugging Face, Megatron
+``torch_dist``): slice the canonical tensors.
 
-Reads only the rows / columns the rank holds (``TensorFile.read``): q heads ``[r*nh/w, (r+1)*nh/w)``, KV heads
-``[r*ng/w, ...)`` or, when ``w > ng``, KV head ``r // (w/ng)``; gate/up rows and o/down columns by 1/w; the vocab
-padded to a multiple of ``w`` and split evenly (padding rows are zeros).
+Reads only the rows / columns the rank holds, through the source's canonical index (whatever files and chunks
+hold them): q heads ``[r*nh/w, (r+1)*nh/w)``, KV heads ``[r*ng/w, ...)`` or, when ``w > ng``, KV head
+``r // (w/ng)``; gate/up rows and o/down columns by 1/w; the vocab padded to a multiple of ``w`` and split evenly
+(padding rows are zeros).
 """
 
 from __future__ import annotations
 
 import torch
 
-from reshard.layouts import hf
+from reshard.core.plan import CanonicalIndex, TargetTensor
+from reshard.execute import assemble
 from reshard.layouts.base import Options
+from reshard.layouts.registry import open_checkpoint
 from reshard.verification.forward.rank_weights import (DecoderConfig, LayerWeights, RankWeights, check_world,
                                                        kv_heads_of_rank, padded_vocab_for, vocab_rows)
 
 
 def load_rank(path: str, rank: int, world: int, opts: Options) -> RankWeights:
-    source = hf.open_source(path, opts)
+    source = open_checkpoint(path, opts)
     try:
         return _slice(source, rank, world)
     finally:
@@ -27,11 +31,16 @@ def _slice(source, rank: int, world: int) -> RankWeights:
     model = source.model
     config = DecoderConfig.from_meaning(model.meaning, model.family.decoder)
     check_world(config, world, model.dims["F"])
-    where = {stored.name: index for index, stored in source.stored}
+    index = CanonicalIndex(source.stored, {name: t.shape for name, t in model.tensors.items()})
     d = config.head_dim
 
     def read(name: str, axis: int = 0, start: int = 0, length: int | None = None) -> torch.Tensor:
-        return source.files[where[name]].read(name, axis, start, length)
+        tensor = model.tensors[name]
+        assert axis == tensor.axis, (name, axis)  # every slice below is along the tensor's split axis
+        length = tensor.shape[axis] - start if length is None else length
+        shape = tuple(length if i == axis else n for i, n in enumerate(tensor.shape))
+        reads = index.reads_for(name, start, start + length, 0)
+        return assemble(TargetTensor(name, shape, model.dtypes[name], axis, reads), source.files)
 
     def maybe(name: str, *args) -> torch.Tensor | None:
         return read(name, *args) if name in model.tensors else None

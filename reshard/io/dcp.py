@@ -1,0 +1,213 @@
+"""torch.distributed.checkpoint (DCP) folders as Megatron-Core's ``torch_dist`` format writes them: the ``.metadata``
+index, read with a restricted unpickler, and the tensor bytes inside the ``*.distcp`` data files.
+
+``.metadata`` is a plain pickle of ``torch.distributed.checkpoint.metadata.Metadata``: per key a
+``TensorStorageMetadata(properties(dtype, ...), size, chunks[(offsets, sizes)])`` or a ``BytesStorageMetadata``,
+and ``storage_data[MetadataIndex(key, offsets)] = _StorageInfo(relative_path, offset, length)``. Unpickling allows
+only torch's checkpoint-metadata classes, ``torch.Size``, torch dtypes and layouts, paths, and inert stand-ins for
+megatron-core's own metadata classes of older files; any other global is refused by name and nothing runs.
+
+A ``.distcp`` file is ``torch.save`` archives (uncompressed zips) laid end to end, one per chunk. A chunk's bytes are
+its archive's ``.../data/0`` record, found through the archive's own central directory (the local headers carry
+data descriptors, not sizes): C-contiguous, little-endian, ``prod(sizes) * itemsize`` bytes. No chunk is unpickled.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import pickle
+import struct
+import zipfile
+from dataclasses import dataclass
+
+from reshard.errors import CheckpointError
+from reshard.io import dtypes
+from reshard.io.tensorfile import TensorFile, TensorLocation
+
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": ("Metadata", "MetadataIndex", "TensorStorageMetadata",
+                                              "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+                                              "_MEM_FORMAT_ENCODING", "StorageMeta"),
+    "torch.distributed.checkpoint.filesystem": ("_StorageInfo",),
+    "torch.distributed.checkpoint.planner": ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"),
+    "torch.distributed._shard.sharded_tensor.metadata": ("TensorProperties", "MEM_FORMAT_ENCODING"),
+}
+_MCORE = "megatron.core.dist_checkpointing.strategies.torch"
+
+
+class _Inert:
+    """Stand-in for megatron-core's ``MCoreSavePlan`` (older files): keeps its state, runs nothing."""
+
+    def __setstate__(self, state):
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def __init__(self, file, where: str):
+        super().__init__(file)
+        self.where = where
+
+    def find_class(self, module: str, name: str):
+        import torch
+
+        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+            return getattr(torch, name)
+        if (module, name) == ("torch.serialization", "_get_layout"):
+            return torch.serialization._get_layout
+        if module in ("pathlib", "pathlib._local") and name in ("PosixPath", "PurePosixPath"):
+            import pathlib
+
+            return getattr(pathlib, name)
+        if name in _METADATA_CLASSES.get(module, ()):
+            import importlib
+
+            return getattr(importlib.import_module(module), name)
+        if module == _MCORE and name == "MCoreMetadata":
+            from torch.distributed.checkpoint.metadata import Metadata
+
+            return Metadata  # its state is a superset of Metadata's
+        if module == _MCORE and name == "MCoreSavePlan":
+            return _Inert
+        raise CheckpointError(f"{self.where}: refusing to unpickle global '{module}.{name}': not a checkpoint "
+                              "metadata class (reshard never runs code from a checkpoint)")
+
+    def persistent_load(self, pid):
+        raise CheckpointError(f"{self.where}: unexpected persistent id in checkpoint metadata")
+
+
+@dataclass(frozen=True)
+class DcpChunk:
+    """One stored chunk of a tensor: its global ``offsets`` and ``sizes``, and its archive's byte range."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str  # relative to the checkpoint folder
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class DcpTensor:
+    key: str
+    dtype: str  # safetensors dtype name
+    shape: tuple[int, ...]
+    chunks: tuple[DcpChunk, ...]
+
+
+def read_metadata(folder: str) -> tuple[dict[str, DcpTensor], list[str]]:
+    """The tensors of the DCP folder ``folder`` (with their chunks) and the keys of its byte items."""
+    path = os.path.join(folder, ".metadata")
+    try:
+        with open(path, "rb") as f:
+            meta = _RestrictedUnpickler(f, path).load()
+    except FileNotFoundError:
+        raise CheckpointError(f"{folder} has no .metadata: the distributed checkpoint is incomplete") from None
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001  truncated or corrupt pickle stream
+        raise CheckpointError(f"{path}: not a readable checkpoint index ({type(exc).__name__}: "
+                              f"{(str(exc).splitlines() or [''])[0][:120]})") from None
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+    if not isinstance(meta, Metadata) or not isinstance(getattr(meta, "state_dict_metadata", None), dict):
+        raise CheckpointError(f"{path}: not a torch.distributed.checkpoint Metadata object")
+    storage = {}
+    for index, info in (meta.storage_data or {}).items():
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointError(f"{path}: '{index.fqn}' is stored with transforms "
+                                  f"({info.transform_descriptors}); reshard reads plain torch_dist data only")
+        storage[(index.fqn, tuple(index.offset) if index.offset is not None else None)] = info
+    tensors, objects = {}, []
+    for key, item in meta.state_dict_metadata.items():
+        if isinstance(item, BytesStorageMetadata):
+            objects.append(key)
+            continue
+        if not isinstance(item, TensorStorageMetadata):
+            raise CheckpointError(f"{path}: '{key}' has an unknown kind of metadata ({type(item).__name__})")
+        chunks = []
+        for chunk in item.chunks:
+            offsets = tuple(int(x) for x in chunk.offsets)
+            info = storage.get((key, offsets))
+            if info is None:
+                raise CheckpointError(f"{path}: chunk {offsets} of '{key}' has no storage entry: the index is "
+                                      "inconsistent")
+            chunks.append(DcpChunk(offsets, tuple(int(x) for x in chunk.sizes), str(info.relative_path),
+                                   int(info.offset), int(info.length)))
+        tensors[key] = DcpTensor(key, dtypes.from_torch(item.properties.dtype), tuple(int(x) for x in item.size),
+                                 tuple(chunks))
+    return tensors, objects
+
+
+class _Slice(io.RawIOBase):
+    """Bytes ``[start, start + length)`` of an open file as a seekable stream (positioned reads)."""
+
+    def __init__(self, fd: int, start: int, length: int):
+        self.fd, self.start, self.length, self.pos = fd, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = offset if whence == 0 else self.pos + offset if whence == 1 else self.length + offset
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        n = max(0, min(len(buffer), self.length - self.pos))
+        data = os.pread(self.fd, n, self.start + self.pos) if n else b""
+        buffer[:len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+def chunk_data_offset(fd: int, where: str, chunk: DcpChunk, itemsize: int) -> int:
+    """The file offset of ``chunk``'s tensor bytes: its archive's ``data/0`` record, which must be stored
+    uncompressed and hold exactly ``prod(sizes) * itemsize`` bytes."""
+    try:
+        archive = zipfile.ZipFile(_Slice(fd, chunk.offset, chunk.length))
+        records = [info for info in archive.infolist() if info.filename.endswith("/data/0")]
+    except (zipfile.BadZipFile, EOFError, ValueError, OSError) as exc:
+        raise CheckpointError(f"{where}: the chunk at bytes {chunk.offset}..{chunk.offset + chunk.length} is not a "
+                              f"readable torch archive ({exc}); the file is truncated or corrupt") from None
+    expected = math.prod(chunk.sizes) * itemsize
+    if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED or records[0].file_size != expected:
+        raise CheckpointError(f"{where}: the chunk at byte {chunk.offset} does not hold one uncompressed tensor of "
+                              f"{expected} bytes (shape {list(chunk.sizes)})")
+    record = records[0]
+    header = os.pread(fd, 30, chunk.offset + record.header_offset)
+    if len(header) < 30 or header[:4] != b"PK\x03\x04":
+        raise CheckpointError(f"{where}: bad zip local header in the chunk at byte {chunk.offset}")
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    start = record.header_offset + 30 + name_len + extra_len
+    if start + expected > chunk.length:
+        raise CheckpointError(f"{where}: the chunk at byte {chunk.offset} ends before its tensor data does")
+    return chunk.offset + start
+
+
+class DistcpFile(TensorFile):
+    """One ``*.distcp`` data file; ``tensors`` names the (parts of) chunks a layout asked for by :meth:`add`."""
+
+    format = "distcp"
+
+    def __init__(self, path: str):
+        super().__init__(path, {})
+        self.size = os.path.getsize(path)
+        self._data: dict[int, int] = {}  # chunk offset -> file offset of its tensor bytes
+
+    def add(self, name: str, chunk: DcpChunk, dtype: str, shape: tuple[int, ...], skip: int = 0) -> None:
+        """Expose ``shape`` elements of ``chunk``, starting ``skip`` bytes into its data, as tensor ``name``."""
+        if chunk.offset + chunk.length > self.size:
+            raise CheckpointError(f"{self.path}: a chunk runs to byte {chunk.offset + chunk.length} but the file "
+                                  f"has {self.size}: it is truncated")
+        start = self._data.get(chunk.offset)
+        if start is None:
+            start = self._data[chunk.offset] = chunk_data_offset(self.fd, self.path, chunk, dtypes.itemsize(dtype))
+        self.tensors[name] = TensorLocation(dtype=dtype, shape=shape, offset=start + skip)

@@ -1,0 +1,253 @@
+"""Megatron-Core ``torch_dist`` (reading): ``<root>/latest_checkpointed_iteration.txt`` and
+``<root>/iter_XXXXXXX/`` (or ``release/``, or the iteration folder itself) holding ``metadata.json``
+(``"sharded_backend": "torch_dist"``), ``common.pt`` (the run's ``args``), ``.metadata`` and ``__*.distcp`` data
+(see :mod:`reshard.io.dcp`). NeMo 2 prefixes every key with ``module.``.
+
+Tensors are global, independent of the TP/PP the run used, and equal Megatron's TP=1 layout (group-major
+``linear_qkv``, ``linear_fc1`` = ``[all gates; all ups]``, norms under the Transformer Engine names even for the
+local spec), with the layers either stacked (``decoder.layers.<name>`` of shape ``[L, ...]``) or per layer
+(``decoder.layers.<i>.<name>``; ``linear_fc1`` then possibly split into ``weight_w`` (gates) and ``weight_v``
+(ups)). Chunks (one per layer and TP shard when Megatron writes them) may split a tensor along the layer axis and
+along its own split axis; each becomes one stored tensor whose pieces are that range of the TP=1 layout. Byte
+items (``_extra_state``, RNG state) and optimizer tensors are skipped, named in a note.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from reshard.core.canonical import build_canonical
+from reshard.core.pieces import Piece, StoredTensor
+from reshard.errors import CheckpointError
+from reshard.io.dcp import DcpTensor, DistcpFile, read_metadata
+from reshard.io.torch_format import TorchFile
+from reshard.layouts import megatron
+from reshard.layouts.base import Layout, Options, Source, find_side_files
+
+NAME = "torch_dist"
+CONFIG = "metadata.json"
+COMMON = "common.pt"
+_LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_SKIPPED = ("optimizer.", "chained_")
+
+
+def _iteration_folder(path: str) -> tuple[str, str, str]:
+    """(iteration folder, checkpoint root, iteration label) of a root or an iteration folder."""
+    if os.path.isfile(os.path.join(path, CONFIG)):
+        name = os.path.basename(os.path.normpath(path))
+        return path, os.path.dirname(os.path.normpath(path)), megatron._label(name)
+    folder, label = megatron._iteration_dir(path)
+    return folder, path, label
+
+
+def _check_backend(folder: str) -> None:
+    path = os.path.join(folder, CONFIG)
+    try:
+        config = json.load(open(path))
+    except FileNotFoundError:
+        raise CheckpointError(f"{folder} has no {CONFIG}: the distributed checkpoint is incomplete (it is "
+                              "written last)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: invalid JSON ({exc})") from None
+    backend = config.get("sharded_backend") if isinstance(config, dict) else None
+    if backend != "torch_dist":
+        raise CheckpointError(f"{path}: sharded_backend is {backend!r}; reshard reads 'torch_dist' checkpoints")
+
+
+def _slice_pieces(pieces: tuple[Piece, ...], start: int, stop: int) -> tuple[Piece, ...]:
+    """The pieces covering ``[start, stop)`` of a stored tensor made of ``pieces`` laid end to end."""
+    out, pos = [], 0
+    for piece in pieces:
+        lo, hi = max(start, pos), min(stop, pos + piece.length)
+        if lo < hi:
+            shift = piece.start - pos
+            out.append(Piece(piece.canonical, lo + shift, hi + shift))
+        pos += piece.length
+    return tuple(out)
+
+
+class _Index:
+    """The model tensors of a DCP folder by key (``module.`` stripped), with the stacked layer count."""
+
+    def __init__(self, tensors: dict[str, DcpTensor]):
+        self.tensors = {}
+        self.skipped = set()
+        for key, tensor in tensors.items():
+            if key.startswith(_SKIPPED) or key.startswith("module.optimizer"):
+                self.skipped.add("optimizer state")
+                continue
+            self.tensors[key.removeprefix("module.")] = tensor
+
+    def regions(self, name: str) -> list[tuple[DcpTensor, int | None, int]] | None:
+        """Where the TP=1 tensor ``name`` lives: (DCP tensor, layer index into its stacked axis or None, row
+        offset of ``name`` inside it), or None when the folder does not hold it."""
+        if name in self.tensors:
+            return [(self.tensors[name], None, 0)]
+        m = _LAYER_KEY.match(name)
+        if m is None:
+            return None
+        layer, rest = int(m.group(1)), m.group(2)
+        stacked = self.tensors.get(f"decoder.layers.{rest}")
+        if stacked is not None:
+            return [(stacked, layer, 0)]
+        if rest.endswith("linear_fc1.weight"):  # singleton_local_shards: gates in weight_w, ups in weight_v
+            w, v = self.tensors.get(name + "_w"), self.tensors.get(name + "_v")
+            if w is not None and v is not None:
+                return [(w, None, 0), (v, None, w.shape[0])]
+        return None
+
+
+def _chunk_tensors(files: dict[str, DistcpFile], folder: str, target: StoredTensor,
+                   regions: list[tuple[DcpTensor, int | None, int]]) -> list[tuple[DistcpFile, StoredTensor]]:
+    """The chunks of ``regions`` as stored tensors, each the range of ``target``'s pieces it holds."""
+    out, covered = [], []
+    for tensor, layer, row0 in regions:
+        lead = 0 if layer is None else 1
+        inner = tensor.shape[lead:]
+        axis = target.axis
+        if layer is not None and not 0 <= layer < tensor.shape[0]:
+            raise CheckpointError(f"{folder}: '{tensor.key}' has {tensor.shape[0]} layers, not {layer + 1}")
+        for chunk in tensor.chunks:
+            if layer is not None and not chunk.offsets[0] <= layer < chunk.offsets[0] + chunk.sizes[0]:
+                continue
+            offsets, sizes = chunk.offsets[lead:], chunk.sizes[lead:]
+            for i, (o, n, full) in enumerate(zip(offsets, sizes, inner)):
+                if i != axis and (o, n) != (0, full):
+                    raise CheckpointError(f"{folder}: a chunk of '{tensor.key}' splits axis {i + lead}, which "
+                                          "Megatron never splits for this tensor; reshard cannot read it")
+            start = row0 + (offsets[axis] if inner else 0)
+            length = sizes[axis] if inner else 1
+            skip = 0
+            if layer is not None:
+                layer_bytes = _numel(sizes) * _itemsize(tensor.dtype)
+                skip = (layer - chunk.offsets[0]) * layer_bytes
+            shape = tuple(sizes)
+            name = f"{tensor.key}@{'' if layer is None else layer}:{','.join(map(str, chunk.offsets))}"
+            data = files.get(chunk.file)
+            if data is None:
+                path = os.path.join(folder, chunk.file)
+                if not os.path.isfile(path):
+                    raise CheckpointError(f"{folder}: '{tensor.key}' is stored in {chunk.file}, which does not "
+                                          "exist: the checkpoint is incomplete")
+                data = files[chunk.file] = DistcpFile(path)
+            data.add(name, chunk, tensor.dtype, shape, skip)
+            pieces = _slice_pieces(target.pieces, start, start + length)
+            out.append((data, StoredTensor(name, shape, axis, pieces)))
+            covered.append((start, start + length))
+    covered.sort()
+    pos, extent = 0, target.shape[target.axis] if target.shape else 1
+    for lo, hi in covered:
+        if lo != pos:
+            what = "overlap" if lo < pos else "leave a gap"
+            raise CheckpointError(f"{folder}: the chunks of '{target.name}' {what} at row {min(lo, pos)}: the "
+                                  "checkpoint is inconsistent or incomplete")
+        pos = hi
+    if pos != extent:
+        raise CheckpointError(f"{folder}: the chunks of '{target.name}' cover {pos} of its {extent} rows: the "
+                              "checkpoint is incomplete")
+    return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n
+
+
+def _itemsize(dtype: str) -> int:
+    from reshard.io import dtypes
+
+    return dtypes.itemsize(dtype)
+
+
+def open_source(path: str, opts: Options) -> Source:
+    folder, root, label = _iteration_folder(path)
+    _check_backend(folder)
+    common_path = os.path.join(folder, COMMON)
+    if not os.path.isfile(common_path):
+        raise CheckpointError(f"{folder} has no {COMMON} (megatron-core 0.19+ keeps the run's args inside the "
+                              "data files): not supported yet")
+    common = TorchFile(common_path).structure
+    if not isinstance(common, dict) or "args" not in common:
+        raise CheckpointError(f"{common_path}: no 'args': cannot tell the model config")
+    args = common["args"]
+    tensors, objects = read_metadata(folder)
+    index = _Index(tensors)
+    meaning, family, config = megatron.read_args(args, opts, root, folder)
+    present = set()
+    for spec in family.weights:
+        if spec.optional and index.regions(spec.megatron_te.format(layer=0)) is not None:
+            present.add(spec.hf)
+    model = build_canonical(family, config, present, meaning.tied)
+    model.meaning = meaning
+    emb_spec = next(s for s in family.weights if s.split == "vocab" and s.stage == "first")
+    emb = index.regions(emb_spec.megatron_te)
+    if emb is None:
+        raise CheckpointError(f"{folder}: no '{emb_spec.megatron_te}' in the checkpoint")
+    padded = emb[0][0].shape[0]
+    if padded < meaning.vocab:
+        raise CheckpointError(f"{folder}: the embedding holds {padded} rows, fewer than the vocab size "
+                              f"{meaning.vocab}; --vocab-size or the recorded vocab is wrong")
+    layout = megatron.rank_tensors(model, 1, 0, list(range(model.num_layers)), True, True, "te", padded)
+    files: dict[str, DistcpFile] = {}
+    stored, used = [], set()
+    for target in layout:
+        regions = index.regions(target.name)
+        if regions is None:
+            raise CheckpointError(f"{folder}: tensor '{target.name}' is missing from the checkpoint (the args say "
+                                  f"{model.num_layers} layers)")
+        used.update(t.key.removeprefix("module.") for t, _, _ in regions)
+        for data, tensor in _chunk_tensors(files, folder, target, regions):
+            stored.append((data, tensor))
+            for piece in tensor.pieces:
+                if piece.canonical:
+                    model.dtypes.setdefault(piece.canonical, data.tensors[tensor.name].dtype)
+    extra = sorted(set(index.tensors) - used)
+    if extra:
+        raise CheckpointError(f"{folder}: unexpected tensor '{extra[0]}' for mapping '{family.name}' (a config / "
+                              "weights mismatch?)")
+    order = sorted(files)
+    file_list = [files[name] for name in order]
+    position = {id(f): i for i, f in enumerate(file_list)}
+    dropped = sorted(index.skipped | {_object_kind(k) for k in objects})
+    info = {"args": args, "iteration": label, "padded_vocab": padded, "dropped": dropped, "spec": "te",
+            "vocab_divisor": getattr(args, "make_vocab_size_divisible_by", None),
+            "saved_degrees": {"tp": getattr(args, "tensor_model_parallel_size", None),
+                              "pp": getattr(args, "pipeline_model_parallel_size", None)}}
+    return Source(layout=NAME, root=root, model=model, files=file_list,
+                  stored=[(position[id(f)], t) for f, t in stored], degrees={"tp": 1, "pp": 1}, info=info,
+                  side_files=find_side_files(root))
+
+
+def _object_kind(key: str) -> str:
+    base = key.split("/shard_")[0]
+    if base.endswith("_extra_state"):
+        return "_extra_state"
+    return base.split(".")[0]
+
+
+class TorchDistLayout(Layout):
+    """Megatron-Core ``torch_dist`` (torch.distributed.checkpoint) folders; read-only for now."""
+
+    name = NAME
+    summary = "Megatron-Core torch_dist (iter_*/ with metadata.json, .metadata and __*.distcp)"
+    specificity = 20  # its root also has the tracker the torch-format layout looks for
+    writes = False
+    rank_loader = "reshard.verification.forward.sliced_rank:load_rank"
+    completion_markers = (megatron.TRACKER,)
+
+    def detect(self, names) -> bool:
+        if CONFIG in names and ".metadata" in names:
+            return True
+        return any(n.endswith("/" + CONFIG) and n.count("/") == 1 and n.replace(CONFIG, ".metadata") in names
+                   for n in names)
+
+    def open(self, root: str, opts: Options) -> Source:
+        return open_source(root, opts)
+
+    def describe(self, source: Source) -> dict:
+        return {"padded_vocab_size": source.info["padded_vocab"], "iteration": source.info["iteration"],
+                "saved_tp": source.info["saved_degrees"]["tp"], "saved_pp": source.info["saved_degrees"]["pp"]}
