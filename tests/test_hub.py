@@ -184,6 +184,12 @@ def test_select_files_prefers_safetensors_and_skips_other_formats():
     assert select_files(megatron, read_text={"latest_checkpointed_iteration.txt": "200\n"}.__getitem__) == \
         ["config.json", "iter_0000200/mp_rank_00/model_optim_rng.pt", "iter_0000200/mp_rank_01/model_optim_rng.pt",
          "latest_checkpointed_iteration.txt", "tokenizer.json"]
+    torch_dist = ["latest_checkpointed_iteration.txt", "iter_0000005/metadata.json", "iter_0000005/.metadata",
+                  "iter_0000005/common.pt", "iter_0000005/__0_0.distcp", "iter_0000003/metadata.json",
+                  "iter_0000003/.metadata", "iter_0000003/__0_0.distcp", "config.json", "README.md"]
+    assert select_files(torch_dist, read_text={"latest_checkpointed_iteration.txt": "5\n"}.__getitem__) == \
+        ["config.json", "iter_0000005/.metadata", "iter_0000005/__0_0.distcp", "iter_0000005/common.pt",
+         "iter_0000005/metadata.json", "latest_checkpointed_iteration.txt"]
     vllm = ["model-rank-0-part-0.safetensors", "model-rank-1-part-0.safetensors", "reshard.json", "config.json",
             "model.safetensors", "README.md"]
     assert select_files(vllm) == ["config.json", "model-rank-0-part-0.safetensors",

@@ -173,7 +173,8 @@ class Layout:
     def remote_files(self, names: list[str], read_text: Callable[[str], str]) -> list[str]:
         """The weight files (and the layout's own records) a download needs, from a repo's file ``names``;
         ``read_text(name)`` fetches a small text file (an index, a tracker). Side files are added by the caller."""
-        raise NotImplementedError(f"the {self.name} layout cannot be downloaded from the Hub")
+        raise CheckpointError(f"reshard does not download {self.name} checkpoints from the Hub yet: download the "
+                              "repo yourself and convert the local folder")
 
     def open_headers(self, where: str, config: dict, files: list[TensorFile], opts: Options) -> Source:
         """A view from parsed safetensors headers alone (``remote_headers`` layouts)."""

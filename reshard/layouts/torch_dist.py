@@ -248,6 +248,21 @@ class TorchDistLayout(Layout):
     def open(self, root: str, opts: Options) -> Source:
         return open_source(root, opts)
 
+    def remote_files(self, names: list[str], read_text) -> list[str]:
+        """The tracker and every file of the iteration folder it names (else of the only one present)."""
+        folders = sorted({n.split("/")[0] for n in names if n.endswith("/" + CONFIG) and n.count("/") == 1})
+        if megatron.TRACKER in names:
+            label = read_text(megatron.TRACKER).strip()
+            wanted = "release" if label == "release" else f"iter_{int(label):07d}" if label.isdigit() else None
+        else:
+            wanted = folders[0] if len(folders) == 1 else None
+        if wanted not in folders:
+            raise CheckpointError(f"the repo's tracker names {wanted}, which holds no torch_dist checkpoint"
+                                  if megatron.TRACKER in names else "the repo holds several torch_dist iterations "
+                                  "and no tracker: download the one you want with --include")
+        files = [n for n in names if n.startswith(wanted + "/") and not n.endswith("/") and n.count("/") == 1]
+        return sorted(files + [n for n in (megatron.TRACKER,) if n in names])
+
     def describe(self, source: Source) -> dict:
         return {"padded_vocab_size": source.info["padded_vocab"], "iteration": source.info["iteration"],
                 "saved_tp": source.info["saved_degrees"]["tp"], "saved_pp": source.info["saved_degrees"]["pp"]}
