@@ -37,12 +37,30 @@ _METADATA_CLASSES = {
 _MCORE = "megatron.core.dist_checkpointing.strategies.torch"
 
 
-class _Inert:
-    """Stand-in for megatron-core's ``MCoreSavePlan`` (older files): keeps its state, runs nothing."""
+class _Record:
+    """An inert stand-in for one allowed metadata class (named like it): it keeps the pickled state and runs
+    nothing. torch's own classes are not used: importing ``torch.distributed.checkpoint`` costs over a second."""
+
+    def __init__(self, *args, **kwargs):  # enums pickle as Class(value)
+        self.args = args
 
     def __setstate__(self, state):
+        if isinstance(state, tuple) and len(state) == 2 and (state[0] is None or isinstance(state[0], dict)) \
+                and isinstance(state[1], dict):  # (dict, slots) of a class with __slots__
+            state = {**(state[0] or {}), **state[1]}
         if isinstance(state, dict):
             self.__dict__.update(state)
+        else:  # TensorProperties pickles as (dtype, layout, requires_grad, memory_format, pin_memory)
+            self.state = state
+
+
+_RECORDS: dict[str, type] = {}
+
+
+def _record_class(name: str) -> type:
+    if name not in _RECORDS:
+        _RECORDS[name] = type(name, (_Record,), {})
+    return _RECORDS[name]
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
@@ -62,20 +80,18 @@ class _RestrictedUnpickler(pickle.Unpickler):
 
             return getattr(pathlib, name)
         if name in _METADATA_CLASSES.get(module, ()):
-            import importlib
-
-            return getattr(importlib.import_module(module), name)
-        if module == _MCORE and name == "MCoreMetadata":
-            from torch.distributed.checkpoint.metadata import Metadata
-
-            return Metadata  # its state is a superset of Metadata's
-        if module == _MCORE and name == "MCoreSavePlan":
-            return _Inert
+            return _record_class(name)
+        if module == _MCORE and name in ("MCoreMetadata", "MCoreSavePlan"):  # megatron-core <= 0.15 files
+            return _record_class("Metadata" if name == "MCoreMetadata" else name)
         raise CheckpointError(f"{self.where}: refusing to unpickle global '{module}.{name}': not a checkpoint "
                               "metadata class (reshard never runs code from a checkpoint)")
 
     def persistent_load(self, pid):
         raise CheckpointError(f"{self.where}: unexpected persistent id in checkpoint metadata")
+
+
+def _kind(obj) -> str:
+    return type(obj).__name__ if isinstance(obj, _Record) else ""
 
 
 @dataclass(frozen=True)
@@ -110,23 +126,31 @@ def read_metadata(folder: str) -> tuple[dict[str, DcpTensor], list[str]]:
     except Exception as exc:  # noqa: BLE001  truncated or corrupt pickle stream
         raise CheckpointError(f"{path}: not a readable checkpoint index ({type(exc).__name__}: "
                               f"{(str(exc).splitlines() or [''])[0][:120]})") from None
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+    try:
+        return _index(meta, path)
+    except (AttributeError, TypeError, ValueError, IndexError) as exc:
+        raise CheckpointError(f"{path}: not a torch.distributed.checkpoint Metadata object ({exc})") from None
 
-    if not isinstance(meta, Metadata) or not isinstance(getattr(meta, "state_dict_metadata", None), dict):
+
+def _index(meta, path: str) -> tuple[dict[str, DcpTensor], list[str]]:
+    if _kind(meta) != "Metadata" or not isinstance(getattr(meta, "state_dict_metadata", None), dict):
         raise CheckpointError(f"{path}: not a torch.distributed.checkpoint Metadata object")
     storage = {}
-    for index, info in (meta.storage_data or {}).items():
+    for index, info in (getattr(meta, "storage_data", None) or {}).items():
         if getattr(info, "transform_descriptors", None):
             raise CheckpointError(f"{path}: '{index.fqn}' is stored with transforms "
                                   f"({info.transform_descriptors}); reshard reads plain torch_dist data only")
-        storage[(index.fqn, tuple(index.offset) if index.offset is not None else None)] = info
+        offset = getattr(index, "offset", None)
+        storage[(index.fqn, tuple(offset) if offset is not None else None)] = info
     tensors, objects = {}, []
     for key, item in meta.state_dict_metadata.items():
-        if isinstance(item, BytesStorageMetadata):
+        if _kind(item) == "BytesStorageMetadata":
             objects.append(key)
             continue
-        if not isinstance(item, TensorStorageMetadata):
+        if _kind(item) != "TensorStorageMetadata":
             raise CheckpointError(f"{path}: '{key}' has an unknown kind of metadata ({type(item).__name__})")
+        properties = item.properties
+        dtype = properties.dtype if hasattr(properties, "dtype") else properties.state[0]
         chunks = []
         for chunk in item.chunks:
             offsets = tuple(int(x) for x in chunk.offsets)
@@ -136,8 +160,7 @@ def read_metadata(folder: str) -> tuple[dict[str, DcpTensor], list[str]]:
                                       "inconsistent")
             chunks.append(DcpChunk(offsets, tuple(int(x) for x in chunk.sizes), str(info.relative_path),
                                    int(info.offset), int(info.length)))
-        tensors[key] = DcpTensor(key, dtypes.from_torch(item.properties.dtype), tuple(int(x) for x in item.size),
-                                 tuple(chunks))
+        tensors[key] = DcpTensor(key, dtypes.from_torch(dtype), tuple(int(x) for x in item.size), tuple(chunks))
     return tensors, objects
 
 
