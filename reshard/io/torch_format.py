@@ -243,6 +243,85 @@ _ZIP64_LIMIT = 0xFFFFFFFF
 _ALIGN = 64
 
 
+class ZipRecords:
+    """Writes the records of one uncompressed torch zip archive into ``file``, starting at the file's current
+    position (offsets inside the archive are relative to it, so archives can follow each other in one file)."""
+
+    def __init__(self, file, prefix: str = "archive/"):
+        self.file, self.prefix = file, prefix
+        self.base = file.tell()
+        self.entries: list[tuple[str, int, int, int]] = []  # name, header offset, size, crc
+
+    def record(self, name: str, size: int, crc: int, page_phase: int | None = None) -> None:
+        """Write a record's local header (CRC known up front: no seeking back into written data). The data is
+        64-byte aligned as torch aligns it; a tensor record starts at ``page_phase`` within a page (0 unless
+        given one that keeps the 64-byte alignment), so in-kernel copies from its source run page-aligned.
+        (Alignment is computed on file offsets: archives start 64-byte aligned.)"""
+        full = (self.prefix + name).encode()
+        position = self.file.tell()
+        zip64 = size >= _ZIP64_LIMIT
+        extra = struct.pack("<HHQQ", 0x0001, 16, size, size) if zip64 else b""
+        used = position + 30 + len(full) + len(extra) + 4
+        if page_phase is None:
+            pad = -used % _ALIGN
+        else:
+            pad = ((page_phase if page_phase % _ALIGN == 0 else 0) - used) % PAGE
+        extra += struct.pack("<HH", 0x4246, pad) + b"Z" * pad
+        field = 0xFFFFFFFF if zip64 else size
+        crc &= 0xFFFFFFFF
+        self.file.write(struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 0, 0, 0, 0x21,
+                                    crc, field, field, len(full), len(extra)) + full + extra)
+        self.entries.append((name, position - self.base, size, crc))
+
+    def add(self, name: str, data: bytes) -> None:
+        self.record(name, len(data), crc32(data))
+        self.file.write(data)
+
+    def close(self) -> None:
+        """The ``version`` and ``.data/serialization_id`` records, then the central directory."""
+        self.add("version", b"3\n")
+        # torch writes a random id; ours is derived from the records, so equal content gives equal bytes
+        self.add(".data/serialization_id", hashlib.sha1(repr(self.entries).encode()).hexdigest().encode())
+        start = self.file.tell() - self.base
+        for name, offset, size, crc in self.entries:
+            full = (self.prefix + name).encode()
+            big_size = size >= _ZIP64_LIMIT
+            big_off = offset >= _ZIP64_LIMIT
+            values = ([size, size] if big_size else []) + ([offset] if big_off else [])
+            extra = struct.pack("<HH", 0x0001, 8 * len(values)) + struct.pack(f"<{len(values)}Q", *values) \
+                if values else b""
+            self.file.write(struct.pack(
+                "<IHHHHHHIIIHHHHHII", 0x02014B50, 45, 45 if values else 20, 0, 0, 0, 0x21, crc,
+                0xFFFFFFFF if big_size else size, 0xFFFFFFFF if big_size else size, len(full), len(extra), 0, 0, 0,
+                0, 0xFFFFFFFF if big_off else offset) + full + extra)
+        end = self.file.tell() - self.base
+        count, cd_size = len(self.entries), end - start
+        if count >= 0xFFFF or start >= _ZIP64_LIMIT or cd_size >= _ZIP64_LIMIT:
+            self.file.write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, cd_size, start))
+            self.file.write(struct.pack("<IIQI", 0x07064B50, 0, end, 1))
+            self.file.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF,
+                                        0xFFFFFFFF, 0xFFFFFFFF, 0))
+        else:
+            self.file.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, cd_size, start, 0))
+
+
+def pickled(obj: Any) -> bytes:
+    """``obj`` pickled as torch.save's ``data.pkl`` (protocol 2; :class:`TorchGlobal` by name, storages by id)."""
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=2).dump(obj)
+    return buf.getvalue()
+
+
+def object_archive(obj: Any) -> bytes:
+    """The bytes ``torch.save(obj)`` writes, for an object without tensors (e.g. ``[None]``)."""
+    buf = io.BytesIO()
+    records = ZipRecords(buf)
+    records.add("data.pkl", pickled(obj))
+    records.add("byteorder", b"little")
+    records.close()
+    return buf.getvalue()
+
+
 class TorchZipWriter(PartialFile):
     """Writes a torch checkpoint one storage record at a time.
 
@@ -252,8 +331,6 @@ class TorchZipWriter(PartialFile):
     """
 
     def __init__(self, path: str, payload: Any, order: list[str]):
-        self.prefix = "archive/"
-        self._entries: list[tuple[str, int, int, int]] = []  # name, header offset, size, crc
         self._order = list(order)
         self._slots: dict[str, TensorSlot] = {}
         refs = {}
@@ -281,37 +358,12 @@ class TorchZipWriter(PartialFile):
         for i, name in enumerate(self._order):
             slot = self._slots[name]
             refs[name] = _TensorRef(_StorageRef(str(i), slot.dtype, _numel(slot.shape)), slot.shape)
-        buf = io.BytesIO()
-        _Pickler(buf, protocol=2).dump(swap(payload))
+        data = pickled(swap(payload))
         super().__init__(path)
-        self._add_record("data.pkl", buf.getvalue())
-        self._add_record("byteorder", b"little")
+        self._records = ZipRecords(self._file)
+        self._records.add("data.pkl", data)
+        self._records.add("byteorder", b"little")
         self._next = 0
-
-    # -- zip records
-    def _record(self, name: str, size: int, crc: int, page_phase: int | None = None) -> None:
-        """Write a record's local header (CRC known up front: no seeking back into written data). The data is
-        64-byte aligned as torch aligns it; a tensor record starts at ``page_phase`` within a page (0 unless
-        given one that keeps the 64-byte alignment), so in-kernel copies from its source run page-aligned."""
-        full = (self.prefix + name).encode()
-        offset = self._file.tell()
-        zip64 = size >= _ZIP64_LIMIT
-        extra = struct.pack("<HHQQ", 0x0001, 16, size, size) if zip64 else b""
-        used = offset + 30 + len(full) + len(extra) + 4
-        if page_phase is None:
-            pad = -used % _ALIGN
-        else:
-            pad = ((page_phase if page_phase % _ALIGN == 0 else 0) - used) % PAGE
-        extra += struct.pack("<HH", 0x4246, pad) + b"Z" * pad
-        field = 0xFFFFFFFF if zip64 else size
-        crc &= 0xFFFFFFFF
-        self._file.write(struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 0, 0, 0, 0x21,
-                                     crc, field, field, len(full), len(extra)) + full + extra)
-        self._entries.append((name, offset, size, crc))
-
-    def _add_record(self, name: str, data: bytes) -> None:
-        self._record(name, len(data), crc32(data))
-        self._file.write(data)
 
     def write(self, name: str, tensor) -> None:
         """Write the next tensor (a torch tensor) as its storage record."""
@@ -333,7 +385,7 @@ class TorchZipWriter(PartialFile):
         if name != expected or data.nbytes != nbytes:
             raise AssertionError(f"writer expected {expected} ({nbytes} bytes), got {name} ({data.nbytes} bytes)")
         data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
-        self._record(f"data/{self._next}", nbytes, crc32(data), page_phase=0)
+        self._records.record(f"data/{self._next}", nbytes, crc32(data), page_phase=0)
         self._file.write(data)
         self._next += 1
         self.tensor_written()
@@ -348,7 +400,7 @@ class TorchZipWriter(PartialFile):
         nbytes = dtypes.itemsize(slot.dtype) * _numel(slot.shape)
         if name != expected or ranges.nbytes != nbytes or ranges.crc is None:
             raise AssertionError(f"writer expected {expected} ({nbytes} bytes, with a CRC), got {name}")
-        self._record(f"data/{self._next}", nbytes, ranges.crc, page_phase=ranges.page_phase or 0)
+        self._records.record(f"data/{self._next}", nbytes, ranges.crc, page_phase=ranges.page_phase or 0)
         copy_into(self._file, ranges, self.partial)
         self._next += 1
         self.tensor_written()
@@ -356,32 +408,5 @@ class TorchZipWriter(PartialFile):
     def finish(self) -> None:
         if self._next != len(self._order):
             raise AssertionError(f"{self.path}: {len(self._order) - self._next} tensors were not written")
-        self._add_record("version", b"3\n")
-        # torch writes a random id; ours is derived from the records, so equal content gives equal bytes
-        ident = hashlib.sha1(repr(self._entries).encode()).hexdigest()
-        self._add_record(".data/serialization_id", ident.encode())
-        self._write_central_directory()
+        self._records.close()
         self.publish()
-
-    def _write_central_directory(self) -> None:
-        start = self._file.tell()
-        for name, offset, size, crc in self._entries:
-            full = (self.prefix + name).encode()
-            big_size = size >= _ZIP64_LIMIT
-            big_off = offset >= _ZIP64_LIMIT
-            values = ([size, size] if big_size else []) + ([offset] if big_off else [])
-            extra = struct.pack("<HH", 0x0001, 8 * len(values)) + struct.pack(f"<{len(values)}Q", *values) \
-                if values else b""
-            self._file.write(struct.pack(
-                "<IHHHHHHIIIHHHHHII", 0x02014B50, 45, 45 if values else 20, 0, 0, 0, 0x21, crc,
-                0xFFFFFFFF if big_size else size, 0xFFFFFFFF if big_size else size, len(full), len(extra), 0, 0, 0,
-                0, 0xFFFFFFFF if big_off else offset) + full + extra)
-        end = self._file.tell()
-        count, cd_size = len(self._entries), end - start
-        if count >= 0xFFFF or start >= _ZIP64_LIMIT or cd_size >= _ZIP64_LIMIT:
-            self._file.write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, cd_size, start))
-            self._file.write(struct.pack("<IIQI", 0x07064B50, 0, end, 1))
-            self._file.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF,
-                                         0xFFFFFFFF, 0xFFFFFFFF, 0))
-        else:
-            self._file.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, cd_size, start, 0))
