@@ -109,6 +109,8 @@ def convert(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output (only once complete)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; write nothing."),
     megatron_spec: Spec = typer.Option(Spec.te, "--megatron-spec", help="Megatron names: te (fused norms) or local."),
+    megatron_format: str = typer.Option("torch", "--megatron-format", help="With --to megatron: torch (per-rank "
+                                        "files) or torch_dist (Megatron-LM's default; same as --to torch_dist)."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="HF shard / vLLM part size."),
     vocab_size: Optional[int] = VocabOpt,
     vocab_divisor: Optional[int] = typer.Option(None, "--make-vocab-size-divisible-by",
@@ -131,6 +133,13 @@ def convert(
     """Convert SRC (a folder or hf://ORG/NAME[@REV]) to another layout and/or TP/PP degree, streaming."""
     from reshard.conversion import convert as run_convert
 
+    if megatron_format not in ("torch", "torch_dist"):
+        raise typer.BadParameter(f"'{megatron_format}' is not a Megatron format: use torch or torch_dist",
+                                 param_hint="'--megatron-format'")
+    if megatron_format == "torch_dist":
+        if to != "megatron":
+            raise typer.BadParameter("--megatron-format applies to --to megatron", param_hint="'--megatron-format'")
+        to = "torch_dist"
     if push_to:
         from reshard.hub import parse_repo_id
 
@@ -173,7 +182,8 @@ def plan(
 ):
     """Print the conversion plan (what `convert --dry-run` prints); write nothing."""
     convert(src=src, dst="", to=to, tp=tp, pp=pp, dtype=dtype, overwrite=False, dry_run=True,
-            megatron_spec=megatron_spec, max_shard_size=max_shard_size, vocab_size=vocab_size, vocab_divisor=None,
+            megatron_spec=megatron_spec, megatron_format="torch", max_shard_size=max_shard_size,
+            vocab_size=vocab_size, vocab_divisor=None,
             architecture=architecture, mapping=mapping, allow_replica_mismatch=False, as_json=as_json, workers=1,
             push_to=None, revision=None, allow_lossy_config=allow_lossy_config, allow_cast_overflow=False)
 

@@ -133,6 +133,12 @@ def open_writer(target: TargetFile, out_dir: str, files: list[TensorFile]):
     """A writer for ``target``, laid out so that copied tensors land page-aligned with their source bytes."""
     path = os.path.join(out_dir, target.path)
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    if target.format == "distcp":
+        from reshard.io.dcp import DistcpWriter
+
+        shapes = target.payload["saved_shapes"]
+        return DistcpWriter(path, [(t.name, t.dtype, tuple(t.shape), shapes[t.name]) for t in target.tensors],
+                            target.payload["objects"])
     if target.format == "safetensors":
         return SafetensorsWriter(path, [(t.name, t.dtype, t.shape) for t in target.tensors], target.metadata,
                                  data_phase=data_phase(target.tensors, files))

@@ -15,6 +15,7 @@ data descriptors, not sizes): C-contiguous, little-endian, ``prod(sizes) * items
 from __future__ import annotations
 
 import io
+import json
 import math
 import os
 import pickle
@@ -24,7 +25,9 @@ from dataclasses import dataclass
 
 from reshard.errors import CheckpointError
 from reshard.io import dtypes
+from reshard.io.partial import PartialFile, replace_with_text
 from reshard.io.tensorfile import TensorFile, TensorLocation
+from reshard.io.torch_format import ZipRecords, crc32, pickled, tensor_ref
 
 _METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": ("Metadata", "MetadataIndex", "TensorStorageMetadata",
@@ -234,3 +237,81 @@ class DistcpFile(TensorFile):
         if start is None:
             start = self._data[chunk.offset] = chunk_data_offset(self.fd, self.path, chunk, dtypes.itemsize(dtype))
         self.tensors[name] = TensorLocation(dtype=dtype, shape=shape, offset=start + skip)
+
+
+# ---------------------------------------------------------------------------------------------- writing
+
+def _align(file) -> None:
+    file.write(b"\0" * (-file.tell() % 64))
+
+
+class DistcpWriter(PartialFile):
+    """One ``*.distcp`` file: the ready-made ``torch.save`` archives of ``objects`` (byte items such as
+    ``_extra_state``) first, then one archive per tensor of ``entries`` (name, dtype, shape, saved shape), each
+    starting 64-byte aligned. The saved shape is the chunk's full-rank shape (the layer axis included), pickled in
+    the archive; the bytes are the tensor's. Where each archive landed goes to ``PATH.chunks.json`` (read by the
+    layout's finalize to build ``.metadata``, then deleted)."""
+
+    def __init__(self, path: str, entries: list[tuple[str, str, tuple[int, ...], tuple[int, ...]]],
+                 objects: list[tuple[str, bytes]]):
+        super().__init__(path)
+        self._entries = entries
+        self._next = 0
+        self._where: list[tuple[str, int, int]] = []
+        for key, payload in objects:
+            _align(self._file)
+            start = self._file.tell()
+            self._file.write(payload)
+            self._where.append((key, start, len(payload)))
+
+    def _begin(self, name: str, nbytes: int) -> tuple[ZipRecords, int]:
+        expected, dtype, shape, saved = self._entries[self._next]
+        if name != expected or nbytes != math.prod(shape) * dtypes.itemsize(dtype):
+            raise AssertionError(f"distcp writer expected {expected}, got {name} ({nbytes} bytes)")
+        _align(self._file)
+        start = self._file.tell()
+        records = ZipRecords(self._file)
+        records.add("data.pkl", pickled(tensor_ref(dtype, saved)))
+        records.add(".format_version", b"1")
+        records.add(".storage_alignment", b"64")
+        records.add("byteorder", b"little")
+        return records, start
+
+    def _end(self, name: str, records: ZipRecords, start: int) -> None:
+        records.close()
+        self._where.append((name, start, self._file.tell() - start))
+        self._next += 1
+        self.tensor_written()
+
+    def write(self, name: str, tensor) -> None:
+        self.write_bytes(name, memoryview(tensor.contiguous().reshape(-1).view(dtypes.to_torch("U8")).numpy()))
+
+    def write_bytes(self, name: str, data: memoryview) -> None:
+        data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+        records, start = self._begin(name, data.nbytes)
+        records.record("data/0", data.nbytes, crc32(data), page_phase=0)
+        self._file.write(data)
+        self._end(name, records, start)
+
+    def write_ranges(self, name: str, ranges) -> None:
+        from reshard.io.copy_ranges import copy_into
+
+        records, start = self._begin(name, ranges.nbytes)
+        records.record("data/0", ranges.nbytes, ranges.crc, page_phase=ranges.page_phase or 0)
+        copy_into(self._file, ranges, self.partial)
+        self._end(name, records, start)
+
+    def finish(self) -> None:
+        if self._next != len(self._entries):
+            raise AssertionError(f"{self.path}: {len(self._entries) - self._next} chunks were not written")
+        replace_with_text(self.path + ".chunks.json", json.dumps(self._where))
+        self.publish()
+
+
+def written_chunks(path: str) -> list[tuple[str, int, int]]:
+    """(name, offset, length) of every archive :class:`DistcpWriter` wrote into ``path``; removes the record."""
+    record = path + ".chunks.json"
+    with open(record) as f:
+        where = [tuple(item) for item in json.load(f)]
+    os.unlink(record)
+    return where

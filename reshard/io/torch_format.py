@@ -312,6 +312,12 @@ def pickled(obj: Any) -> bytes:
     return buf.getvalue()
 
 
+def tensor_ref(dtype: str, shape: tuple[int, ...]) -> "_TensorRef":
+    """A contiguous ``dtype`` tensor of ``shape`` whose bytes are storage record ``data/0``, as :func:`pickled`
+    writes it."""
+    return _TensorRef(_StorageRef("0", dtype, _numel(shape)), tuple(shape))
+
+
 def object_archive(obj: Any) -> bytes:
     """The bytes ``torch.save(obj)`` writes, for an object without tensors (e.g. ``[None]``)."""
     buf = io.BytesIO()

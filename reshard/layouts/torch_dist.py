@@ -229,13 +229,146 @@ def _object_kind(key: str) -> str:
     return base.split(".")[0]
 
 
+# ---------------------------------------------------------------------------------------------- writing
+
+#: Per-layer modules whose ``_extra_state`` a Megatron GPT model (TE or local spec) asks a torch_dist load for;
+#: extra ones are ignored by the load, missing ones fail it. Payload ``[None]`` (what local layers store; TE
+#: modules accept it too).
+EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "self_attention.core_attention",
+                       "mlp.linear_fc1", "mlp.linear_fc2")
+DATA_FILES = 2  # __0_0.distcp, __0_1.distcp: two writer processes can share the work
+
+
+def _dcp_key(name: str) -> tuple[str, int | None]:
+    """The stacked DCP key of TP=1 tensor ``name`` and its layer (None outside the layer stack)."""
+    m = _LAYER_KEY.match(name)
+    return (f"decoder.layers.{m.group(2)}", int(m.group(1))) if m else (name, None)
+
+
+def target_chunks(model, tp: int, padded: int) -> list[tuple[str, tuple[int, ...], StoredTensor, tuple[int, ...],
+                                                             tuple[int, ...]]]:
+    """Every chunk Megatron would store at ``tp``: (DCP key, global shape, chunk as pieces of the canonical
+    tensors, saved shape, global offsets). Layers are stacked (``[L, ...]``, one chunk per layer and TP shard);
+    TP-split tensors are cut in ``tp`` along their split axis (``linear_fc1`` in 2 x ``tp``: gates, then ups);
+    replicated ones are one chunk."""
+    layers = model.num_layers
+    out = []
+    for tensor in megatron.rank_tensors(model, 1, 0, list(range(layers)), True, True, "te", padded):
+        key, layer = _dcp_key(tensor.name)
+        canonical = next(p.canonical for p in tensor.pieces if p.canonical)
+        split = model.tensors[canonical].spec.split
+        parts = 1 if split == "replicated" else 2 * tp if split == "gate_up" else tp
+        extent = tensor.shape[tensor.axis]
+        for c in range(parts):
+            start, stop = c * extent // parts, (c + 1) * extent // parts
+            shape = tuple(stop - start if i == tensor.axis else n for i, n in enumerate(tensor.shape))
+            offsets = tuple(start if i == tensor.axis else 0 for i in range(len(tensor.shape)))
+            name = f"{key}@{'' if layer is None else layer}:{','.join(map(str, offsets))}"
+            chunk = StoredTensor(name, shape, tensor.axis, _slice_pieces(tensor.pieces, start, stop))
+            if layer is None:
+                out.append((key, tensor.shape, chunk, shape, offsets))
+            else:
+                out.append((key, (layers, *tensor.shape), chunk, (1, *shape), (layer, *offsets)))
+    return out
+
+
+def _targets(source: Source, opts: Options, dtype: str):
+    from reshard.core.model_config import ConfigLoss
+    from reshard.core.sharding import check_megatron_degrees, megatron_padded_vocab
+    from reshard.io import dtypes as dtype_names
+    from reshard.io.torch_format import object_archive
+    from reshard.layouts.base import TargetPlan, TargetSpec, pack_by_size, stored_dtype
+
+    model = source.model
+    if opts.vocab_divisor is not None and opts.vocab_divisor < 1:
+        from reshard.errors import PlanError
+
+        raise PlanError(f"--make-vocab-size-divisible-by must be a positive integer (got {opts.vocab_divisor})")
+    check_megatron_degrees(model, opts.tp, opts.pp)  # the data does not depend on them; the recorded args do
+    divisor = opts.vocab_divisor or source.info.get("vocab_divisor") or 128
+    padded = megatron_padded_vocab(model.vocab_size, opts.tp, divisor)
+    from_megatron = source.layout in (NAME, megatron.NAME)
+    iteration = source.info.get("iteration", "release") if from_megatron else "release"
+    folder = "release" if iteration == "release" else f"iter_{int(iteration):07d}"
+    loss = ConfigLoss("Megatron", opts.allow_lossy_config)
+    args = megatron.build_args(model, opts, padded, divisor, dtype, source.info.get("args") if from_megatron else None,
+                               loss)
+    args.ckpt_format = NAME
+    args.no_save_optim = args.no_save_rng = True  # a model-only checkpoint: resuming asks for no optimizer state
+    chunks = target_chunks(model, opts.tp, padded)
+    size = {c.name: dtype_names.itemsize(stored_dtype(model, c, opts, dtype)) * _numel(c.shape)
+            for _, _, c, _, _ in chunks}
+    groups = pack_by_size([c for _, _, c, _, _ in chunks], lambda c: size[c.name],
+                          max(1, sum(size.values()) // DATA_FILES + 1))
+    layers = model.num_layers
+    empty = object_archive([None])
+    objects = [(f"decoder.layers.{m}._extra_state/shard_{l}_{layers}", empty)
+               for l in range(layers) for m in EXTRA_STATE_MODULES]
+    saved_shape = {c.name: s for _, _, c, s, _ in chunks}
+    specs = [TargetSpec(f"{folder}/__0_{i}.distcp", "distcp", group,
+                        payload={"saved_shapes": {c.name: saved_shape[c.name] for c in group},
+                                 "objects": objects if i == 0 else []})
+             for i, group in enumerate(groups)]
+    state = {"folder": folder, "iteration": iteration, "args": args,
+             "chunks": {c.name: (key, shape, offsets, saved) for key, shape, c, saved, offsets in chunks},
+             "object_keys": [k for k, _ in objects]}
+    return TargetPlan(specs, state=state, notes=loss.check())
+
+
+def _finalize(out: str, plan, state) -> None:
+    """``.metadata`` from where each archive landed, ``common.pt``, ``metadata.json`` (marks the iteration
+    complete), then the tracker last."""
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, StorageMeta, TensorProperties,
+                                                       TensorStorageMetadata)
+
+    from reshard.io import dtypes as dtype_names
+    from reshard.io.dcp import written_chunks
+    from reshard.io.partial import replace_with_text
+    from reshard.io.torch_format import TorchZipWriter
+
+    folder = os.path.join(out, state["folder"])
+    dtype_of = {t.name: t.dtype for f in plan.files for t in f.tensors}
+    tensors, storage = {}, {}
+    for spec in plan.files:
+        relative = os.path.basename(spec.path)
+        for name, offset, length in written_chunks(os.path.join(out, spec.path)):
+            if name in state["chunks"]:
+                key, shape, offsets, sizes = state["chunks"][name]
+                meta = tensors.setdefault(key, TensorStorageMetadata(
+                    TensorProperties(dtype=dtype_names.to_torch(dtype_of[name])), torch.Size(shape), []))
+                meta.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+                storage[MetadataIndex(key, torch.Size(offsets))] = _StorageInfo(relative, offset, length)
+            else:
+                tensors[name] = BytesStorageMetadata()
+                storage[MetadataIndex(name)] = _StorageInfo(relative, offset, length)
+    metadata = Metadata(state_dict_metadata=tensors, planner_data=None, storage_data=storage,
+                        storage_meta=StorageMeta(checkpoint_id=state["folder"]))
+    with open(os.path.join(folder, ".metadata"), "wb") as f:
+        pickle.dump(metadata, f)
+    iteration = 0 if state["iteration"] == "release" else int(state["iteration"])
+    common = TorchZipWriter(os.path.join(folder, COMMON), {
+        "args": state["args"], "checkpoint_version": 3.0, "iteration": iteration,
+        "num_floating_point_operations_so_far": 0,
+        "content_metadata": {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}}, [])
+    common.finish()
+    replace_with_text(os.path.join(folder, CONFIG), json.dumps(
+        {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+         "common_backend_version": 1}))
+    megatron.finalize(out, state["iteration"])
+
+
 class TorchDistLayout(Layout):
-    """Megatron-Core ``torch_dist`` (torch.distributed.checkpoint) folders; read-only for now."""
+    """Megatron-Core ``torch_dist`` (torch.distributed.checkpoint) folders, read and written."""
 
     name = NAME
     summary = "Megatron-Core torch_dist (iter_*/ with metadata.json, .metadata and __*.distcp)"
     specificity = 20  # its root also has the tracker the torch-format layout looks for
-    writes = False
+    writes = True
     rank_loader = "reshard.verification.forward.sliced_rank:load_rank"
     completion_markers = (megatron.TRACKER,)
 
@@ -262,6 +395,12 @@ class TorchDistLayout(Layout):
                                   "and no tracker: download the one you want with --include")
         files = [n for n in names if n.startswith(wanted + "/") and not n.endswith("/") and n.count("/") == 1]
         return sorted(files + [n for n in (megatron.TRACKER,) if n in names])
+
+    def targets(self, source: Source, opts: Options, dtype: str):
+        return _targets(source, opts, dtype)
+
+    def finalize(self, out: str, source: Source, plan, state) -> None:
+        _finalize(out, plan, state)
 
     def describe(self, source: Source) -> dict:
         return {"padded_vocab_size": source.info["padded_vocab"], "iteration": source.info["iteration"],
