@@ -65,6 +65,7 @@ from bench_model import (  # noqa: E402,F401 - choose_shapes, param_count, tenso
 )
 from bench_ops import (  # noqa: E402,F401 - REPO_ROOT, SRC_DIR, OPS: re-exported
     CONVERTER_OPS,
+    DERIVED_SOURCES,
     OPS,
     REPO_ROOT,
     SRC_DIR,
@@ -224,34 +225,34 @@ def main(argv: list[str] | None = None) -> int:
             }
             log(f"[bench] size {key} GiB: {src} ({src_bytes / GIB:.3f} GiB, {'generated' if generated else 'cached'})")
 
-            meg8: Path | None = None
-            meg8_error: str | None = None
-            needs_meg8 = any(OPS[op][0] == "megatron_tp8" and not op_unavailable(op) for op in args.ops)
+            derived: dict[str, Path] = {}  # source kind -> prepared folder
+            derived_error: dict[str, str] = {}
+            needed = {OPS[op][0] for op in args.ops if OPS[op][0] != "hf" and not op_unavailable(op)}
 
             def source_for(op: str) -> tuple[Path | None, str | None]:
-                nonlocal meg8, meg8_error
-                if OPS[op][0] == "hf":
+                kind = OPS[op][0]
+                if kind == "hf":
                     return src, None
-                if meg8 is None and meg8_error is None and "hf_to_megatron_tp8" not in args.ops:
-                    # not produced by a timed hf_to_megatron_tp8 run: prepare it, untimed
-                    dst = work / f"{key}-megatron_tp8-source"
+                producer = DERIVED_SOURCES[kind]
+                if kind not in derived and kind not in derived_error and producer not in args.ops:
+                    # not produced by a timed run of its producer: prepare it, untimed
+                    dst = work / f"{key}-{kind}-source"
                     rmtree(dst)
-                    log("[bench]   preparing Megatron TP8 source (untimed) ...")
-                    r = run_child(build_cmd("hf_to_megatron_tp8", src, dst, args.workers, args.reshard),
-                                  logs / f"{key}-prepare-megatron_tp8.log", env, args.timeout)
+                    log(f"[bench]   preparing the {kind} source (untimed) ...")
+                    r = run_child(build_cmd(producer, src, dst, args.workers, args.reshard),
+                                  logs / f"{key}-prepare-{kind}.log", env, args.timeout)
                     if r["rc"] == 0:
-                        meg8 = dst
+                        derived[kind] = dst
                     else:
-                        meg8_error = f"no Megatron TP8 source (hf_to_megatron_tp8 rc={r['rc']})"
-                if meg8 is not None:
-                    return meg8, None
-                return None, meg8_error or "no Megatron TP8 source (hf_to_megatron_tp8 did not succeed)"
+                        derived_error[kind] = f"no {kind} source ({producer} rc={r['rc']})"
+                if kind in derived:
+                    return derived[kind], None
+                return None, derived_error.get(kind) or f"no {kind} source ({producer} did not succeed)"
 
             def timed(op: str, rep: int, op_src: Path, src_b: int, paired_with: str | None = None) -> dict[str, Any]:
                 """One cold run of ``op`` on ``op_src`` (its output deleted unless kept)."""
-                nonlocal meg8
                 run: dict[str, Any] = {"size": key, "size_gib": size, "op": op, "repeat": rep,
-                                       "source_kind": "hf" if op_src == src else "megatron_tp8"}
+                                       "source_kind": OPS[op][0]}
                 if paired_with:
                     run["paired_with"] = paired_with
                 dst = work / f"{key}-{op}"
@@ -277,10 +278,11 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"[bench]   {key} GiB {op}{' (paired with ' + paired_with + ')' if paired_with else ''} #{rep}: "
                     f"{run['status']} {r['wall_s']:.3f}s (cmd {r['cmd_s']:.3f}s + sync {r['sync_s']:.3f}s), "
                     f"peak RSS {r['peak_rss_bytes'] / MIB:.0f} MiB")
-                if ok and op == "hf_to_megatron_tp8" and meg8 is None and needs_meg8:
-                    meg8 = work / f"{key}-megatron_tp8-source"
-                    rmtree(meg8)
-                    dst.rename(meg8)
+                kinds = [k for k, producer in DERIVED_SOURCES.items() if producer == op]
+                if ok and kinds and kinds[0] in needed and kinds[0] not in derived:
+                    derived[kinds[0]] = work / f"{key}-{kinds[0]}-source"
+                    rmtree(derived[kinds[0]])
+                    dst.rename(derived[kinds[0]])
                 elif ok and args.keep and rep == args.repeat - 1 and not paired_with:
                     keep_output(dst, out / "outputs" / key / op)
                 else:
@@ -312,11 +314,11 @@ def main(argv: list[str] | None = None) -> int:
                             run["ratio_to_paired_cp"] = run["wall_s"] / cp_run["wall_s"]
                     result["runs"].append(run)
                     save()
-            if meg8 is not None:
+            for kind, folder in derived.items():
                 if args.keep:
-                    keep_output(meg8, out / "outputs" / key / "megatron_tp8_source")
+                    keep_output(folder, out / "outputs" / key / f"{kind}_source")
                 else:
-                    rmtree(meg8)
+                    rmtree(folder)
             save()
     finally:
         rmtree(work)

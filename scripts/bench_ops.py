@@ -26,8 +26,13 @@ OPS: dict[str, tuple[str, list[str] | None]] = {
     "hf_to_megatron_tp1": ("hf", ["--to", "megatron", "--tp", "1"]),
     "hf_to_vllm_tp4": ("hf", ["--to", "vllm", "--tp", "4"]),
     "hf_to_vllm_tp8": ("hf", ["--to", "vllm", "--tp", "8"]),
+    "hf_to_torch_dist": ("hf", ["--to", "megatron", "--megatron-format", "torch_dist", "--tp", "8"]),
+    "torch_dist_to_hf": ("torch_dist", ["--to", "hf"]),
     "naive": ("hf", None),
 }
+#: source kinds other than the generated HF checkpoint -> the op whose output is that source (run untimed first
+#: when the op itself is not among those timed)
+DERIVED_SOURCES = {"megatron_tp8": "hf_to_megatron_tp8", "torch_dist": "hf_to_torch_dist"}
 CONVERTER_OPS = [name for name, (_, args) in OPS.items() if args is not None]
 MEGATRON_TP8_ARGS = OPS["hf_to_megatron_tp8"][1]
 
