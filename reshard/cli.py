@@ -344,7 +344,8 @@ def mappings_check(path: str = typer.Argument(..., help="A mapping TOML file."))
 @app.command()
 def demo(workdir: Optional[str] = typer.Option(None, "--workdir", help="Keep the demo checkpoints here."),
          keep: bool = typer.Option(False, "--keep", help="Keep the temporary folder.")):
-    """Make a tiny Llama checkpoint and run hf -> megatron tp4 -> vllm tp8 -> megatron tp2 pp2 -> hf, verifying each step."""
+    """Make a tiny Llama checkpoint and run hf -> megatron tp4 -> vllm tp8 -> megatron tp2 pp2 -> torch_dist -> hf,
+    verifying each step."""
     from reshard.demo import run_demo
 
     if not run_demo(workdir, keep):

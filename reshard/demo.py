@@ -72,7 +72,8 @@ def run_demo(workdir: str | None = None, keep: bool = False) -> bool:
     try:
         src = make_demo_checkpoint(os.path.join(base, "hf"))
         steps = [("megatron-tp4", "megatron", 4, 1), ("vllm-tp8", "vllm", 8, 1),
-                 ("megatron-tp2-pp2", "megatron", 2, 2), ("hf-roundtrip", "hf", 1, 1)]
+                 ("megatron-tp2-pp2", "megatron", 2, 2), ("torch-dist", "torch_dist", 2, 1),
+                 ("hf-roundtrip", "hf", 1, 1)]
         print(f"demo model: Llama, 4 layers, 8 heads / 4 KV heads, vocab 1003 (Megatron pads it), fp32, in {base}")
         print(f"{'step':<34}{'layout':<10}{'tp':>3}{'pp':>4}{'files':>7}{'MiB':>8}{'seconds':>9}  verify vs source")
         ok = True

@@ -27,10 +27,10 @@ def hf(tmp_path_factory):
 def test_demo(tmp_path):
     proc = cli("demo", "--workdir", tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert "demo passed" in proc.stdout and proc.stdout.count("tensors bit-exact") == 4
+    assert "demo passed" in proc.stdout and proc.stdout.count("tensors bit-exact") == 5
     assert "forward check: hf-roundtrip at tp=2 (gloo) vs source at tp=1" in proc.stdout
     assert "equal within float32 tolerance" in proc.stdout
-    for step in ("megatron-tp4", "vllm-tp8", "megatron-tp2-pp2", "hf-roundtrip"):
+    for step in ("megatron-tp4", "vllm-tp8", "megatron-tp2-pp2", "torch-dist", "hf-roundtrip"):
         assert (tmp_path / step).is_dir()
 
 
