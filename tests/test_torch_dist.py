@@ -134,3 +134,26 @@ def test_missing_and_wrong_backend(tmp_path):
     json.dump({"sharded_backend": "zarr"}, open(meta, "w"))
     with pytest.raises(CheckpointError, match="sharded_backend is 'zarr'"):
         open_checkpoint(root)
+
+
+def test_older_megatron_core_metadata_classes(tmp_path):
+    """megatron-core <= 0.15 pickled its own MCoreMetadata (with mcore_data) and MCoreSavePlan objects: read with
+    inert stand-ins, without megatron installed."""
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    config, tensors = model()
+    root = write_torch_dist(tmp_path / "td", config, tensors)
+    path = os.path.join(root, "iter_0000005", ".metadata")
+    meta = pickle.load(open(path, "rb"))  # our own test file
+    meta.mcore_data = {"x": {"nd_reformulated_orig_global_shape": (1, 2)}}
+    meta.all_local_plans = [SavePlan([])]
+    data = pickle.dumps(meta, protocol=2)
+    for old, new in ((b"ctorch.distributed.checkpoint.metadata\nMetadata\n",
+                      b"cmegatron.core.dist_checkpointing.strategies.torch\nMCoreMetadata\n"),
+                     (b"ctorch.distributed.checkpoint.planner\nSavePlan\n",
+                      b"cmegatron.core.dist_checkpointing.strategies.torch\nMCoreSavePlan\n")):
+        assert old in data
+        data = data.replace(old, new)
+    open(path, "wb").write(data)
+    reshard.convert(root, str(tmp_path / "hf"), to="hf")
+    assert_hf_equal(tmp_path / "hf", tensors)
