@@ -318,38 +318,25 @@ def _targets(source: Source, opts: Options, dtype: str):
 def _finalize(out: str, plan, state) -> None:
     """``.metadata`` from where each archive landed, ``common.pt``, ``metadata.json`` (marks the iteration
     complete), then the tracker last."""
-    import pickle
-
-    import torch
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                       MetadataIndex, StorageMeta, TensorProperties,
-                                                       TensorStorageMetadata)
-
-    from reshard.io import dtypes as dtype_names
-    from reshard.io.dcp import written_chunks
+    from reshard.io.dcp import metadata_pickle, written_chunks
     from reshard.io.partial import replace_with_text
     from reshard.io.torch_format import TorchZipWriter
 
     folder = os.path.join(out, state["folder"])
     dtype_of = {t.name: t.dtype for f in plan.files for t in f.tensors}
-    tensors, storage = {}, {}
+    tensors, objects, storage = {}, [], {}
     for spec in plan.files:
         relative = os.path.basename(spec.path)
         for name, offset, length in written_chunks(os.path.join(out, spec.path)):
             if name in state["chunks"]:
                 key, shape, offsets, sizes = state["chunks"][name]
-                meta = tensors.setdefault(key, TensorStorageMetadata(
-                    TensorProperties(dtype=dtype_names.to_torch(dtype_of[name])), torch.Size(shape), []))
-                meta.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
-                storage[MetadataIndex(key, torch.Size(offsets))] = _StorageInfo(relative, offset, length)
+                tensors.setdefault(key, (dtype_of[name], shape, []))[2].append((offsets, sizes))
+                storage[(key, offsets)] = (relative, offset, length)
             else:
-                tensors[name] = BytesStorageMetadata()
-                storage[MetadataIndex(name)] = _StorageInfo(relative, offset, length)
-    metadata = Metadata(state_dict_metadata=tensors, planner_data=None, storage_data=storage,
-                        storage_meta=StorageMeta(checkpoint_id=state["folder"]))
+                objects.append(name)
+                storage[(name, None)] = (relative, offset, length)
     with open(os.path.join(folder, ".metadata"), "wb") as f:
-        pickle.dump(metadata, f)
+        f.write(metadata_pickle(tensors, objects, storage, state["folder"]))
     iteration = 0 if state["iteration"] == "release" else int(state["iteration"])
     common = TorchZipWriter(os.path.join(folder, COMMON), {
         "args": state["args"], "checkpoint_version": 3.0, "iteration": iteration,
