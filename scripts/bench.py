@@ -251,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
 
             def timed(op: str, rep: int, op_src: Path, src_b: int, paired_with: str | None = None) -> dict[str, Any]:
                 """One cold run of ``op`` on ``op_src`` (its output deleted unless kept)."""
-                run: dict[str, Any] = {"size": key, "size_gib": size, "op": op, "repeat": rep,
-                                       "source_kind": OPS[op][0]}
+                kind = next((k for k, folder in derived.items() if folder == op_src), "hf")  # cp runs on any
+                run: dict[str, Any] = {"size": key, "size_gib": size, "op": op, "repeat": rep, "source_kind": kind}
                 if paired_with:
                     run["paired_with"] = paired_with
                 dst = work / f"{key}-{op}"
