@@ -15,16 +15,22 @@ items (``_extra_state``, RNG state) and optimizer tensors are skipped, named in 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 
 from reshard.core.canonical import build_canonical
+from reshard.core.model_config import ConfigLoss
 from reshard.core.pieces import Piece, StoredTensor
-from reshard.errors import CheckpointError
-from reshard.io.dcp import DcpTensor, DistcpFile, read_metadata
-from reshard.io.torch_format import TorchFile
+from reshard.core.sharding import check_megatron_degrees, megatron_padded_vocab
+from reshard.errors import CheckpointError, PlanError
+from reshard.io import dtypes
+from reshard.io.dcp import DcpTensor, DistcpFile, metadata_pickle, read_metadata, written_chunks
+from reshard.io.partial import replace_with_text
+from reshard.io.torch_format import TorchFile, TorchZipWriter, object_archive
 from reshard.layouts import megatron
-from reshard.layouts.base import Layout, Options, Source, find_side_files
+from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, find_side_files, pack_by_size,
+                                  stored_dtype)
 
 NAME = "torch_dist"
 CONFIG = "metadata.json"
@@ -121,7 +127,7 @@ def _chunk_tensors(files: dict[str, DistcpFile], folder: str, target: StoredTens
             length = sizes[axis] if inner else 1
             skip = 0
             if layer is not None:
-                layer_bytes = _numel(sizes) * _itemsize(tensor.dtype)
+                layer_bytes = math.prod(sizes) * dtypes.itemsize(tensor.dtype)
                 skip = (layer - chunk.offsets[0]) * layer_bytes
             shape = tuple(sizes)
             name = f"{tensor.key}@{'' if layer is None else layer}:{','.join(map(str, chunk.offsets))}"
@@ -148,19 +154,6 @@ def _chunk_tensors(files: dict[str, DistcpFile], folder: str, target: StoredTens
         raise CheckpointError(f"{folder}: the chunks of '{target.name}' cover {pos} of its {extent} rows: the "
                               "checkpoint is incomplete")
     return out
-
-
-def _numel(shape) -> int:
-    n = 1
-    for x in shape:
-        n *= x
-    return n
-
-
-def _itemsize(dtype: str) -> int:
-    from reshard.io import dtypes
-
-    return dtypes.itemsize(dtype)
 
 
 def open_source(path: str, opts: Options) -> Source:
@@ -272,17 +265,10 @@ def target_chunks(model, tp: int, padded: int) -> list[tuple[str, tuple[int, ...
     return out
 
 
-def _targets(source: Source, opts: Options, dtype: str):
-    from reshard.core.model_config import ConfigLoss
-    from reshard.core.sharding import check_megatron_degrees, megatron_padded_vocab
-    from reshard.io import dtypes as dtype_names
-    from reshard.io.torch_format import object_archive
-    from reshard.layouts.base import TargetPlan, TargetSpec, pack_by_size, stored_dtype
-
+def _targets(source: Source, opts: Options, dtype: str) -> TargetPlan:
+    """The ``__0_{i}.distcp`` files of the global tensors, chunked as Megatron chunks them at ``opts.tp``."""
     model = source.model
     if opts.vocab_divisor is not None and opts.vocab_divisor < 1:
-        from reshard.errors import PlanError
-
         raise PlanError(f"--make-vocab-size-divisible-by must be a positive integer (got {opts.vocab_divisor})")
     check_megatron_degrees(model, opts.tp, opts.pp)  # the data does not depend on them; the recorded args do
     divisor = opts.vocab_divisor or source.info.get("vocab_divisor") or 128
@@ -296,7 +282,7 @@ def _targets(source: Source, opts: Options, dtype: str):
     args.ckpt_format = NAME
     args.no_save_optim = args.no_save_rng = True  # a model-only checkpoint: resuming asks for no optimizer state
     chunks = target_chunks(model, opts.tp, padded)
-    size = {c.name: dtype_names.itemsize(stored_dtype(model, c, opts, dtype)) * _numel(c.shape)
+    size = {c.name: dtypes.itemsize(stored_dtype(model, c, opts, dtype)) * math.prod(c.shape)
             for _, _, c, _, _ in chunks}
     groups = pack_by_size([c for _, _, c, _, _ in chunks], lambda c: size[c.name],
                           max(1, sum(size.values()) // DATA_FILES + 1))
@@ -318,10 +304,6 @@ def _targets(source: Source, opts: Options, dtype: str):
 def _finalize(out: str, plan, state) -> None:
     """``.metadata`` from where each archive landed, ``common.pt``, ``metadata.json`` (marks the iteration
     complete), then the tracker last."""
-    from reshard.io.dcp import metadata_pickle, written_chunks
-    from reshard.io.partial import replace_with_text
-    from reshard.io.torch_format import TorchZipWriter
-
     folder = os.path.join(out, state["folder"])
     dtype_of = {t.name: t.dtype for f in plan.files for t in f.tensors}
     tensors, objects, storage = {}, [], {}
