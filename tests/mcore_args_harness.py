@@ -28,24 +28,11 @@ import argparse
 import os
 import sys
 import types
-import warnings
 
-# Loopback only and one thread per rank, before torch.distributed is touched.
-os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-os.environ["OMP_NUM_THREADS"] = "1"
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from mcore_cpu import prepare_cpu  # noqa: E402  (loopback, one thread, torch.cuda.current_device -> "cpu")
 
-import torch  # noqa: E402
+torch = prepare_cpu()
 import torch.nn.functional as F  # noqa: E402
-
-# megatron-core uses torch.cuda.current_device() as a device argument in a few places (rotary embedding,
-# attention buffers).  On a CPU-only machine make it answer "cpu".
-torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
-
-warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
-warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
-warnings.filterwarnings("ignore", category=FutureWarning)
 
 TRACKER = "latest_checkpointed_iteration.txt"
 

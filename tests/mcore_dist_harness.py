@@ -53,18 +53,12 @@ import argparse
 import os
 import re
 import sys
-import warnings
-
-# Loopback only and one thread per rank, before torch.distributed is touched.
-os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-os.environ["OMP_NUM_THREADS"] = "1"
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mcore_cpu import prepare_cpu  # noqa: E402  (loopback, one thread, torch.cuda.current_device -> "cpu")
+
+torch = prepare_cpu()
+import torch.nn.functional as F  # noqa: E402
 # Same sizes and vocab rule as the legacy-format harness; args -> model defaults as the args harness.
 from mcore_args_harness import MEGATRON_LM_DEFAULTS, args_getter, iteration_dir  # noqa: E402
 from megatron_core_harness import (  # noqa: E402
@@ -84,11 +78,6 @@ from megatron_core_harness import (  # noqa: E402
     TRUE_VOCAB,
     padded_vocab,
 )
-
-torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
-warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
-warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
-warnings.filterwarnings("ignore", category=FutureWarning)
 
 NUM_LAYERS = 4
 ITERATION = 7

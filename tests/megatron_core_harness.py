@@ -30,25 +30,11 @@ import argparse
 import json
 import os
 import sys
-import warnings
 
-# Loopback only, before torch.distributed is touched.  torchrun overrides MASTER_ADDR/PORT for the workers,
-# GLOO_SOCKET_IFNAME makes gloo's own sockets use ``lo``.
-os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from mcore_cpu import prepare_cpu  # noqa: E402  (loopback, one thread, torch.cuda.current_device -> "cpu")
 
-import torch  # noqa: E402
+torch = prepare_cpu()
 import torch.nn.functional as F  # noqa: E402
-
-# megatron-core uses torch.cuda.current_device() as a device argument in a few places (rotary embedding,
-# attention buffers).  On a CPU-only machine make it answer "cpu".
-torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
-
-warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
-warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
-warnings.filterwarnings("ignore", category=FutureWarning)
 
 # ---- model sizes (keep in sync with test_megatron_core.py, which reads harness_meta.json) ----
 NUM_LAYERS = 2
