@@ -115,6 +115,66 @@ def args_getter(args: argparse.Namespace, dropped: set[str]):
     return get
 
 
+def config_from_args(get, **plumbing):
+    """``TransformerConfig`` as Megatron-LM's ``core_transformer_config_from_args`` builds it for a dense GPT:
+    every args field that is a TransformerConfig field, then layernorm_epsilon <- norm_epsilon,
+    layernorm_zero_centered_gamma <- apply_layernorm_1p, num_moe_experts <- num_experts, swiglu -> (F.silu,
+    gated_linear_unit), num_query_groups None without group_query_attention. Spelled out here (Megatron-LM is not
+    installed) for every field that changes what a dense GPT computes, including ones reshard does not write
+    (softmax_scale, glu_linear_offset, ...: ``get`` gives Megatron-LM's defaults when absent), so a checkpoint whose
+    args set them is computed as Megatron would. ``plumbing`` overrides the CPU / eval settings (and the degrees)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    window = get("window_size")
+    fields = dict(
+        num_layers=get("num_layers"),
+        hidden_size=get("hidden_size"),
+        ffn_hidden_size=get("ffn_hidden_size"),
+        num_attention_heads=get("num_attention_heads"),
+        num_query_groups=get("num_query_groups") if get("group_query_attention") else None,
+        kv_channels=get("kv_channels"),
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        normalization=get("normalization"),
+        layernorm_epsilon=get("norm_epsilon"),
+        layernorm_zero_centered_gamma=get("apply_layernorm_1p"),
+        add_bias_linear=get("add_bias_linear"),
+        add_qkv_bias=get("add_qkv_bias"),
+        qk_layernorm=get("qk_layernorm"),
+        rotary_interleaved=get("rotary_interleaved"),
+        apply_residual_connection_post_layernorm=get("apply_residual_connection_post_layernorm"),
+        window_size=tuple(window) if window is not None else None,  # --window-size gives a tuple; a list too
+        window_attn_skip_freq=get("window_attn_skip_freq"),
+        softmax_scale=get("softmax_scale"),
+        glu_linear_offset=get("glu_linear_offset"),
+        activation_func_clamp_value=get("activation_func_clamp_value"),
+        no_rope_freq=get("no_rope_freq"),
+        qk_l2_norm=get("qk_l2_norm"),
+        apply_query_key_layer_scaling=get("apply_query_key_layer_scaling"),
+        attention_softmax_in_fp32=get("attention_softmax_in_fp32"),
+        num_moe_experts=get("num_experts"),
+        params_dtype=get("params_dtype"),
+        fp16=get("fp16"),
+        bf16=get("bf16"),
+        tensor_model_parallel_size=get("tensor_model_parallel_size"),
+        pipeline_model_parallel_size=1,
+        # CPU / eval plumbing, not settings of the model
+        sequence_parallel=False,
+        use_cpu_initialization=True,
+        perform_initialization=False,  # every parameter comes from the checkpoint (strict load)
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+    fields.update(plumbing)
+    return TransformerConfig(**fields)
+
+
 def install_cpu_window_mask() -> None:
     """Shim: megatron-core's sliding-window mask on CPU.
 
@@ -163,7 +223,6 @@ def run_rank(dist, cli: argparse.Namespace) -> None:
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     state = load_rank_file(cli.ckpt_dir, rank)
     args = state["args"]
@@ -186,61 +245,7 @@ def run_rank(dist, cli: argparse.Namespace) -> None:
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True)
     install_cpu_window_mask()
 
-    window = get("window_size")
-    if window is not None:
-        window = tuple(window)  # Megatron-LM's --window-size gives a tuple; accept a list too
-
-    # As Megatron-LM's core_transformer_config_from_args: every args field that is a TransformerConfig field,
-    # then layernorm_epsilon <- norm_epsilon, layernorm_zero_centered_gamma <- apply_layernorm_1p,
-    # num_moe_experts <- num_experts, swiglu -> (F.silu, gated_linear_unit), num_query_groups None without
-    # group_query_attention.  Spelled out here (Megatron-LM is not installed) for every field that changes what
-    # a dense GPT computes, including ones reshard does not write (softmax_scale, glu_linear_offset, ...: read
-    # at Megatron-LM's defaults when absent), so a checkpoint whose args set them is computed as Megatron would.
-    config = TransformerConfig(
-        num_layers=get("num_layers"),
-        hidden_size=get("hidden_size"),
-        ffn_hidden_size=get("ffn_hidden_size"),
-        num_attention_heads=get("num_attention_heads"),
-        num_query_groups=get("num_query_groups") if get("group_query_attention") else None,
-        kv_channels=get("kv_channels"),
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        normalization=get("normalization"),
-        layernorm_epsilon=get("norm_epsilon"),
-        layernorm_zero_centered_gamma=get("apply_layernorm_1p"),
-        add_bias_linear=get("add_bias_linear"),
-        add_qkv_bias=get("add_qkv_bias"),
-        qk_layernorm=get("qk_layernorm"),
-        rotary_interleaved=get("rotary_interleaved"),
-        apply_residual_connection_post_layernorm=get("apply_residual_connection_post_layernorm"),
-        window_size=window,
-        window_attn_skip_freq=get("window_attn_skip_freq"),
-        softmax_scale=get("softmax_scale"),
-        glu_linear_offset=get("glu_linear_offset"),
-        activation_func_clamp_value=get("activation_func_clamp_value"),
-        no_rope_freq=get("no_rope_freq"),
-        qk_l2_norm=get("qk_l2_norm"),
-        apply_query_key_layer_scaling=get("apply_query_key_layer_scaling"),
-        attention_softmax_in_fp32=get("attention_softmax_in_fp32"),
-        num_moe_experts=get("num_experts"),
-        params_dtype=get("params_dtype"),
-        fp16=get("fp16"),
-        bf16=get("bf16"),
-        tensor_model_parallel_size=get("tensor_model_parallel_size"),
-        pipeline_model_parallel_size=1,
-        # CPU / eval plumbing, not settings of the model
-        sequence_parallel=False,
-        use_cpu_initialization=True,
-        perform_initialization=False,  # every parameter comes from the checkpoint (strict load)
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
-        masked_softmax_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-    )
+    config = config_from_args(get)
     gpt_kwargs = dict(
         vocab_size=get("padded_vocab_size"),
         max_sequence_length=get("max_position_embeddings"),

@@ -60,7 +60,7 @@ from mcore_cpu import prepare_cpu  # noqa: E402  (loopback, one thread, torch.cu
 torch = prepare_cpu()
 import torch.nn.functional as F  # noqa: E402
 # Same sizes and vocab rule as the legacy-format harness; args -> model defaults as the args harness.
-from mcore_args_harness import MEGATRON_LM_DEFAULTS, args_getter, iteration_dir  # noqa: E402
+from mcore_args_harness import MEGATRON_LM_DEFAULTS, args_getter, config_from_args, iteration_dir  # noqa: E402
 from megatron_core_harness import (  # noqa: E402
     BATCH,
     FFN_HIDDEN,
@@ -225,7 +225,6 @@ def build_model(args: argparse.Namespace, tp: int, pp: int):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     get = args_getter(args, set())
     if get("num_experts"):
@@ -236,49 +235,11 @@ def build_model(args: argparse.Namespace, tp: int, pp: int):
                 "apply_residual_connection_post_layernorm", "use_rope_scaling", "qk_l2_norm"):
         if get(key) != MEGATRON_LM_DEFAULTS.get(key):
             raise SystemExit(f"args.{key} = {get(key)!r} is not supported by this harness")
-    # As Megatron-LM's core_transformer_config_from_args for a dense GPT (see mcore_args_harness.py).
-    config = TransformerConfig(
-        num_layers=get("num_layers"),
-        hidden_size=get("hidden_size"),
-        ffn_hidden_size=get("ffn_hidden_size"),
-        num_attention_heads=get("num_attention_heads"),
-        num_query_groups=get("num_query_groups") if get("group_query_attention") else None,
-        kv_channels=get("kv_channels"),
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        normalization=get("normalization"),
-        layernorm_epsilon=get("norm_epsilon"),
-        layernorm_zero_centered_gamma=get("apply_layernorm_1p"),
-        add_bias_linear=get("add_bias_linear"),
-        add_qkv_bias=get("add_qkv_bias"),
-        qk_layernorm=get("qk_layernorm"),
-        rotary_interleaved=get("rotary_interleaved"),
-        softmax_scale=get("softmax_scale"),
-        glu_linear_offset=get("glu_linear_offset"),
-        activation_func_clamp_value=get("activation_func_clamp_value"),
-        no_rope_freq=get("no_rope_freq"),
-        apply_query_key_layer_scaling=get("apply_query_key_layer_scaling"),
-        attention_softmax_in_fp32=True,
-        params_dtype=get("params_dtype"),
-        fp16=get("fp16"),
-        bf16=get("bf16"),
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
+    # As Megatron-LM's core_transformer_config_from_args for a dense GPT, at the degrees this run loads at.
+    config = config_from_args(
+        get, attention_softmax_in_fp32=True, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         pipeline_dtype=get("params_dtype"),  # Megatron-LM: args.params_dtype
-        # CPU / eval plumbing, not settings of the model
-        sequence_parallel=False,
-        use_cpu_initialization=True,
-        perform_initialization=True,
-        init_method_std=getattr(args, "init_method_std", INIT_STD),
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
-        masked_softmax_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-    )
+        perform_initialization=True, init_method_std=getattr(args, "init_method_std", INIT_STD))
     model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(normalization=get("normalization"),
