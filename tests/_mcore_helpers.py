@@ -20,6 +20,33 @@ import torch
 HARNESS = Path(__file__).with_name("megatron_core_harness.py")
 
 
+def run_isolated(cmd: list[str], timeout: float, after=None) -> subprocess.CompletedProcess:
+    """Run a megatron-core harness command with no inherited distributed context, gloo on the loopback interface
+    and one thread, in its own session (a timeout kills every descendant); ``after(proc)`` runs before the exit code
+    is checked (e.g. a leftover-process check). Raises with the output tails on a timeout or a failure."""
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", PYTHONWARNINGS="ignore")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):  # never inherit a distributed context
+        env.pop(var, None)
+    cmd = [str(c) for c in cmd]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise RuntimeError(f"timed out after {timeout}s: {' '.join(cmd)}\n--- stdout ---\n{stdout[-6000:]}\n"
+                           f"--- stderr ---\n{stderr[-6000:]}") from None
+    if after is not None:
+        after(proc)
+    if proc.returncode != 0:
+        raise RuntimeError(f"failed (rc={proc.returncode}): {' '.join(cmd)}\n--- stdout ---\n{stdout[-6000:]}\n"
+                           f"--- stderr ---\n{stderr[-6000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
 def run_harness(
     out_dir: Path | str, *, nproc: int = 2, launcher: str = "spawn", timeout: float = 240.0
 ) -> dict:
@@ -30,50 +57,14 @@ def run_harness(
     ``python -m torch.distributed.run --standalone``, Megatron-LM's usual launcher; gloo still stays on the
     loopback interface but torchrun's own agent TCPStore listens on all interfaces.
     """
-    env = dict(os.environ)
-    env.update(
-        OMP_NUM_THREADS="1",
-        GLOO_SOCKET_IFNAME="lo",
-        MASTER_ADDR="127.0.0.1",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        PYTHONWARNINGS="ignore",
-    )
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):  # never inherit a distributed context
-        env.pop(var, None)
     if launcher == "spawn":
         cmd = [sys.executable, str(HARNESS), str(out_dir), "--nproc-per-node", str(nproc)]
     elif launcher == "torchrun":
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(nproc),
-            str(HARNESS),
-            str(out_dir),
-        ]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               str(HARNESS), str(out_dir)]
     else:
         raise ValueError(f"unknown launcher {launcher!r}")
-    # Own process group, so a timeout takes the worker ranks down with the launcher.
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        raise RuntimeError(
-            f"megatron-core harness timed out after {timeout}s: {' '.join(cmd)}\n"
-            f"--- stdout ---\n{stdout[-6000:]}\n--- stderr ---\n{stderr[-6000:]}"
-        ) from None
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"megatron-core harness failed (rc={proc.returncode}): {' '.join(cmd)}\n"
-            f"--- stdout ---\n{stdout[-6000:]}\n--- stderr ---\n{stderr[-6000:]}"
-        )
+    run_isolated(cmd, timeout)
     with open(Path(out_dir) / "harness_meta.json") as f:
         return json.load(f)
 

@@ -40,6 +40,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from _mcore_helpers import run_isolated
+
 # Only look for megatron-core here: importing it registers numpy and Megatron classes as torch safe globals in
 # this process, which would hide what a megatron-free reader meets.  The harness subprocesses import it.
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
@@ -90,40 +92,21 @@ def _session_processes(sid: int) -> list[str]:
 
 def run_mcore_dist_harness(*args: str, timeout: float = 300.0) -> subprocess.CompletedProcess:
     """Run ``mcore_dist_harness.py ARGS`` in its own session; fail on error, timeout or a leftover process."""
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # no inherited context
-        env.pop(var, None)
     cmd = [sys.executable, str(HARNESS), *map(str, args)]
-    # Own session (and process group), so a timeout takes every descendant down, and leftovers can be found.
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        raise RuntimeError(
-            f"mcore_dist_harness timed out after {timeout}s: {' '.join(cmd)}\n"
-            f"--- stdout ---\n{stdout[-6000:]}\n--- stderr ---\n{stderr[-6000:]}"
-        ) from None
-    # multiprocessing's resource tracker exits on its own once the harness has; anything else is a leak.
-    deadline = time.monotonic() + 10.0
-    while (left := _session_processes(proc.pid)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if left:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        raise AssertionError(f"processes of {' '.join(cmd)} outlived it: {left}")
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"mcore_dist_harness failed (rc={proc.returncode}): {' '.join(cmd)}\n"
-            f"--- stdout ---\n{stdout[-6000:]}\n--- stderr ---\n{stderr[-6000:]}"
-        )
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+    def no_leftovers(proc) -> None:
+        # multiprocessing's resource tracker exits on its own once the harness has; anything else is a leak.
+        deadline = time.monotonic() + 10.0
+        while (left := _session_processes(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if left:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            raise AssertionError(f"processes of {' '.join(cmd)} outlived it: {left}")
+
+    return run_isolated(cmd, timeout, after=no_leftovers)
 
 
 _SAVED: dict[tuple, Path] = {}

@@ -12,9 +12,6 @@ window (``window_size``) and biases (``add_bias_linear``/``add_qkv_bias``); and 
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,6 +22,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
 import reshard  # noqa: E402
+from _mcore_helpers import run_isolated  # noqa: E402
 from helpers import tiny_transformers_model  # noqa: E402
 from reshard.errors import PlanError  # noqa: E402
 
@@ -57,22 +55,7 @@ def run_harness(ckpt: Path, ids: torch.Tensor, tmp: Path, *extra: str, timeout: 
     """Run the harness (2 ranks) on ``ckpt``; its output dict (``logits``, ``args``)."""
     ids_path, out_path = tmp / "ids.pt", tmp / "mcore_logits.pt"
     torch.save(ids, ids_path)
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               PYTHONWARNINGS="ignore")
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # no inherited dist context
-        env.pop(var, None)
-    cmd = [sys.executable, str(HARNESS), str(ckpt), str(ids_path), str(out_path), "--nproc-per-node", "2", *extra]
-    # Own session, so a timeout takes the rank processes down with the launcher.
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        raise AssertionError(f"harness timed out after {timeout}s\n{stdout[-4000:]}\n{stderr[-6000:]}") from None
-    assert proc.returncode == 0, f"harness failed (rc={proc.returncode})\n{stdout[-4000:]}\n{stderr[-6000:]}"
+    run_isolated([sys.executable, HARNESS, ckpt, ids_path, out_path, "--nproc-per-node", "2", *extra], timeout)
     return torch.load(out_path, map_location="cpu", weights_only=True)
 
 
