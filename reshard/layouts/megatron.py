@@ -15,6 +15,7 @@ import json
 import os
 import re
 import sys
+from dataclasses import dataclass
 
 from reshard.core.canonical import CanonicalModel, build_canonical
 from reshard.core.model_config import ConfigLoss, ModelConfig
@@ -100,6 +101,12 @@ def _label(folder_name: str) -> str:
     return str(int(digits)) if folder_name.startswith("iter_") and digits.isdigit() else "release"
 
 
+def iteration_folder_name(label: str) -> str | None:
+    """The folder of an iteration label (a tracker's text): 'release' or 'iter_%07d'; None for anything else."""
+    label = label.strip()
+    return "release" if label == "release" else f"iter_{int(label):07d}" if label.isdigit() else None
+
+
 def _iteration_dir(path: str) -> tuple[str, str]:
     """The folder holding rank folders, and the iteration label (a number or 'release')."""
     if any(_RANK_DIR.match(n) for n in os.listdir(path)):
@@ -108,7 +115,7 @@ def _iteration_dir(path: str) -> tuple[str, str]:
     tracker = os.path.join(path, TRACKER)
     if os.path.isfile(tracker):
         label = open(tracker).read().strip()
-        sub = "release" if label == "release" else f"iter_{int(label):07d}" if label.isdigit() else None
+        sub = iteration_folder_name(label)
         if sub is None:
             raise CheckpointError(f"{tracker} holds '{label}', not an iteration number or 'release'")
         folder = os.path.join(path, sub)
@@ -125,8 +132,7 @@ def _iteration_dir(path: str) -> tuple[str, str]:
 def iteration_folder(tracker_text: str | None, names) -> str | None:
     """The iteration folder of a repo listing to download: the tracker's, else the only one present."""
     if tracker_text is not None:
-        label = tracker_text.strip()
-        return "release" if label == "release" else f"iter_{int(label):07d}" if label.isdigit() else None
+        return iteration_folder_name(tracker_text)
     folders = sorted({p.split("/")[0] for p in names if _REMOTE_RANK_FILE.match(p)})
     return folders[0] if len(folders) == 1 else None
 
@@ -358,24 +364,44 @@ def build_args(model: CanonicalModel, opts: Options, padded: int, divisor: int, 
     return argparse.Namespace(**values)
 
 
-def targets(model: CanonicalModel, opts: Options, source: Source, dtype: str
-            ) -> tuple[list[TargetSpec], str, list[str]]:
-    """Rank files for Megatron at ``opts.tp`` x ``opts.pp``; also returns the iteration label :func:`finalize`
-    writes into the tracker, and notes (config fields dropped with --allow-lossy-config)."""
-    if opts.megatron_spec not in ("te", "local"):
-        raise PlanError(f"unknown --megatron-spec '{opts.megatron_spec}': use te or local")
+@dataclass
+class OutputArgs:
+    """What both Megatron formats record about their output: the args, the vocab padded for the target tp, the
+    iteration label and its folder, and notes (config fields dropped with --allow-lossy-config)."""
+
+    args: argparse.Namespace
+    padded: int
+    iteration: str
+    folder: str
+    notes: list[str]
+
+
+def output_args(source: Source, opts: Options, dtype: str) -> OutputArgs:
+    """Plan the recorded args of a Megatron output (either format): refuses degrees the model cannot have, a bad
+    vocab divisor and config fields the args cannot spell. A Megatron source (torch or torch_dist) keeps its
+    run's other args and its iteration; any other source gives ``release``."""
+    model = source.model
     if opts.vocab_divisor is not None and opts.vocab_divisor < 1:
         raise PlanError(f"--make-vocab-size-divisible-by must be a positive integer (got {opts.vocab_divisor}); "
                         "Megatron pads the vocab to a multiple of it times tp (default 128)")
     check_megatron_degrees(model, opts.tp, opts.pp)
     divisor = opts.vocab_divisor or source.info.get("vocab_divisor") or 128
     padded = megatron_padded_vocab(model.vocab_size, opts.tp, divisor)
-    iteration = source.info.get("iteration", "release") if source.layout == NAME else "release"
-    folder = "release" if iteration == "release" else f"iter_{int(iteration):07d}"
+    iteration = source.info.get("iteration", "release")
     loss = ConfigLoss("Megatron", opts.allow_lossy_config)
-    args = build_args(model, opts, padded, divisor, dtype, source.info.get("args") if source.layout == NAME else None,
-                      loss)
-    notes = loss.check()
+    args = build_args(model, opts, padded, divisor, dtype, source.info.get("args"), loss)
+    return OutputArgs(args, padded, iteration, iteration_folder_name(iteration), loss.check())
+
+
+def targets(model: CanonicalModel, opts: Options, source: Source, dtype: str
+            ) -> tuple[list[TargetSpec], str, list[str]]:
+    """Rank files for Megatron at ``opts.tp`` x ``opts.pp``; also returns the iteration label :func:`finalize`
+    writes into the tracker, and notes (config fields dropped with --allow-lossy-config)."""
+    if opts.megatron_spec not in ("te", "local"):
+        raise PlanError(f"unknown --megatron-spec '{opts.megatron_spec}': use te or local")
+    run = output_args(source, opts, dtype)
+    padded, iteration, folder, args = run.padded, run.iteration, run.folder, run.args
+    args.ckpt_format = "torch"  # a torch_dist source's run said torch_dist
     specs = []
     stages = stage_layers(model.num_layers, opts.pp)
     for p, layers in enumerate(stages):
@@ -389,7 +415,7 @@ def targets(model: CanonicalModel, opts: Options, source: Source, dtype: str
                        "iteration": 0 if iteration == "release" else int(iteration), "model": state}
             specs.append(TargetSpec(f"{folder}/{rank_dir(t, p, opts.pp)}/{RANK_FILE}", "torch", tensors,
                                     payload=payload))
-    return specs, iteration, notes
+    return specs, iteration, run.notes
 
 
 def finalize(out: str, iteration: str) -> None:

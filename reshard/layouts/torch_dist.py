@@ -20,10 +20,8 @@ import os
 import re
 
 from reshard.core.canonical import build_canonical
-from reshard.core.model_config import ConfigLoss
 from reshard.core.pieces import Piece, StoredTensor
-from reshard.core.sharding import check_megatron_degrees, megatron_padded_vocab
-from reshard.errors import CheckpointError, PlanError
+from reshard.errors import CheckpointError
 from reshard.io import dtypes
 from reshard.io.dcp import DcpTensor, DistcpFile, metadata_pickle, read_metadata, written_chunks
 from reshard.io.partial import replace_with_text
@@ -268,17 +266,8 @@ def target_chunks(model, tp: int, padded: int) -> list[tuple[str, tuple[int, ...
 def _targets(source: Source, opts: Options, dtype: str) -> TargetPlan:
     """The ``__0_{i}.distcp`` files of the global tensors, chunked as Megatron chunks them at ``opts.tp``."""
     model = source.model
-    if opts.vocab_divisor is not None and opts.vocab_divisor < 1:
-        raise PlanError(f"--make-vocab-size-divisible-by must be a positive integer (got {opts.vocab_divisor})")
-    check_megatron_degrees(model, opts.tp, opts.pp)  # the data does not depend on them; the recorded args do
-    divisor = opts.vocab_divisor or source.info.get("vocab_divisor") or 128
-    padded = megatron_padded_vocab(model.vocab_size, opts.tp, divisor)
-    from_megatron = source.layout in (NAME, megatron.NAME)
-    iteration = source.info.get("iteration", "release") if from_megatron else "release"
-    folder = "release" if iteration == "release" else f"iter_{int(iteration):07d}"
-    loss = ConfigLoss("Megatron", opts.allow_lossy_config)
-    args = megatron.build_args(model, opts, padded, divisor, dtype, source.info.get("args") if from_megatron else None,
-                               loss)
+    run = megatron.output_args(source, opts, dtype)  # the data does not depend on tp / pp; the args do
+    padded, iteration, folder, args = run.padded, run.iteration, run.folder, run.args
     args.ckpt_format = NAME
     args.no_save_optim = args.no_save_rng = True  # a model-only checkpoint: resuming asks for no optimizer state
     chunks = target_chunks(model, opts.tp, padded)
@@ -298,7 +287,7 @@ def _targets(source: Source, opts: Options, dtype: str) -> TargetPlan:
     state = {"folder": folder, "iteration": iteration, "args": args,
              "chunks": {c.name: (key, shape, offsets, saved) for key, shape, c, saved, offsets in chunks},
              "object_keys": [k for k, _ in objects]}
-    return TargetPlan(specs, state=state, notes=loss.check())
+    return TargetPlan(specs, state=state, notes=run.notes)
 
 
 def _finalize(out: str, plan, state) -> None:
@@ -354,8 +343,7 @@ class TorchDistLayout(Layout):
         """The tracker and every file of the iteration folder it names (else of the only one present)."""
         folders = sorted({n.split("/")[0] for n in names if n.endswith("/" + CONFIG) and n.count("/") == 1})
         if megatron.TRACKER in names:
-            label = read_text(megatron.TRACKER).strip()
-            wanted = "release" if label == "release" else f"iter_{int(label):07d}" if label.isdigit() else None
+            wanted = megatron.iteration_folder_name(read_text(megatron.TRACKER))
         else:
             wanted = folders[0] if len(folders) == 1 else None
         if wanted not in folders:
