@@ -61,7 +61,7 @@ def assemble(tensor: TargetTensor, files: list[TensorFile], allow_overflow: bool
         return torch.full(tensor.shape, tensor.fill, dtype=dtype)
     if len(tensor.reads) == 1 and not tensor.has_padding:
         op = tensor.reads[0]
-        data = files[op.source].read(op.tensor, tensor.axis, op.src_start, op.length)
+        data = read_op(op, tensor.axis, files)
         if tuple(data.shape) == tuple(tensor.shape):
             cast = data.to(dtype)
             if not allow_overflow:
@@ -69,12 +69,19 @@ def assemble(tensor: TargetTensor, files: list[TensorFile], allow_overflow: bool
             return cast
     buf = torch.zeros(tensor.shape, dtype=dtype) if tensor.has_padding else torch.empty(tensor.shape, dtype=dtype)
     for op in tensor.reads:
-        data = files[op.source].read(op.tensor, tensor.axis, op.src_start, op.length)
+        data = read_op(op, tensor.axis, files)
         part = buf.narrow(tensor.axis, op.dst_start, op.length)
         part.copy_(data)
         if not allow_overflow:
             check_cast(tensor.name, data, part)
     return buf
+
+
+def read_op(op: ReadOp, axis: int, files: list[TensorFile]):
+    """``op``'s slice of its source tensor, in the target's orientation (a transposed op reads along the
+    source's other axis and is transposed)."""
+    data = files[op.source].read(op.tensor, op.source_axis(axis), op.src_start, op.length)
+    return data.t() if op.transposed else data
 
 
 def bits_equal(a, b) -> bool:
@@ -88,9 +95,10 @@ def bits_equal(a, b) -> bool:
 def read_slice(op: ReadOp, axis: int, files: list[TensorFile], gatherer: Gatherer) -> tuple[TargetTensor, np.ndarray]:
     """The bytes of ``op``'s slice of its source tensor (torch-free)."""
     loc = files[op.source].tensors[op.tensor]
-    shape = tuple(op.length if i == axis else n for i, n in enumerate(loc.shape))
+    stored = tuple(reversed(loc.shape)) if op.transposed else tuple(loc.shape)
+    shape = tuple(op.length if i == axis else n for i, n in enumerate(stored))
     tensor = TargetTensor(op.tensor, shape, loc.dtype, axis, [ReadOp(op.source, op.tensor, op.src_start,
-                                                                      op.length, 0)])
+                                                                      op.length, 0, op.transposed)])
     data = np.empty(tensor.nbytes, np.uint8)
     if direct(tensor, files):
         gatherer.fill([(tensor, data)])

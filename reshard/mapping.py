@@ -19,10 +19,17 @@ from reshard.errors import MappingError
 SPLIT_KINDS = ("replicated", "column", "row", "vocab", "qkv", "gate_up")
 PACK_SLOTS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
 WEIGHT_KEYS = {
-    "hf", "split", "slot", "shape", "optional", "tied_to", "stage",
+    "hf", "split", "slot", "shape", "optional", "tied_to", "stage", "role", "hf_stored", "hf_transposed",
     "megatron", "megatron_te", "megatron_local", "vllm",
 }
-TOP_KEYS = {"family", "dims", "megatron", "vllm", "decoder", "config", "weight"}
+TOP_KEYS = {"family", "dims", "hf", "megatron", "vllm", "decoder", "config", "weight"}
+HF_KEYS = {"ignore"}
+#: What a weight is to the forward verifier's decoder (verification/forward/rank_weights.py): per-layer roles
+#: are LayerWeights fields, the others RankWeights fields. A plain (ungated) MLP's first linear is ``up``.
+LAYER_ROLES = ("input_norm", "input_norm_bias", "q", "k", "v", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm",
+               "o", "o_bias", "post_norm", "post_norm_bias", "gate", "gate_bias", "up", "up_bias", "down",
+               "down_bias")
+MODEL_ROLES = ("embedding", "position_embedding", "final_norm", "final_norm_bias", "lm_head")
 FAMILY_KEYS = {"name", "description", "architectures"}
 DIM_KEYS = {"key", "default"}
 MEGATRON_KEYS = {"extra_state_te", "extra_state_local"}
@@ -32,7 +39,7 @@ MEGATRON_SPECS = ("te", "local")
 # The reference decoder's features (verification/forward/decoder.py implements each); a family's [decoder] table
 # picks them. Config-dependent values (activation, epsilon, window) name the HF config key they come from.
 DECODER_KEYS = {"norm", "mlp", "position", "activation"}
-DECODER_CHOICES = {"norm": ("rms", "layer"), "mlp": ("gated", "plain"), "position": ("rope",)}
+DECODER_CHOICES = {"norm": ("rms", "layer"), "mlp": ("gated", "plain"), "position": ("rope", "learned")}
 #: HF ``hidden_act`` values -> the decoder's activation (``gelu_tanh``: the tanh approximation of GELU).
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
                "gelu_new": "gelu_tanh", "relu": "relu"}
@@ -43,8 +50,9 @@ class DecoderFeatures:
     """How a family computes, in the reference decoder's terms (see ``[decoder]`` in a mapping file).
 
     ``norm``: ``rms`` (HF RMSNorm) or ``layer`` (LayerNorm); ``mlp``: ``gated`` (``down(act(gate(x)) * up(x))``)
-    or ``plain`` (``down(act(up(x)))``); ``position``: ``rope`` (rotate-half); ``activation``: the HF
-    ``hidden_act`` used when the config has none.
+    or ``plain`` (``down(act(up(x)))``); ``position``: ``rope`` (rotate-half) or ``learned`` (an absolute
+    position embedding added to the token embedding); ``activation``: the HF ``hidden_act`` used when the config
+    has none.
     """
 
     norm: str = "rms"
@@ -54,8 +62,8 @@ class DecoderFeatures:
 
 
 # How config.json spells the model's meaning, per architecture ([config] table; reshard/layouts/hf_config.py).
-CONFIG_KEYS = {"norm_eps", "bias_groups", "architectures"}
-ARCH_CONFIG_KEYS = {"model_type", "biases", "window", "rotary_fraction"}
+CONFIG_KEYS = {"norm_eps", "activation", "max_positions", "bias_groups", "architectures"}
+ARCH_CONFIG_KEYS = {"model_type", "biases", "window", "rotary_fraction", "requires"}
 BIAS_GROUPS = ("qkv", "o", "mlp")
 #: How an architecture's config.json spells a sliding window: ``none`` (it has none), ``all_layers``
 #: (``sliding_window`` applies to every layer, Mistral), ``layer_types`` (``use_sliding_window``,
@@ -66,20 +74,25 @@ WINDOW_SPELLINGS = ("none", "all_layers", "layer_types")
 @dataclass(frozen=True)
 class ArchitectureConfig:
     """One architecture's config.json spelling: ``biases`` maps a bias group to the config key that switches it
-    or to a fixed bool; ``window`` is one of ``WINDOW_SPELLINGS``; ``rotary_fraction``: partial rotary allowed."""
+    or to a fixed bool; ``window`` is one of ``WINDOW_SPELLINGS``; ``rotary_fraction``: partial rotary allowed;
+    ``requires``: config keys whose other values change the computation in a way reshard does not carry
+    (refused on read, e.g. GPT-2's ``scale_attn_by_inverse_layer_idx = false``)."""
 
     model_type: str
     biases: tuple[tuple[str, str | bool], ...] = ()
     window: str = "none"
     rotary_fraction: bool = False
+    requires: tuple[tuple[str, object], ...] = ()
 
 
 @dataclass(frozen=True)
 class ConfigSpelling:
-    """A family's ``[config]`` table: the norm-epsilon key, which HF weights form each bias group, and each
-    architecture's spelling."""
+    """A family's ``[config]`` table: the norm-epsilon, activation and position-count keys, which HF weights form
+    each bias group, and each architecture's spelling."""
 
     norm_eps: str = "rms_norm_eps"
+    activation: str = "hidden_act"
+    max_positions: str = "max_position_embeddings"
     bias_groups: tuple[tuple[str, tuple[str, ...]], ...] = ()
     architectures: tuple[tuple[str, ArchitectureConfig], ...] = ()
 
@@ -109,6 +122,9 @@ class WeightSpec:
     optional: bool = False
     tied_to: str | None = None
     stage: str | None = None  # "first" / "last" for weights outside the layer stack
+    role: str | None = None  # what the decoder uses it as (LAYER_ROLES / MODEL_ROLES)
+    hf_stored: str | None = None  # the HF tensor holding it when HF fuses weights (whole, in slot order)
+    hf_transposed: bool = False  # HF stores the [out, in] matrix as [in, out] (GPT-2's Conv1D)
     megatron_te: str | None = None
     megatron_local: str | None = None
     vllm: str | None = None
@@ -124,6 +140,11 @@ class WeightSpec:
 
     def megatron_name(self, spec: str) -> str:
         return self.megatron_te if spec == "te" else self.megatron_local
+
+    @property
+    def hf_name(self) -> str:
+        """The HF tensor that stores it (its own name unless HF fuses it with others)."""
+        return self.hf_stored or self.hf
 
     @property
     def vllm_name(self) -> str:
@@ -145,6 +166,15 @@ class Family:
     vllm_scales: tuple[str, ...] = ()  # per-layer fp32 scalar names vLLM's state dict holds (value 1.0)
     decoder: DecoderFeatures = DecoderFeatures()
     config: ConfigSpelling = ConfigSpelling()
+    hf_ignore: tuple[str, ...] = ()  # HF tensor templates dropped on read (buffers old files saved)
+
+    def holds(self, template: str, present_optional: set[str]) -> bool:
+        """Whether a model with the optional weights ``present_optional`` has weight ``template``."""
+        spec = next((w for w in self.weights if w.hf == template), None)
+        return spec is not None and (not spec.optional or template in present_optional)
+
+    def role_spec(self, role: str) -> WeightSpec | None:
+        return next((w for w in self.weights if w.role == role), None)
 
     def resolve_dims(self, config: dict) -> dict[str, int]:
         """Bind every dimension symbol to an integer from an HF-style config dict."""
@@ -227,6 +257,8 @@ def parse_family(data: dict, source: str) -> Family:
         if "{layer}" not in name:
             raise MappingError(f"{source}: [vllm] attention_scales entry '{name}' needs a {{layer}} placeholder")
 
+    hf_table = data.get("hf", {})
+    _check_keys(source, "[hf]", hf_table, HF_KEYS)
     decoder = _parse_decoder(data.get("decoder", {}), source)
     config = _parse_config(data.get("config", {}), source, tuple(fam["architectures"]))
 
@@ -259,6 +291,16 @@ def parse_family(data: dict, source: str) -> Family:
             raise MappingError(f"{source}: {where} is outside the layer stack and needs stage = 'first' or 'last'")
         if w["hf"] in seen:
             raise MappingError(f"{source}: {where} is declared twice")
+        role = w.get("role")
+        if role is not None and role not in (LAYER_ROLES if per_layer else MODEL_ROLES):
+            valid = LAYER_ROLES if per_layer else MODEL_ROLES
+            raise MappingError(f"{source}: {where} has unknown role '{role}' for a "
+                               f"{'per-layer' if per_layer else 'model-level'} weight{_suggest(role, valid)}")
+        if w.get("hf_transposed") and len(w["shape"]) != 2:
+            raise MappingError(f"{source}: {where} is hf_transposed but is not 2-D")
+        if "hf_stored" in w and ("{layer}" in w["hf_stored"]) != per_layer:
+            raise MappingError(f"{source}: {where} hf_stored '{w['hf_stored']}' must have a {{layer}} placeholder "
+                               "exactly when its hf name has one")
         seen.add(w["hf"])
         te = w.get("megatron_te", w.get("megatron"))
         local = w.get("megatron_local", w.get("megatron"))
@@ -266,9 +308,14 @@ def parse_family(data: dict, source: str) -> Family:
             raise MappingError(f"{source}: {where} needs 'megatron' (or both 'megatron_te' and 'megatron_local')")
         weights.append(WeightSpec(
             hf=w["hf"], split=w["split"], shape=tuple(str(s) for s in w["shape"]), slot=w.get("slot"),
-            optional=bool(w.get("optional", False)), tied_to=w.get("tied_to"), stage=w.get("stage"),
+            optional=bool(w.get("optional", False)), tied_to=w.get("tied_to"), stage=w.get("stage"), role=role,
+            hf_stored=w.get("hf_stored"), hf_transposed=bool(w.get("hf_transposed", False)),
             megatron_te=te, megatron_local=local, vllm=w.get("vllm"),
         ))
+    roles = [w.role for w in weights if w.role]
+    if len(roles) != len(set(roles)):
+        dup = next(r for r in roles if roles.count(r) > 1)
+        raise MappingError(f"{source}: role '{dup}' is given to two weights")
     names = {w.hf for w in weights}
     for w in weights:
         if w.tied_to and w.tied_to not in names:
@@ -277,7 +324,7 @@ def parse_family(data: dict, source: str) -> Family:
     return Family(name=fam["name"], description=fam.get("description", ""),
                   architectures=tuple(fam["architectures"]), dims=dims, weights=tuple(weights),
                   extra_state=extra_state, source=source, vllm_scales=vllm_scales, decoder=decoder,
-                  config=config)
+                  config=config, hf_ignore=tuple(hf_table.get("ignore", ())))
 
 
 def _parse_decoder(table: dict, source: str) -> DecoderFeatures:
@@ -312,8 +359,11 @@ def _parse_config(table: dict, source: str, architectures: tuple[str, ...]) -> C
                                f"{_suggest(str(entry['window']), WINDOW_SPELLINGS)}")
         archs.append((name, ArchitectureConfig(model_type=entry["model_type"], biases=tuple(sorted(biases.items())),
                                                window=entry.get("window", "none"),
-                                               rotary_fraction=bool(entry.get("rotary_fraction", False)))))
+                                               rotary_fraction=bool(entry.get("rotary_fraction", False)),
+                                               requires=tuple(sorted(entry.get("requires", {}).items())))))
     return ConfigSpelling(norm_eps=table.get("norm_eps", "rms_norm_eps"),
+                          activation=table.get("activation", "hidden_act"),
+                          max_positions=table.get("max_positions", "max_position_embeddings"),
                           bias_groups=tuple((g, tuple(w)) for g, w in groups.items()),
                           architectures=tuple(archs))
 
@@ -321,6 +371,7 @@ def _parse_config(table: dict, source: str, architectures: tuple[str, ...]) -> C
 def _check_packs(weights: list[WeightSpec], source: str) -> None:
     """Weights sharing a fused Megatron (or vLLM) name must share a split kind and fill every slot once."""
     namings = [("Megatron", lambda w, s=spec: w.megatron_name(s)) for spec in MEGATRON_SPECS]
+    namings.append(("HF", lambda w: w.hf_name))
     if any(w.vllm for w in weights):
         namings.append(("vLLM", lambda w: w.vllm_name))
     for layout, name_of in namings:
@@ -328,13 +379,18 @@ def _check_packs(weights: list[WeightSpec], source: str) -> None:
         for w in weights:
             packs.setdefault(name_of(w), []).append(w)
         for name, members in packs.items():
-            if len(members) == 1 and not members[0].slot:
-                continue
+            if len(members) == 1 and (not members[0].slot or layout == "HF"):
+                continue  # HF stores most packed weights unfused
             kinds = {m.split for m in members}
             if len(kinds) != 1 or next(iter(kinds)) not in PACK_SLOTS:
                 raise MappingError(f"{source}: weights {', '.join(m.hf for m in members)} share {layout} name "
                                    f"'{name}' but are not one qkv or gate_up pack")
             slots = sorted(m.slot for m in members)
+            if layout == "HF" and [m.slot for m in members] != list(PACK_SLOTS[next(iter(kinds))]):
+                raise MappingError(f"{source}: HF fused tensor '{name}' must declare its slots in stored order "
+                                   f"{', '.join(PACK_SLOTS[next(iter(kinds))])}")
+            if layout == "HF" and len({m.hf_transposed for m in members}) > 1:
+                raise MappingError(f"{source}: HF fused tensor '{name}' mixes transposed and plain members")
             if slots != sorted(PACK_SLOTS[next(iter(kinds))]):
                 raise MappingError(f"{source}: {layout} pack '{name}' has slots {slots}, needs "
                                    f"{sorted(PACK_SLOTS[next(iter(kinds))])}")

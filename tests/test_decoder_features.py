@@ -40,13 +40,12 @@ def _neox_weights(model, config) -> RankWeights:
             o=sd[p + "attention.dense.weight"], o_bias=sd[p + "attention.dense.bias"],
             gate=None, up=sd[p + "mlp.dense_h_to_4h.weight"], up_bias=sd[p + "mlp.dense_h_to_4h.bias"],
             down=sd[p + "mlp.dense_4h_to_h.weight"], down_bias=sd[p + "mlp.dense_4h_to_h.bias"]))
-    features = DecoderFeatures(norm="layer", mlp="plain")
     meaning = ModelConfig(architecture="GPTNeoXForCausalLM", hidden=hidden, layers=config.num_hidden_layers,
                           heads=nh, kv_heads=nh, head_dim=d, ffn=config.intermediate_size, vocab=config.vocab_size,
                           norm="layer", norm_eps=config.layer_norm_eps, activation=ACTIVATIONS[config.hidden_act],
                           rope_theta=config.rope_parameters["rope_theta"], qkv_bias=True, o_bias=True,
-                          mlp_bias=True)
-    decoder_config = DecoderConfig.from_meaning(meaning, features)
+                          mlp_bias=True, gated_mlp=False)
+    decoder_config = DecoderConfig.from_meaning(meaning)
     emb = sd["gpt_neox.embed_in.weight"]
     return RankWeights(config=decoder_config, rank=0, world=1, embedding=emb, vocab_start=0, layers=layers,
                        final_norm=sd["gpt_neox.final_layer_norm.weight"],
@@ -111,10 +110,10 @@ def test_what_the_decoder_lacks_is_refused_before_running():
     meaning = ModelConfig(architecture="LlamaForCausalLM", hidden=64, layers=2, heads=8, kv_heads=8, head_dim=8,
                           ffn=96, vocab=10, activation="quick_gelu")
     with pytest.raises(ReshardError, match="does not implement activation 'quick_gelu'"):
-        DecoderConfig.from_meaning(meaning, load_shipped("llama").decoder)
+        DecoderConfig.from_meaning(meaning)
     yarn = meaning.replace(activation="silu", rope_scaling=(("factor", 4.0), ("rope_type", "yarn")))
     with pytest.raises(ReshardError, match="does not implement rope_scaling type 'yarn'"):
-        DecoderConfig.from_meaning(yarn, load_shipped("llama").decoder)
+        DecoderConfig.from_meaning(yarn)
 
 
 def test_decoder_table_is_strict():

@@ -210,7 +210,7 @@ def test_7_megatron_compute_args_are_not_ignored(arg, value, field, tmp_path):
 
 
 @pytest.mark.parametrize("arg, value", [("softmax_scale", 0.5), ("glu_linear_offset", 1.0), ("no_rope_freq", [1, 1]),
-                                        ("apply_layernorm_1p", True), ("qk_layernorm", True), ("num_experts", 8)])
+                                        ("apply_layernorm_1p", True), ("squared_relu", True), ("num_experts", 8)])
 def test_7_args_reshard_does_not_carry_are_refused_on_read(arg, value, tmp_path):
     """megatron-core reads these (measured: softmax_scale 0.5 moves its logits by 0.13, glu_linear_offset 1.0 by
     1.8); a reader that ignores them would convert another function."""

@@ -21,10 +21,23 @@ class CanonicalTensor:
     def axis(self) -> int:
         return self.spec.axis
 
-    def whole(self, stored_name: str | None = None) -> StoredTensor:
-        """This tensor stored full and unfused (the HF layout), under ``stored_name`` or its own name."""
-        return StoredTensor(stored_name or self.name, self.shape, self.axis,
-                            (Piece(self.name, 0, self.shape[self.axis]),))
+    def whole(self, stored_name: str | None = None, transposed: bool = False) -> StoredTensor:
+        """This tensor stored full and unfused (the HF layout), under ``stored_name`` or its own name;
+        ``transposed``: stored ``[in, out]`` (2-D only)."""
+        return stored_whole(stored_name or self.name, [self], transposed)
+
+
+def stored_whole(name: str, members: list[CanonicalTensor], transposed: bool = False) -> StoredTensor:
+    """``members`` stored whole, one after another along their split axis, as one tensor ``name`` (an HF fused
+    tensor such as Phi-3's ``qkv_proj`` = ``[q; k; v]``); ``transposed``: stored ``[in, out]`` (GPT-2 Conv1D)."""
+    first = members[0]
+    axis = first.axis
+    shape = list(first.shape)
+    shape[axis] = sum(m.shape[axis] for m in members)
+    pieces = tuple(Piece(m.name, 0, m.shape[axis]) for m in members)
+    if transposed and len(shape) == 2:
+        return StoredTensor(name, tuple(reversed(shape)), 1 - axis, pieces, transposed=True)
+    return StoredTensor(name, tuple(shape), axis, pieces)
 
 
 @dataclass
@@ -89,15 +102,23 @@ def build_canonical(family: Family, config: dict, present_optional: set[str], ti
     return CanonicalModel(family=family, config=dict(config), dims=dims, tensors=tensors, tied=tied)
 
 
-def match_template(family: Family, name: str) -> tuple[WeightSpec, int | None] | None:
-    """Which weight spec (and layer) an HF tensor name belongs to, or None."""
+def template_layer(template: str, name: str) -> int | None | bool:
+    """The layer ``name`` instantiates ``template`` at (None for a template without ``{layer}``), or False."""
+    if "{layer}" not in template:
+        return None if template == name else False
+    head, _, tail = template.partition("{layer}")
+    if name.startswith(head) and name.endswith(tail) and len(name) > len(head) + len(tail):
+        mid = name[len(head):len(name) - len(tail)]
+        if mid.isdigit():
+            return int(mid)
+    return False
+
+
+def match_template(family: Family, name: str, stored: bool = False) -> tuple[WeightSpec, int | None] | None:
+    """Which weight spec (and layer) an HF tensor name belongs to, or None. ``stored``: match the names HF files
+    store (:attr:`WeightSpec.hf_name`; a fused tensor matches its pack's first weight)."""
     for spec in family.weights:
-        if spec.per_layer:
-            head, _, tail = spec.hf.partition("{layer}")
-            if name.startswith(head) and name.endswith(tail):
-                mid = name[len(head):len(name) - len(tail)]
-                if mid.isdigit():
-                    return spec, int(mid)
-        elif spec.hf == name:
-            return spec, None
+        layer = template_layer(spec.hf_name if stored else spec.hf, name)
+        if layer is not False:
+            return spec, layer
     return None

@@ -10,7 +10,10 @@ theta: ``rope_type`` = ``linear`` | ``llama3`` | ``dynamic`` | ``yarn`` | ``long
 parameters), ``rotary_fraction`` (the share of each head's dims that rotate), ``rope_interleaved`` (pairs
 ``(2i, 2i+1)`` rotate instead of HF's halves). Sliding window: ``sliding_window`` tokens (a query attends to itself
 and the ``sliding_window - 1`` keys before it), on ``sliding_layers`` (``None``: every layer). Biases: ``qkv_bias``
-(q, k, v projections), ``o_bias`` (attention output), ``mlp_bias`` (every MLP linear).
+(q, k, v projections), ``o_bias`` (attention output), ``mlp_bias`` (every MLP linear). Structure: ``position``
+(``rope`` or ``learned`` absolute embeddings, whose RoPE fields then keep their defaults), ``gated_mlp``
+(``down(act(gate(x)) * up(x))`` or ``down(act(up(x)))``), ``qk_norm`` (an RMSNorm over each head's q and k before
+RoPE, Qwen3).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from reshard.errors import PlanError
 SEMANTIC_FIELDS = ("architecture", "hidden", "layers", "heads", "kv_heads", "head_dim", "ffn", "vocab",
                    "max_positions", "norm", "norm_eps", "activation", "rope_theta", "rope_scaling",
                    "rotary_fraction", "rope_interleaved", "sliding_window", "sliding_layers", "qkv_bias", "o_bias",
-                   "mlp_bias", "tied", "residual_post_norm")
+                   "mlp_bias", "tied", "residual_post_norm", "position", "gated_mlp", "qk_norm")
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,9 @@ class ModelConfig:
     mlp_bias: bool = False
     tied: bool = False
     residual_post_norm: bool = False  # Megatron apply_residual_connection_post_layernorm
+    position: str = "rope"  # rope | learned
+    gated_mlp: bool = True
+    qk_norm: bool = False
 
     @property
     def rope_type(self) -> str:

@@ -24,7 +24,9 @@ def padding(length: int) -> Piece:
 
 @dataclass(frozen=True)
 class StoredTensor:
-    """One tensor as a layout stores it: ``shape`` with ``pieces`` concatenated along ``axis``."""
+    """One tensor as a layout stores it: ``shape`` with ``pieces`` concatenated along ``axis`` (of the stored
+    tensor). ``transposed``: the layout stores the canonical ``[out, in]`` matrix as ``[in, out]`` (a GPT-2
+    Conv1D), so a piece's canonical rows run along stored axis ``axis`` = 1 - the canonical split axis."""
 
     name: str
     shape: tuple[int, ...]
@@ -32,6 +34,12 @@ class StoredTensor:
     pieces: tuple[Piece, ...]
     fill: float | None = None  # a constant tensor outside the canonical model (no pieces), e.g. vLLM scales
     dtype: str | None = None  # a fixed dtype that --dtype does not change (constants)
+    transposed: bool = False
+
+    @property
+    def canonical_axis(self) -> int:
+        """The axis of the canonical tensors the pieces run along."""
+        return 1 - self.axis if self.transposed else self.axis
 
     def offsets(self):
         """Yield (piece, offset along the axis) pairs."""

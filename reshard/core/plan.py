@@ -18,14 +18,19 @@ from reshard.io.dtypes import itemsize
 
 @dataclass(frozen=True)
 class ReadOp:
-    """Copy ``length`` rows along ``axis`` of source tensor ``tensor`` (file ``source``) from ``src_start``
-    into the target tensor at ``dst_start``."""
+    """Copy ``length`` rows along the target's ``axis`` of source tensor ``tensor`` (file ``source``) from
+    ``src_start`` into the target tensor at ``dst_start``. ``transposed``: the source holds the matrix in the
+    other orientation (one of them stores ``[in, out]``): read along the source's other axis and transpose."""
 
     source: int
     tensor: str
     src_start: int
     length: int
     dst_start: int
+    transposed: bool = False
+
+    def source_axis(self, target_axis: int) -> int:
+        return 1 - target_axis if self.transposed else target_axis
 
 
 @dataclass
@@ -88,7 +93,8 @@ class Plan:
         for f in self.files:
             for t in f.tensors:
                 for op in t.reads:
-                    totals[self.source_files[op.source]] += op.length * row_bytes(op.source, op.tensor, t.axis)
+                    totals[self.source_files[op.source]] += op.length * row_bytes(op.source, op.tensor,
+                                                                                  op.source_axis(t.axis))
         self.read_bytes = totals
 
 
@@ -99,6 +105,7 @@ class _Span:
     source: int
     tensor: str
     offset: int  # position of ``start`` in the source tensor along the axis
+    transposed: bool = False  # the source tensor is stored [in, out]
 
 
 class CanonicalIndex:
@@ -111,11 +118,11 @@ class CanonicalIndex:
             for piece, offset in tensor.offsets():
                 if piece.canonical is None:
                     continue
-                prev = self.axis.setdefault(piece.canonical, tensor.axis)
-                if prev != tensor.axis:
+                prev = self.axis.setdefault(piece.canonical, tensor.canonical_axis)
+                if prev != tensor.canonical_axis:
                     raise AssertionError(f"{piece.canonical} is split on two axes")
                 spans.setdefault(piece.canonical, []).append(
-                    _Span(piece.start, piece.stop, source, tensor.name, offset))
+                    _Span(piece.start, piece.stop, source, tensor.name, offset, tensor.transposed))
         self.primary: dict[str, list[_Span]] = {}
         self.checks: list[ReplicaCheck] = []
         for name, shape in shapes.items():
@@ -131,7 +138,8 @@ class CanonicalIndex:
                     duplicates.append(span)
                 if span.stop > covered:
                     cut = covered - span.start
-                    cover.append(_Span(covered, span.stop, span.source, span.tensor, span.offset + cut))
+                    cover.append(_Span(covered, span.stop, span.source, span.tensor, span.offset + cut,
+                                       span.transposed))
                     covered = span.stop
             if covered < shape[axis]:
                 raise CheckpointError(f"the source holds only rows 0..{covered} of '{name}' (of {shape[axis]}) "
@@ -142,17 +150,21 @@ class CanonicalIndex:
                     lo, hi = max(span.start, c.start), min(span.stop, c.stop)
                     if lo < hi and not (c.source == span.source and c.tensor == span.tensor):
                         self.checks.append(ReplicaCheck(
-                            name, axis, ReadOp(c.source, c.tensor, c.offset + lo - c.start, hi - lo, 0),
-                            ReadOp(span.source, span.tensor, span.offset + lo - span.start, hi - lo, 0)))
+                            name, axis, ReadOp(c.source, c.tensor, c.offset + lo - c.start, hi - lo, 0,
+                                               c.transposed),
+                            ReadOp(span.source, span.tensor, span.offset + lo - span.start, hi - lo, 0,
+                                   span.transposed)))
 
-    def reads_for(self, canonical: str, start: int, stop: int, dst_start: int) -> list[ReadOp]:
-        """Read operations that fill canonical rows ``[start, stop)`` at ``dst_start`` in a target tensor."""
+    def reads_for(self, canonical: str, start: int, stop: int, dst_start: int,
+                  transposed: bool = False) -> list[ReadOp]:
+        """Read operations that fill canonical rows ``[start, stop)`` at ``dst_start`` in a target tensor
+        (``transposed``: one stored ``[in, out]``; a replica check's ops are relative to the canonical form)."""
         ops = []
         for span in self.primary[canonical]:
             lo, hi = max(start, span.start), min(stop, span.stop)
             if lo < hi:
                 ops.append(ReadOp(span.source, span.tensor, span.offset + lo - span.start, hi - lo,
-                                  dst_start + lo - start))
+                                  dst_start + lo - start, span.transposed != transposed))
         return ops
 
 
@@ -162,5 +174,5 @@ def plan_tensor(index: CanonicalIndex, target: StoredTensor, dtype: str) -> Targ
         if piece.canonical is None:
             padded = True
         else:
-            reads.extend(index.reads_for(piece.canonical, piece.start, piece.stop, offset))
+            reads.extend(index.reads_for(piece.canonical, piece.start, piece.stop, offset, target.transposed))
     return TargetTensor(target.name, target.shape, target.dtype or dtype, target.axis, reads, padded, target.fill)

@@ -39,12 +39,13 @@ def _units(array: np.ndarray, unit: int) -> np.ndarray:
 
 
 def direct(tensor: TargetTensor, files: list[TensorFile]) -> bool:
-    """Whether raw bytes can be copied: no cast, and every source tensor is stored contiguously."""
+    """Whether raw bytes can be copied: no cast, no transpose, and every source tensor is stored contiguously."""
     if tensor.fill is not None:
         return tensor.dtype in _NUMPY_FLOATS
     for op in tensor.reads:
         loc = files[op.source].tensors[op.tensor]
-        if loc.dtype != tensor.dtype or loc.strides is not None or len(loc.shape) != len(tensor.shape):
+        if loc.dtype != tensor.dtype or loc.strides is not None or len(loc.shape) != len(tensor.shape) \
+                or op.transposed:
             return False
     return True
 

@@ -1,5 +1,8 @@
 """Hugging Face layout: ``config.json`` + ``model.safetensors`` or ``model-0000i-of-0000N.safetensors`` with
-``model.safetensors.index.json`` (also reads ``pytorch_model*.bin``). Tensors are canonical: full, unfused."""
+``model.safetensors.index.json`` (also reads ``pytorch_model*.bin``). Tensors are full (TP=1) and mostly the
+canonical ones themselves; a family's mapping says where HF fuses several (Phi-3's ``qkv_proj`` = ``[q; k; v]``,
+``gate_up_proj`` = ``[gate; up]``: ``hf_stored``) or stores a matrix ``[in, out]`` (GPT-2's Conv1D:
+``hf_transposed``), and which old buffers to drop on read (``[hf] ignore``)."""
 
 from __future__ import annotations
 
@@ -8,7 +11,9 @@ import json
 import math
 import os
 
-from reshard.core.canonical import CanonicalModel, build_canonical, match_template
+from reshard.core.canonical import CanonicalModel, build_canonical, match_template, stored_whole, template_layer
+from reshard.core.pieces import StoredTensor
+from reshard.core.sharding import pack_members
 from reshard.core.model_config import ConfigLoss
 from reshard.errors import CheckpointError, PlanError
 from reshard.io import dtypes
@@ -155,36 +160,40 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
     check_index(path, paths, files)
     matched = {}
     for name in where:
-        m = match_template(family, name)
+        m = match_template(family, name, stored=True)
         if m is None:
-            if name.endswith(IGNORED_SUFFIXES):
+            if name.endswith(IGNORED_SUFFIXES) or any(template_layer(t, name) is not False for t in family.hf_ignore):
                 continue
             raise CheckpointError(f"{path}: tensor '{name}' is not a weight of mapping '{family.name}'; "
                                   "pass --mapping FILE for this architecture")
         matched[name] = m
-    present = {spec.hf for spec, _ in matched.values() if spec.optional}
+    present = {s.hf for spec, _ in matched.values() for s in family.weights
+               if s.optional and s.hf_name == spec.hf_name}
     output_spec = next((s for s in family.weights if s.tied_to), None)
-    has_output = output_spec is not None and output_spec.hf in where
+    has_output = output_spec is not None and output_spec.hf_name in where
     notes = []
     tied = bool(config.get("tie_word_embeddings", not has_output)) if output_spec else False
     if output_spec and "tie_word_embeddings" not in config and not has_output:
-        notes.append(f"config.json has no tie_word_embeddings and there is no {output_spec.hf}: taken as tied "
+        notes.append(f"config.json has no tie_word_embeddings and there is no {output_spec.hf_name}: taken as tied "
                      "(transformers' default is untied; add \"tie_word_embeddings\": true to say so)")
     model = build_canonical(family, config, present, tied)
     model.meaning = read_meaning(config, family, architecture, model.dims, present, tied, path)
     stored = []
-    for name, tensor in model.tensors.items():
+    for tensor in hf_tensors(model):
+        name = tensor.name
         if name not in where:
             raise CheckpointError(f"{path}: tensor '{name}' is missing (the config has "
                                   f"{model.num_layers} layers; is the checkpoint complete?)")
         loc = files[where[name]].tensors[name]
         check_shape(paths[where[name]], name, loc.shape, tensor.shape)
-        model.dtypes[name] = loc.dtype
-        stored.append((where[name], tensor.whole()))
+        for piece in tensor.pieces:
+            model.dtypes[piece.canonical] = loc.dtype
+        stored.append((where[name], tensor))
     if tied and has_output:  # a tied model that still stores its head: a replica of the embedding, checked
         spec = next(s for s in family.weights if s.hf == output_spec.tied_to)
-        stored.append((where[output_spec.hf], model.tensors[spec.hf].whole(output_spec.hf)))
-    extra = set(matched) - set(model.tensors) - ({output_spec.hf} if has_output and tied else set())
+        stored.append((where[output_spec.hf_name], model.tensors[spec.hf].whole(output_spec.hf_name,
+                                                                                 output_spec.hf_transposed)))
+    extra = set(matched) - {t.name for _, t in stored}
     if extra:
         raise CheckpointError(f"{path}: tensor '{sorted(extra)[0]}' does not fit the config "
                               f"({model.num_layers} layers); the config does not match the weights")
@@ -192,11 +201,28 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
                   degrees={"tp": 1, "pp": 1}, info={"config": config, "notes": notes}, side_files=side_files)
 
 
+def hf_tensors(model: CanonicalModel) -> list[StoredTensor]:
+    """The model's HF tensors in canonical order: each canonical tensor whole under its own name, except that
+    weights sharing an ``hf_stored`` name are one tensor (members whole, in slot order) and ``hf_transposed``
+    ones are stored ``[in, out]``."""
+    out = []
+    for tensor in model.tensors.values():
+        spec = tensor.spec
+        members = pack_members(model, spec, tensor.layer, lambda s: s.hf_name)
+        if members is None:
+            continue
+        name = spec.hf_name.format(layer=tensor.layer) if spec.per_layer else spec.hf_name
+        out.append(stored_whole(name, members, spec.hf_transposed))
+    return out
+
+
 def targets(model: CanonicalModel, opts: Options) -> list[TargetSpec]:
-    """Canonical tensors in HF order, packed into shards of at most ``max_shard_size`` bytes."""
-    shards = pack_by_size([t.whole() for t in model.tensors.values()],
-                          lambda t: dtypes.itemsize(opts.dtype or model.dtypes[t.name]) * math.prod(t.shape),
-                          opts.max_shard_size)
+    """The HF tensors (:func:`hf_tensors`) in canonical order, packed into shards of at most ``max_shard_size``
+    bytes."""
+    def nbytes(t: StoredTensor) -> int:
+        return dtypes.itemsize(opts.dtype or model.dtypes[t.pieces[0].canonical]) * math.prod(t.shape)
+
+    shards = pack_by_size(hf_tensors(model), nbytes, opts.max_shard_size)
     if len(shards) == 1:
         names = ["model.safetensors"]
     else:

@@ -11,9 +11,11 @@ a :class:`~reshard.core.model_config.ConfigLoss` (refused at plan time), never d
 
 from __future__ import annotations
 
+import json
+
 from reshard.core.model_config import ConfigLoss, ModelConfig, normalize_scaling
 from reshard.errors import CheckpointError, PlanError
-from reshard.mapping import ACTIVATIONS, Family
+from reshard.mapping import ACTIVATIONS, BIAS_GROUPS, Family
 
 #: The decoder's activation names -> the hidden_act transformers spells them with.
 HIDDEN_ACT = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
@@ -61,29 +63,40 @@ def _window(config: dict, spelling: str, layers: int) -> tuple[int | None, tuple
     return int(window), None if windowed == tuple(range(layers)) else windowed
 
 
+#: ModelConfig dims and the mapping's dimension symbols that hold them.
+DIM_FIELDS = (("hidden", "H"), ("ffn", "F"), ("layers", "L"), ("heads", "nh"), ("kv_heads", "ng"), ("vocab", "V"))
+
+
 def read_meaning(config: dict, family: Family, architecture: str, dims: dict[str, int], present: set[str],
                  tied: bool, where: str) -> ModelConfig:
     """The meaning of an HF-style ``config`` whose weights include the optional templates ``present``."""
     spelling = family.config.architecture(architecture)
-    theta, scaling, fraction = _rope(config, where)
+    for key, wanted in spelling.requires if spelling else ():
+        if key in config and config[key] != wanted:
+            raise CheckpointError(f"{where}: config.json sets {key} = {json.dumps(config[key])}, which changes what "
+                                  f"{architecture} computes and which reshard does not carry (it needs "
+                                  f"{json.dumps(wanted)}); converting it would silently compute another function")
+    position = family.decoder.position
+    theta, scaling, fraction = _rope(config, where) if position == "rope" else (10000.0, None, 1.0)
     biases = {}
     for group, templates in family.config.bias_groups:
-        found = [t in present for t in templates]
+        found = [family.holds(t, present) for t in templates]
         if any(found) and not all(found):
             missing = [t for t, f in zip(templates, found) if not f]
             raise CheckpointError(f"{where}: the {group} biases are partly present ({missing[0]} is missing): "
                                   "the weights are incomplete")
         biases[group] = all(found)
     window, windowed = _window(config, spelling.window if spelling else "none", dims["L"])
-    act = config.get("hidden_act") or family.decoder.activation
+    act = config.get(family.config.activation) or family.decoder.activation
     return ModelConfig(
         architecture=architecture, hidden=dims["H"], layers=dims["L"], heads=dims["nh"],
         kv_heads=dims.get("ng", dims["nh"]), head_dim=dims.get("d", dims["H"] // dims["nh"]), ffn=dims.get("F", 0),
-        vocab=dims["V"], max_positions=config.get("max_position_embeddings"), norm=family.decoder.norm,
+        vocab=dims["V"], max_positions=config.get(family.config.max_positions), norm=family.decoder.norm,
         norm_eps=float(config.get(family.config.norm_eps, 1e-6)), activation=ACTIVATIONS.get(act, act),
         rope_theta=theta, rope_scaling=scaling, rotary_fraction=fraction, sliding_window=window,
         sliding_layers=windowed, qkv_bias=biases.get("qkv", False), o_bias=biases.get("o", False),
-        mlp_bias=biases.get("mlp", False), tied=tied)
+        mlp_bias=biases.get("mlp", False), tied=tied, position=position,
+        gated_mlp=family.decoder.mlp == "gated", qk_norm=family.role_spec("q_norm") is not None)
 
 
 def write_config(meaning: ModelConfig, base: dict | None, family: Family, loss: ConfigLoss) -> dict:
@@ -94,21 +107,46 @@ def write_config(meaning: ModelConfig, base: dict | None, family: Family, loss: 
         raise PlanError(f"mapping '{family.name}' has no [config.architectures.{meaning.architecture}] table: "
                         "reshard does not know how its config.json spells the model")
     c = dict(base or {})
-    c.update(architectures=[meaning.architecture], model_type=spelling.model_type, hidden_size=meaning.hidden,
-             intermediate_size=meaning.ffn, num_hidden_layers=meaning.layers, num_attention_heads=meaning.heads,
-             num_key_value_heads=meaning.kv_heads, vocab_size=meaning.vocab, tie_word_embeddings=meaning.tied)
+    c.update(architectures=[meaning.architecture], model_type=spelling.model_type, tie_word_embeddings=meaning.tied)
+    written: dict[str, tuple[str, int]] = {}
+    for field, symbol in DIM_FIELDS:
+        key = family.dims.get(symbol, (None, None))[0]
+        value = getattr(meaning, field)
+        if key is None:
+            continue
+        if key in written and written[key][1] != value:
+            loss.cannot(field, value, f"{meaning.architecture} spells {field} and {written[key][0]} with one key "
+                        f"({key}), so they must be equal ({written[key][1]})")
+            continue
+        written[key] = (field, value)
+        c[key] = value
+    head_key = family.dims.get("d", (None, None))[0]
+    if head_key is None:
+        if meaning.head_dim != meaning.hidden // meaning.heads:
+            loss.cannot("head_dim", meaning.head_dim, f"{meaning.architecture}'s head dim is always hidden / heads")
+    elif head_key in c or meaning.head_dim != meaning.hidden // meaning.heads:
+        c[head_key] = meaning.head_dim
     c[family.config.norm_eps] = meaning.norm_eps
-    if "head_dim" in c or meaning.head_dim != meaning.hidden // meaning.heads:
-        c["head_dim"] = meaning.head_dim
     if meaning.max_positions is not None:
-        c["max_position_embeddings"] = meaning.max_positions
-    if ACTIVATIONS.get(c.get("hidden_act")) != meaning.activation:
+        c[family.config.max_positions] = meaning.max_positions
+    act_key = family.config.activation
+    if ACTIVATIONS.get(c.get(act_key)) != meaning.activation:
         if meaning.activation not in HIDDEN_ACT:
             loss.cannot("activation", meaning.activation, "no transformers hidden_act spells it")
-        c["hidden_act"] = HIDDEN_ACT.get(meaning.activation, meaning.activation)
-    _write_rope(c, meaning, spelling.rotary_fraction, loss)
+        c[act_key] = HIDDEN_ACT.get(meaning.activation, meaning.activation)
+    features = family.decoder
+    for field, value, has in (("norm", meaning.norm, features.norm), ("position", meaning.position, features.position),
+                              ("gated_mlp", meaning.gated_mlp, features.mlp == "gated"),
+                              ("qk_norm", meaning.qk_norm, family.role_spec("q_norm") is not None)):
+        if value != has:
+            loss.cannot(field, value, f"{meaning.architecture} has {field} = {has!r}")
+    if features.position == "rope":
+        _write_rope(c, meaning, spelling.rotary_fraction, loss)
     if meaning.residual_post_norm:
         loss.cannot("residual_post_norm", True, "transformers' decoders add the residual before the norm")
+    for group in BIAS_GROUPS:
+        if group not in dict(spelling.biases) and getattr(meaning, f"{group}_bias"):
+            loss.cannot(f"{group}_bias", True, f"{meaning.architecture} has no {group} biases")
     assigned: dict[str, bool] = {}
     for group, setting in spelling.biases:
         value = getattr(meaning, f"{group}_bias")

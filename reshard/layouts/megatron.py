@@ -185,7 +185,9 @@ def read_args(args, opts: Options, root: str, where: str) -> tuple[ModelConfig, 
     architecture = opts.architecture or ((recorded.get("architectures") or [None])[0] if recorded else None)
     meaning = meaning_from_args(args, vocab, architecture, where)
     family = family_for_architecture(meaning.architecture, opts.mapping)
-    base = recorded or {"torch_dtype": _args_dtype(args), "head_dim": meaning.head_dim}
+    base = recorded or {"torch_dtype": _args_dtype(args)}
+    if not recorded and "d" in family.dims:
+        base[family.dims["d"][0]] = meaning.head_dim
     config = write_hf_config(meaning, base, family, ConfigLoss("record"))  # losses are refused by each target
     return meaning, family, config
 
@@ -275,9 +277,9 @@ def open_source(path: str, opts: Options) -> Source:
         raise CheckpointError(f"{folder}: the rank files use legacy (pre-Megatron-Core) Megatron-LM names such as "
                               f"'{legacy[0]}'; reshard reads Megatron-Core (mcore) checkpoints: convert it with "
                               "Megatron-LM's tools/checkpoint (--saver mcore) first")
-    if offset != config["num_hidden_layers"]:
+    if offset != meaning.layers:
         raise CheckpointError(f"{folder}: the rank files hold {offset} layers but args say "
-                              f"{config['num_hidden_layers']}: a pipeline stage is missing or inconsistent")
+                              f"{meaning.layers}: a pipeline stage is missing or inconsistent")
 
     present = set()
     for spec in family.weights:
@@ -287,7 +289,7 @@ def open_source(path: str, opts: Options) -> Source:
     model = build_canonical(family, config, present, tied)
     model.meaning = meaning
     for group, templates in family.config.bias_groups:
-        has = all(t in present for t in templates)
+        has = all(family.holds(t, present) for t in templates)
         if has != getattr(meaning, f"{group}_bias"):
             raise CheckpointError(f"{folder}: the args {'do not ' if has else ''}ask for {group} biases but the rank "
                                   f"files {'hold' if has else 'lack'} them (add_bias_linear="

@@ -6,8 +6,11 @@ The args fields that change what a Megatron-Core GPT model computes, as Megatron
 length 8192); ``rotary_seq_len_interpolation_factor`` (linear scaling); ``rotary_percent``; ``rotary_interleaved``;
 ``window_size`` ``(left, 0)`` (a window of ``left + 1`` tokens on every layer; ``window_attn_skip_freq`` mixes
 in full layers); ``add_qkv_bias`` (q/k/v biases) and ``add_bias_linear`` (every linear); ``swiglu`` (SiLU-gated
-MLP); ``normalization`` and ``norm_epsilon``; ``apply_residual_connection_post_layernorm``;
-``untie_embeddings_and_output_weights``; the dims. Anything else in the meaning is a loss for this target.
+MLP; without it the MLP is plain GELU: megatron-core's fused ``bias_gelu`` (``bias_gelu_fusion``, Megatron-LM's
+default, with biases) is the tanh approximation, else exact erf GELU); ``normalization`` and ``norm_epsilon``;
+``position_embedding_type`` (``rope`` or ``learned_absolute``); ``qk_layernorm``;
+``apply_residual_connection_post_layernorm``; ``untie_embeddings_and_output_weights``; the dims (``num_query_groups``
+only counts with ``group_query_attention``). Anything else in the meaning is a loss for this target.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ UNCARRIED = {
     "activation_func_clamp_value": None,
     "no_rope_freq": None,  # layers without RoPE
     "apply_layernorm_1p": False,  # zero-centred norm weights (applied as 1 + w)
-    "qk_layernorm": False,
     "qk_l2_norm": False,
+    "squared_relu": False,
+    "quick_geglu": False,
     "num_experts": None,  # Mixture of Experts
     "multi_latent_attention": False,
     "mtp_num_layers": None,  # multi-token prediction heads
@@ -39,10 +43,11 @@ def meaning_from_args(args, vocab: int, architecture: str | None, where: str) ->
     """The meaning of a Megatron run's ``args`` (``architecture``: recorded or given, else derived)."""
     get = lambda key, default=None: getattr(args, key, default)  # noqa: E731
     position = get("position_embedding_type", "learned_absolute")
-    if not get("swiglu", False) or get("normalization", "LayerNorm") != "RMSNorm" or position != "rope":
-        what = position if position != "rope" else "swiglu and RMSNorm"
-        raise CheckpointError(f"{where}: this Megatron checkpoint is not a Llama-family model (its args need "
-                              f"swiglu, RMSNorm and rope; it has {what}); no shipped mapping covers it")
+    norm = {"RMSNorm": "rms", "LayerNorm": "layer"}.get(get("normalization", "LayerNorm"))
+    if position not in ("rope", "learned_absolute") or norm is None:
+        what = (f"position_embedding_type {position}" if position not in ("rope", "learned_absolute")
+                else f"normalization {get('normalization')}")
+        raise CheckpointError(f"{where}: this Megatron checkpoint uses {what}, which no shipped mapping covers")
     for key, neutral in UNCARRIED.items():
         value = get(key, neutral)
         if value is not None and value != neutral:
@@ -69,20 +74,27 @@ def meaning_from_args(args, vocab: int, architecture: str | None, where: str) ->
                                   "layers among windowed ones) is not supported yet")
     qkv_bias = bool(get("add_qkv_bias", False) or get("add_bias_linear", False))
     bias = bool(get("add_bias_linear", False))
+    gated = bool(get("swiglu", False))
+    activation = "silu" if gated else "gelu_tanh" if get("bias_gelu_fusion", True) and bias else "gelu"
+    learned, qk_norm = position == "learned_absolute", bool(get("qk_layernorm", False))
     if architecture is None:
-        architecture = ("MistralForCausalLM" if window else "Qwen2ForCausalLM" if qkv_bias and not bias
-                        else "LlamaForCausalLM")
+        architecture = ("GPT2LMHeadModel" if learned else "Qwen3ForCausalLM" if qk_norm
+                        else "Starcoder2ForCausalLM" if not gated else "MistralForCausalLM" if window
+                        else "Qwen2ForCausalLM" if qkv_bias and not bias else "LlamaForCausalLM")
     hidden = get("hidden_size")
     return ModelConfig(
         architecture=architecture, hidden=hidden, layers=get("num_layers"), heads=heads,
         kv_heads=groups or heads, head_dim=get("kv_channels") or hidden // heads, ffn=get("ffn_hidden_size"),
-        vocab=vocab, max_positions=get("max_position_embeddings") or get("seq_length"), norm="rms",
-        norm_eps=float(get("norm_epsilon", 1e-5)), activation="silu", rope_theta=float(get("rotary_base", 10000)),
-        rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
-        rotary_fraction=float(get("rotary_percent", 1.0)), rope_interleaved=bool(get("rotary_interleaved", False)),
+        vocab=vocab, max_positions=get("max_position_embeddings") or get("seq_length"), norm=norm,
+        norm_eps=float(get("norm_epsilon", 1e-5)), activation=activation,
+        rope_theta=10000.0 if learned else float(get("rotary_base", 10000)),
+        rope_scaling=tuple(sorted(scaling.items())) if scaling and not learned else None,
+        rotary_fraction=1.0 if learned else float(get("rotary_percent", 1.0)),
+        rope_interleaved=False if learned else bool(get("rotary_interleaved", False)),
         sliding_window=window, sliding_layers=windowed, qkv_bias=qkv_bias, o_bias=bias, mlp_bias=bias,
         tied=not get("untie_embeddings_and_output_weights", False),
-        residual_post_norm=bool(get("apply_residual_connection_post_layernorm", False)))
+        residual_post_norm=bool(get("apply_residual_connection_post_layernorm", False)),
+        position="learned" if learned else "rope", gated_mlp=gated, qk_norm=qk_norm)
 
 
 def args_from_meaning(meaning: ModelConfig, loss: ConfigLoss) -> dict[str, Any]:
@@ -91,17 +103,26 @@ def args_from_meaning(meaning: ModelConfig, loss: ConfigLoss) -> dict[str, Any]:
     values: dict[str, Any] = dict(
         num_layers=m.layers, hidden_size=m.hidden, ffn_hidden_size=m.ffn, num_attention_heads=m.heads,
         group_query_attention=m.kv_heads != m.heads, num_query_groups=m.kv_heads, kv_channels=m.head_dim,
-        vocab_size=m.vocab, max_position_embeddings=m.max_positions, swiglu=True, normalization="RMSNorm",
-        norm_epsilon=m.norm_eps, position_embedding_type="rope", use_rotary_position_embeddings=True,
-        rotary_percent=m.rotary_fraction, rotary_interleaved=m.rope_interleaved,
+        vocab_size=m.vocab, max_position_embeddings=m.max_positions, swiglu=m.gated_mlp,
+        normalization="RMSNorm" if m.norm == "rms" else "LayerNorm", norm_epsilon=m.norm_eps,
+        position_embedding_type="rope" if m.position == "rope" else "learned_absolute",
+        use_rotary_position_embeddings=m.position == "rope", rotary_percent=m.rotary_fraction,
+        rotary_interleaved=m.rope_interleaved, qk_layernorm=m.qk_norm,
         apply_residual_connection_post_layernorm=m.residual_post_norm,
         untie_embeddings_and_output_weights=not m.tied, use_rope_scaling=False,
         rotary_seq_len_interpolation_factor=None, window_size=None,
     )
-    if m.norm != "rms":
-        loss.cannot("norm", m.norm, "this Megatron mapping writes RMSNorm")
-    if m.activation != "silu":
+    if m.norm not in ("rms", "layer"):
+        loss.cannot("norm", m.norm, "Megatron-LM's args spell RMSNorm and LayerNorm")
+    if m.gated_mlp and m.activation != "silu":
         loss.cannot("activation", m.activation, "Megatron-LM's args spell a gated MLP only as swiglu (SiLU)")
+    elif not m.gated_mlp:
+        if m.activation == "gelu_tanh" and not m.mlp_bias:
+            loss.cannot("activation", m.activation, "megatron-core computes tanh GELU only in its fused bias_gelu, "
+                        "which needs MLP biases")
+        elif m.activation not in ("gelu", "gelu_tanh"):
+            loss.cannot("activation", m.activation, "Megatron-LM's args spell an ungated MLP only as GELU")
+        values["bias_gelu_fusion"] = m.activation == "gelu_tanh"
     theta = m.rope_theta
     if theta != int(theta):
         loss.cannot("rope_theta", theta, "Megatron-LM's --rotary-base is an integer")

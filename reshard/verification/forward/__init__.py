@@ -58,8 +58,8 @@ def verify_forward(a: str, b: str, *, nproc: int | None = None, backend: str | N
         degrees = (sa.degrees.get("tp", 1), sb.degrees.get("tp", 1))
         vocabs = (sa.model.vocab_size, sb.model.vocab_size)
         meanings = (sa.model.meaning, sb.model.meaning)
-        config_a = DecoderConfig.from_meaning(meanings[0], sa.model.family.decoder)  # refuses what it lacks
-        config_b = DecoderConfig.from_meaning(meanings[1], sb.model.family.decoder)
+        config_a = DecoderConfig.from_meaning(meanings[0])  # refuses what it lacks
+        config_b = DecoderConfig.from_meaning(meanings[1])
         ffn_b = meanings[1].ffn
     for label, name in zip("AB", layouts):
         if get_layout(name).rank_loader is None:

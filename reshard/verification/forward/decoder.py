@@ -1,16 +1,17 @@
 """A reference decoder with Megatron-style tensor parallelism (pure torch + torch.distributed), composed from the
 features a family's ``[decoder]`` table declares (:class:`~reshard.mapping.DecoderFeatures`), never from its name.
 
-Per rank: vocab-parallel embedding (ids outside the rank's rows masked to zero, then all-reduce); then per layer
-(pre-norm residual blocks)::
+Per rank: vocab-parallel embedding (ids outside the rank's rows masked to zero, then all-reduce), plus the learned
+position embedding (``position = "learned"``, whole on every rank); then per layer (pre-norm residual blocks)::
 
-    x = x + o_proj(attention(rope(q(n1(x))), rope(k(n1(x))), v(n1(x))))     # one all-reduce after o_proj
+    x = x + o_proj(attention(rope(qn(q(n1(x)))), rope(kn(k(n1(x)))), v(n1(x))))    # one all-reduce after o_proj
     x = x + down(act(gate(n2(x))) * up(n2(x)))    mlp = "gated"              # one all-reduce after down
     x = x + down(act(up(n2(x))))                   mlp = "plain"
 
 ``norm``: ``rms`` (HF order: ``weight * (x * rsqrt(mean(x^2) + eps))``) or ``layer`` (LayerNorm, optional bias);
-``act``: silu, gelu, gelu_tanh, relu. Column-parallel q/k/v (local heads, optional biases), rotate-half RoPE with
-``rope_theta`` and ``rope_scaling`` (``linear``, ``llama3``), causal attention with GQA (local q head j reads
+``act``: silu, gelu, gelu_tanh, relu; ``qn`` / ``kn``: an RMSNorm over each head's ``head_dim`` (``qk_norm``, Qwen3),
+else identity; ``rope``: identity with learned positions. Column-parallel q/k/v (local heads, optional biases),
+rotate-half RoPE with ``rope_theta`` and ``rope_scaling`` (``linear``, ``llama3``), causal attention with GQA (local q head j reads
 local KV head ``j // (local q heads / local KV heads)``) and an optional sliding window; final norm;
 vocab-parallel head whose logits are all-gathered over the padded vocab. Row-parallel biases are added once,
 after the all-reduce. Everything is computed in ``compute_dtype`` (fp32 by default). Weights that the features
@@ -140,11 +141,15 @@ def attention_mask(seq_len: int, window: int | None, device) -> torch.Tensor:
 def attention(x: torch.Tensor, w: LayerWeights, config: DecoderConfig, cos, sin, mask, tp: TPGroup) -> torch.Tensor:
     b, s, _ = x.shape
     d = config.head_dim
-    q = _linear(x, w.q, w.q_bias).view(b, s, -1, d).transpose(1, 2)
-    k = _linear(x, w.k, w.k_bias).view(b, s, -1, d).transpose(1, 2)
+    q = _linear(x, w.q, w.q_bias).view(b, s, -1, d)
+    k = _linear(x, w.k, w.k_bias).view(b, s, -1, d)
+    if config.qk_norm:
+        q, k = rms_norm(q, w.q_norm, config.eps), rms_norm(k, w.k_norm, config.eps)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
     v = _linear(x, w.v, w.v_bias).view(b, s, -1, d).transpose(1, 2)
-    q = q * cos + rotate_half(q) * sin
-    k = k * cos + rotate_half(k) * sin
+    if config.position == "rope":
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
     local_q, local_kv = q.shape[1], k.shape[1]
     if local_q % local_kv:
         raise ReshardError(f"rank holds {local_q} query heads and {local_kv} KV heads: not a GQA grouping")
@@ -185,6 +190,7 @@ def cast_weights(weights: RankWeights, dtype: torch.dtype, device) -> RankWeight
     weights.final_norm = conv(weights.final_norm)
     weights.final_norm_bias = conv(weights.final_norm_bias)
     weights.lm_head = conv(weights.lm_head)
+    weights.position_embedding = conv(weights.position_embedding)
     for layer in weights.layers:
         for name in layer.__dataclass_fields__:
             setattr(layer, name, conv(getattr(layer, name)))
@@ -192,19 +198,30 @@ def cast_weights(weights: RankWeights, dtype: torch.dtype, device) -> RankWeight
 
 
 def check_features(weights: RankWeights) -> None:
-    """Refuse weights that do not fit the features: a gated MLP needs ``gate``, a plain one has none; only
-    LayerNorm has norm biases; only rotary positions are implemented."""
+    """Refuse weights that do not fit the features: every projection present; a gated MLP needs ``gate``, a plain
+    one has none; only LayerNorm has norm biases; q/k norms exactly with ``qk_norm``; a position embedding exactly
+    with learned positions."""
     config = weights.config
-    if config.position != "rope" or config.norm not in ("rms", "layer") or config.mlp not in ("gated", "plain") \
-            or config.activation not in ACTIVATION_FUNCTIONS:
+    if config.position not in ("rope", "learned") or config.norm not in ("rms", "layer") \
+            or config.mlp not in ("gated", "plain") or config.activation not in ACTIVATION_FUNCTIONS:
         raise ReshardError(f"the forward verifier has no decoder for position={config.position}, norm={config.norm},"
                            f" mlp={config.mlp}, activation={config.activation}")
+    if (weights.position_embedding is None) != (config.position != "learned"):
+        raise ReshardError("learned positions need a position embedding" if config.position == "learned"
+                           else "the checkpoint holds a position embedding, but the model uses RoPE")
     for i, layer in enumerate(weights.layers):
+        missing = [n for n in ("input_norm", "post_norm", "q", "k", "v", "o", "up", "down")
+                   if getattr(layer, n) is None]
+        if missing:
+            raise ReshardError(f"layer {i}: the checkpoint has no {missing[0]} weight (a mapping without decoder roles?)")
         if (layer.gate is None) != (config.mlp == "plain"):
             raise ReshardError(f"layer {i}: a {config.mlp} MLP " + ("needs a gate projection" if layer.gate is None
                                else "has no gate projection, but the checkpoint holds one"))
         if config.norm == "rms" and (layer.input_norm_bias is not None or layer.post_norm_bias is not None):
             raise ReshardError(f"layer {i}: RMSNorm has no bias, but the checkpoint holds norm biases")
+        if (layer.q_norm is None or layer.k_norm is None) == config.qk_norm:
+            raise ReshardError(f"layer {i}: " + ("per-head q/k norms need q_norm and k_norm weights" if config.qk_norm
+                               else "the checkpoint holds q/k norms, but the config has none"))
     if config.norm == "rms" and weights.final_norm_bias is not None:
         raise ReshardError("the final RMSNorm has no bias, but the checkpoint holds one")
 
@@ -216,6 +233,8 @@ def forward(weights: RankWeights, ids: torch.Tensor, tp: TPGroup, record: bool =
     dtype = weights.embedding.dtype
     out = ForwardOutput(logits=torch.empty(0))
     x = embed(ids, weights.embedding, weights.vocab_start, tp)
+    if weights.position_embedding is not None:
+        x = x + weights.position_embedding[:ids.shape[1]]
     if record:
         out.states.append(("embedding", x.detach().cpu()))
     cos, sin = rope_cos_sin(config, ids.shape[1], ids.device, dtype)

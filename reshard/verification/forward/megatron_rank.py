@@ -20,7 +20,7 @@ from reshard.io.torch_format import TorchFile
 from reshard.layouts import megatron
 from reshard.layouts.base import Options
 from reshard.verification.forward.rank_weights import (DecoderConfig, LayerWeights, RankWeights, check_world,
-                                                       split_grouped_qkv, split_halves)
+                                                       split_grouped_qkv, unpack)
 
 _CHUNK = re.compile(r"^model\d*$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -68,56 +68,55 @@ def _read(path: str, folder: str, files: list[TorchFile], rank: int, world: int,
     args = first["args"]
     root = megatron._checkpoint_root(path, folder)
     meaning, family, _ = megatron.read_args(args, opts, root, folder)
-    config = DecoderConfig.from_meaning(meaning, family.decoder)
+    config = DecoderConfig.from_meaning(meaning)
     check_world(config, world, meaning.ffn)
     all_keys = {k for f in files for c in _chunks(f) for k in f.structure[c]}
     spec_name = "te" if any(k.endswith("linear_qkv.layer_norm_weight") for k in all_keys) else "local"
-    names = {s.hf: s.megatron_name(spec_name) for s in family.weights}
     chunks = _chunks(files[0])
+    q_per_group = config.heads // config.kv_heads
+    cache: dict[str, object] = {}
 
-    def get(f: TorchFile, chunk: str, hf_name: str, layer: int | None = None, optional: bool = False):
-        name = names[hf_name].format(layer=layer) if layer is not None else names[hf_name]
+    def get(f: TorchFile, chunk: str, spec, layer: int | None = None, name_spec=None):
+        """``spec``'s local tensor (its slot of a fused tensor); None when an optional weight is absent."""
+        template = (name_spec or spec).megatron_name(spec_name)
+        name = template.format(layer=layer) if layer is not None else template
         key = f"{chunk}/{name}"
         if key not in f.tensors:
-            if optional:
+            if spec.optional:
                 return None
             raise CheckpointError(f"{f.path}: tensor '{name}' is missing from the rank file")
-        return f.read(key)
+        if (f.path, key) not in cache:
+            cache.clear()  # a fused tensor's slots are read one after another
+            cache[(f.path, key)] = f.read(key)
+        return unpack(spec, cache[(f.path, key)], lambda t: split_grouped_qkv(t, q_per_group, config.head_dim))
 
-    q_per_group = config.heads // config.kv_heads
+    layer_specs = [s for s in family.weights if s.role and s.per_layer]
     layers: list[LayerWeights] = []
     for chunk in chunks:  # global layer order: chunk-major, then pipeline stage
         for f in files:
             if chunk not in f.structure:
                 continue
             for i in range(_layer_count(f, chunk)):
-                p = "model.layers.{layer}."
-                q, k, v = split_grouped_qkv(get(f, chunk, p + "self_attn.q_proj.weight", i), q_per_group,
-                                            config.head_dim)
-                bias = get(f, chunk, p + "self_attn.q_proj.bias", i, optional=True)
-                qb, kb, vb = split_grouped_qkv(bias, q_per_group, config.head_dim) if bias is not None else (None,) * 3
-                gate, up = split_halves(get(f, chunk, p + "mlp.gate_proj.weight", i))
-                fc1_bias = get(f, chunk, p + "mlp.gate_proj.bias", i, optional=True)
-                gb, ub = split_halves(fc1_bias) if fc1_bias is not None else (None, None)
-                layers.append(LayerWeights(
-                    input_norm=get(f, chunk, p + "input_layernorm.weight", i),
-                    post_norm=get(f, chunk, p + "post_attention_layernorm.weight", i),
-                    q=q, k=k, v=v, o=get(f, chunk, p + "self_attn.o_proj.weight", i),
-                    gate=gate, up=up, down=get(f, chunk, p + "mlp.down_proj.weight", i),
-                    q_bias=qb, k_bias=kb, v_bias=vb, o_bias=get(f, chunk, p + "self_attn.o_proj.bias", i, True),
-                    gate_bias=gb, up_bias=ub, down_bias=get(f, chunk, p + "mlp.down_proj.bias", i, True)))
+                layers.append(LayerWeights(**{s.role: get(f, chunk, s, i) for s in layer_specs}))
     if len(layers) != config.layers:
         raise CheckpointError(f"{folder}: rank {rank}'s files hold {len(layers)} layers but the args say "
                               f"{config.layers}: a pipeline stage is missing or inconsistent")
-    embedding = get(files[0], chunks[0], "model.embed_tokens.weight")
+    role = family.role_spec
+    embedding = get(files[0], chunks[0], role("embedding"))
+    positions = get(files[0], chunks[0], role("position_embedding")) if role("position_embedding") else None
     last, last_chunk = files[-1], _chunks(files[-1])[-1]
     tied = not getattr(args, "untie_embeddings_and_output_weights", False)
     # Tied with pp=1: the head is the embedding. Tied with pp>1: the last stage keeps its own copy.
-    lm_head = None if tied and len(files) == 1 and len(chunks) == 1 else get(last, last_chunk, "lm_head.weight")
+    head = role("lm_head")
+    lm_head = None if tied and len(files) == 1 and len(chunks) == 1 else \
+        get(last, last_chunk, role("embedding") if tied else head, name_spec=head)
     rows = embedding.shape[0]
     if lm_head is not None and lm_head.shape[0] != rows:
         raise CheckpointError(f"{last.path}: output_layer has {lm_head.shape[0]} rows, the embedding {rows}")
+    final_bias = role("final_norm_bias")
     return RankWeights(config=config, rank=rank, world=world, embedding=embedding, vocab_start=rank * rows,
-                       layers=layers, final_norm=get(last, last_chunk, "model.norm.weight"), lm_head=lm_head,
+                       layers=layers, final_norm=get(last, last_chunk, role("final_norm")), lm_head=lm_head,
                        lm_head_start=rank * rows, padded_vocab=rows * world, dtype=embedding.dtype,
-                       files=[os.path.relpath(f.path, path) for f in files])
+                       files=[os.path.relpath(f.path, path) for f in files],
+                       final_norm_bias=get(last, last_chunk, final_bias) if final_bias else None,
+                       position_embedding=positions)

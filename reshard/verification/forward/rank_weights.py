@@ -22,7 +22,7 @@ import torch
 
 from reshard.errors import CheckpointError, ReshardError
 from reshard.core.model_config import ModelConfig
-from reshard.mapping import DecoderFeatures
+from reshard.mapping import WeightSpec
 
 #: RoPE scaling types and activations the decoder implements (decoder.rope_inv_freq, ACTIVATION_FUNCTIONS).
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -47,17 +47,18 @@ class DecoderConfig:
     architecture: str = ""
     norm: str = "rms"  # rms | layer
     mlp: str = "gated"  # gated | plain
-    position: str = "rope"
+    position: str = "rope"  # rope | learned
     activation: str = "silu"  # silu | gelu | gelu_tanh | relu
+    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE
 
     @classmethod
-    def from_meaning(cls, meaning: ModelConfig, features: DecoderFeatures = DecoderFeatures()) -> "DecoderConfig":
-        """From the canonical config and the family's decoder features; refuses (before any worker starts, as
-        ``verify --forward`` builds it for both sides first) what the decoder does not implement."""
+    def from_meaning(cls, meaning: ModelConfig) -> "DecoderConfig":
+        """From the canonical config; refuses (before any worker starts, as ``verify --forward`` builds it for
+        both sides first) what the decoder does not implement."""
         lacking = []
-        if meaning.rope_type not in ROPE_TYPES:
+        if meaning.position == "rope" and meaning.rope_type not in ROPE_TYPES:
             lacking.append(f"rope_scaling type '{meaning.rope_type}' (it implements {', '.join(ROPE_TYPES)})")
-        if meaning.rotary_fraction != 1.0:
+        if meaning.position == "rope" and meaning.rotary_fraction != 1.0:
             lacking.append(f"partial rotary ({meaning.rotary_fraction})")
         if meaning.rope_interleaved:
             lacking.append("interleaved RoPE")
@@ -71,24 +72,26 @@ class DecoderConfig:
         return cls(hidden=meaning.hidden, heads=meaning.heads, kv_heads=meaning.kv_heads, head_dim=meaning.head_dim,
                    layers=meaning.layers, vocab=meaning.vocab, eps=meaning.norm_eps, rope_theta=meaning.rope_theta,
                    rope_scaling=meaning.scaling or None, sliding_window=meaning.sliding_window,
-                   window_layers=meaning.windowed_layers(), architecture=meaning.architecture, norm=features.norm,
-                   mlp=features.mlp, position=features.position, activation=meaning.activation)
+                   window_layers=meaning.windowed_layers(), architecture=meaning.architecture, norm=meaning.norm,
+                   mlp="gated" if meaning.gated_mlp else "plain", position=meaning.position,
+                   activation=meaning.activation, qk_norm=meaning.qk_norm)
 
 
 @dataclass
 class LayerWeights:
-    """One layer's local tensors. ``gate`` is None for a plain MLP (``up`` is then its first linear); norm biases
-    are None for RMSNorm."""
+    """One layer's local tensors, one field per mapping role (:data:`reshard.mapping.LAYER_ROLES`). ``gate`` is
+    None for a plain MLP (``up`` is then its first linear); norm biases are None for RMSNorm; ``q_norm`` /
+    ``k_norm`` (``[head_dim]``) only with per-head q/k norms."""
 
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    o: torch.Tensor
-    gate: torch.Tensor | None
-    up: torch.Tensor
-    down: torch.Tensor
+    input_norm: torch.Tensor | None = None
+    post_norm: torch.Tensor | None = None
+    q: torch.Tensor | None = None
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    o: torch.Tensor | None = None
+    gate: torch.Tensor | None = None
+    up: torch.Tensor | None = None
+    down: torch.Tensor | None = None
     q_bias: torch.Tensor | None = None
     k_bias: torch.Tensor | None = None
     v_bias: torch.Tensor | None = None
@@ -98,6 +101,8 @@ class LayerWeights:
     down_bias: torch.Tensor | None = None  # replicated, added once after the all-reduce
     input_norm_bias: torch.Tensor | None = None  # LayerNorm only
     post_norm_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
 
 @dataclass
@@ -117,6 +122,7 @@ class RankWeights:
     dtype: torch.dtype
     files: list[str] = field(default_factory=list)  # the files this rank read
     final_norm_bias: torch.Tensor | None = None  # LayerNorm only
+    position_embedding: torch.Tensor | None = None  # learned positions: [max positions, H], whole on every rank
 
     @property
     def vocab_size(self) -> int:
@@ -172,6 +178,16 @@ def split_halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise CheckpointError(f"fused gate/up has an odd row count {t.shape[0]}")
     gate, up = t.chunk(2, dim=0)
     return gate, up
+
+
+def unpack(spec: WeightSpec, stored: torch.Tensor, split_qkv) -> torch.Tensor:
+    """``spec``'s part of a rank's stored tensor: its slot of a fused qkv (``split_qkv``) or gate/up pack, else
+    the tensor itself."""
+    if spec.split == "qkv":
+        return split_qkv(stored)["qkv".index(spec.slot)]
+    if spec.split == "gate_up":
+        return split_halves(stored)[("gate", "up").index(spec.slot)]
+    return stored
 
 
 def padded_vocab_for(vocab: int, multiple: int) -> int:

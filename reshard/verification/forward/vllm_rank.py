@@ -17,7 +17,7 @@ from reshard.layouts.base import Options
 from reshard.layouts.hf_config import read_meaning
 from reshard.mapping import family_for_architecture
 from reshard.verification.forward.rank_weights import (DecoderConfig, LayerWeights, RankWeights, check_world,
-                                                       split_halves, split_stacked_qkv)
+                                                       split_stacked_qkv, unpack)
 
 
 def load_rank(path: str, rank: int, world: int, opts: Options) -> RankWeights:
@@ -38,49 +38,38 @@ def _read(path: str, files: list[SafetensorsFile], rank: int, world: int, opts: 
     family = family_for_architecture(hf.architecture_of(hf_config, opts), opts.mapping)
     dims = family.resolve_dims(hf_config)
     where = {name: f for f in files for name in f.tensors}
-    names = {s.hf: s.vllm_name for s in family.weights}
     present = {s.hf for s in family.weights if s.optional and s.vllm_name.format(layer=0) in where}
-    emb_name, head_name = names["model.embed_tokens.weight"], names["lm_head.weight"]
+    role = family.role_spec
+    emb_name, head_name = role("embedding").vllm_name, role("lm_head").vllm_name
     tied = not (emb_name in where and head_name in where)
     meaning = read_meaning(hf_config, family, hf.architecture_of(hf_config, opts), dims, present, tied, path)
-    config = DecoderConfig.from_meaning(meaning, family.decoder)
+    config = DecoderConfig.from_meaning(meaning)
     check_world(config, world, dims["F"])
-
-    def get(hf_name: str, layer: int | None = None, optional: bool = False):
-        name = names[hf_name].format(layer=layer) if layer is not None else names[hf_name]
-        if name not in where:
-            if optional:
-                return None
-            raise CheckpointError(f"{path}: tensor '{name}' is missing from rank {rank}'s files")
-        return where[name].read(name)
-
     d = config.head_dim
     q_rows = config.heads // world * d
     kv_rows = max(config.kv_heads // world, 1) * d
-    layers = []
-    for i in range(config.layers):
-        p = "model.layers.{layer}."
-        q, k, v = split_stacked_qkv(get(p + "self_attn.q_proj.weight", i), q_rows, kv_rows)
-        bias = get(p + "self_attn.q_proj.bias", i, optional=True)
-        qb, kb, vb = split_stacked_qkv(bias, q_rows, kv_rows) if bias is not None else (None,) * 3
-        gate, up = split_halves(get(p + "mlp.gate_proj.weight", i))
-        gate_up_bias = get(p + "mlp.gate_proj.bias", i, optional=True)
-        gb, ub = split_halves(gate_up_bias) if gate_up_bias is not None else (None, None)
-        layers.append(LayerWeights(
-            input_norm=get(p + "input_layernorm.weight", i), post_norm=get(p + "post_attention_layernorm.weight", i),
-            q=q, k=k, v=v, o=get(p + "self_attn.o_proj.weight", i), gate=gate, up=up,
-            down=get(p + "mlp.down_proj.weight", i), q_bias=qb, k_bias=kb, v_bias=vb,
-            o_bias=get(p + "self_attn.o_proj.bias", i, True), gate_bias=gb, up_bias=ub,
-            down_bias=get(p + "mlp.down_proj.bias", i, True)))
+
+    def get(spec, layer: int | None = None):
+        """``spec``'s local tensor (its slot of a fused tensor); None when an optional weight is absent."""
+        name = spec.vllm_name.format(layer=layer) if layer is not None else spec.vllm_name
+        if name not in where:
+            if spec.optional:
+                return None
+            raise CheckpointError(f"{path}: tensor '{name}' is missing from rank {rank}'s files")
+        return unpack(spec, where[name].read(name), lambda t: split_stacked_qkv(t, q_rows, kv_rows))
+
+    layer_specs = [s for s in family.weights if s.role and s.per_layer]
+    layers = [LayerWeights(**{s.role: get(s, i) for s in layer_specs}) for i in range(config.layers)]
     if tied:
         kept = vllm.kept_tied_name([emb_name, head_name])
         if kept not in where:
             raise CheckpointError(f"{path}: rank {rank} holds neither '{emb_name}' nor '{head_name}'")
         embedding, lm_head = where[kept].read(kept), None
     else:
-        embedding, lm_head = get("model.embed_tokens.weight"), get("lm_head.weight")
+        embedding, lm_head = get(role("embedding")), get(role("lm_head"))
     rows = embedding.shape[0]
+    optional = {r: get(role(r)) for r in ("final_norm_bias", "position_embedding") if role(r)}
     return RankWeights(config=config, rank=rank, world=world, embedding=embedding, vocab_start=rank * rows,
-                       layers=layers, final_norm=get("model.norm.weight"), lm_head=lm_head,
+                       layers=layers, final_norm=get(role("final_norm")), lm_head=lm_head,
                        lm_head_start=rank * rows, padded_vocab=rows * world, dtype=embedding.dtype,
-                       files=[os.path.relpath(f.path, path) for f in files])
+                       files=[os.path.relpath(f.path, path) for f in files], **optional)
