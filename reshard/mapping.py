@@ -27,8 +27,8 @@ HF_KEYS = {"ignore"}
 #: What a weight is to the forward verifier's decoder (verification/forward/rank_weights.py): per-layer roles
 #: are LayerWeights fields, the others RankWeights fields. A plain (ungated) MLP's first linear is ``up``.
 LAYER_ROLES = ("input_norm", "input_norm_bias", "q", "k", "v", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm",
-               "o", "o_bias", "post_norm", "post_norm_bias", "gate", "gate_bias", "up", "up_bias", "down",
-               "down_bias")
+               "o", "o_bias", "attn_output_norm", "post_norm", "post_norm_bias", "gate", "gate_bias", "up", "up_bias",
+               "down", "down_bias", "mlp_output_norm")
 MODEL_ROLES = ("embedding", "position_embedding", "final_norm", "final_norm_bias", "lm_head")
 FAMILY_KEYS = {"name", "description", "architectures"}
 DIM_KEYS = {"key", "default"}
@@ -38,7 +38,7 @@ MEGATRON_SPECS = ("te", "local")
 
 # The reference decoder's features (verification/forward/decoder.py implements each); a family's [decoder] table
 # picks them. Config-dependent values (activation, epsilon, window) name the HF config key they come from.
-DECODER_KEYS = {"norm", "mlp", "position", "activation"}
+DECODER_KEYS = {"norm", "mlp", "position", "activation", "norm_offset", "embedding_scaled"}
 DECODER_CHOICES = {"norm": ("rms", "layer"), "mlp": ("gated", "plain"), "position": ("rope", "learned")}
 #: HF ``hidden_act`` values -> the decoder's activation (``gelu_tanh``: the tanh approximation of GELU).
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
@@ -52,23 +52,28 @@ class DecoderFeatures:
     ``norm``: ``rms`` (HF RMSNorm) or ``layer`` (LayerNorm); ``mlp``: ``gated`` (``down(act(gate(x)) * up(x))``)
     or ``plain`` (``down(act(up(x)))``); ``position``: ``rope`` (rotate-half) or ``learned`` (an absolute
     position embedding added to the token embedding); ``activation``: the HF ``hidden_act`` used when the config
-    has none.
+    has none; ``norm_offset``: norm weights are stored as w and applied as 1 + w (Gemma); ``embedding_scaled``: the
+    embedding is multiplied by sqrt(hidden) (Gemma).
     """
 
     norm: str = "rms"
     mlp: str = "gated"
     position: str = "rope"
     activation: str = "silu"
+    norm_offset: bool = False
+    embedding_scaled: bool = False
 
 
 # How config.json spells the model's meaning, per architecture ([config] table; reshard/layouts/hf_config.py).
-CONFIG_KEYS = {"norm_eps", "activation", "max_positions", "bias_groups", "architectures"}
-ARCH_CONFIG_KEYS = {"model_type", "biases", "window", "rotary_fraction", "requires"}
+CONFIG_KEYS = {"norm_eps", "activation", "max_positions", "attn_softcap", "final_softcap", "query_scale",
+               "rope_local_theta", "bias_groups", "architectures"}
+ARCH_CONFIG_KEYS = {"model_type", "biases", "window", "window_pattern", "rotary_fraction", "requires"}
 BIAS_GROUPS = ("qkv", "o", "mlp")
 #: How an architecture's config.json spells a sliding window: ``none`` (it has none), ``all_layers``
 #: (``sliding_window`` applies to every layer, Mistral), ``layer_types`` (``use_sliding_window``,
-#: ``sliding_window`` and ``layer_types`` or ``max_window_layers``, Qwen2).
-WINDOW_SPELLINGS = ("none", "all_layers", "layer_types")
+#: ``sliding_window`` and ``layer_types`` or ``max_window_layers``, Qwen2), ``typed`` (``sliding_window`` on the
+#: layers ``layer_types`` marks, by default all but every ``window_pattern``-th: Gemma 2 / 3).
+WINDOW_SPELLINGS = ("none", "all_layers", "layer_types", "typed")
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,7 @@ class ArchitectureConfig:
     window: str = "none"
     rotary_fraction: bool = False
     requires: tuple[tuple[str, object], ...] = ()
+    window_pattern: int | None = None
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,10 @@ class ConfigSpelling:
     norm_eps: str = "rms_norm_eps"
     activation: str = "hidden_act"
     max_positions: str = "max_position_embeddings"
+    attn_softcap: str | None = None  # the config keys of Gemma's soft-capping, query scale and local RoPE base
+    final_softcap: str | None = None
+    query_scale: str | None = None
+    rope_local_theta: str | None = None
     bias_groups: tuple[tuple[str, tuple[str, ...]], ...] = ()
     architectures: tuple[tuple[str, ArchitectureConfig], ...] = ()
 
@@ -360,10 +370,13 @@ def _parse_config(table: dict, source: str, architectures: tuple[str, ...]) -> C
         archs.append((name, ArchitectureConfig(model_type=entry["model_type"], biases=tuple(sorted(biases.items())),
                                                window=entry.get("window", "none"),
                                                rotary_fraction=bool(entry.get("rotary_fraction", False)),
-                                               requires=tuple(sorted(entry.get("requires", {}).items())))))
+                                               requires=tuple(sorted(entry.get("requires", {}).items())),
+                                               window_pattern=entry.get("window_pattern"))))
     return ConfigSpelling(norm_eps=table.get("norm_eps", "rms_norm_eps"),
                           activation=table.get("activation", "hidden_act"),
                           max_positions=table.get("max_positions", "max_position_embeddings"),
+                          **{k: table.get(k) for k in ("attn_softcap", "final_softcap", "query_scale",
+                                                       "rope_local_theta")},
                           bias_groups=tuple((g, tuple(w)) for g, w in groups.items()),
                           architectures=tuple(archs))
 

@@ -41,6 +41,10 @@ def _perturbed(config) -> torch.nn.Module:
     return model
 
 
+#: head_dim 32 != 64 / 4; 4 layers so that Gemma's sliding and full layers alternate
+GEMMA = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=32, vocab_size=VOCAB, max_position_embeddings=128)
+
 FAMILIES = {
     "gpt2": lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=8, n_positions=32, n_inner=96,
                                             vocab_size=VOCAB, activation_function="gelu_new"),
@@ -53,6 +57,14 @@ FAMILIES = {
     "starcoder2": lambda: transformers.Starcoder2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                                         num_attention_heads=8, num_key_value_heads=2,
                                                         vocab_size=VOCAB),
+    "gemma": lambda: transformers.GemmaConfig(**GEMMA),
+    "gemma2": lambda: transformers.Gemma2Config(**GEMMA, sliding_window=4, query_pre_attn_scalar=24,
+                                                attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **GEMMA, sliding_window=4, query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention"] * 2,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 100000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0}},
+        architectures=["Gemma3ForCausalLM"]),
 }
 
 
@@ -73,7 +85,9 @@ def saved(tmp_path_factory):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_reference_decoder_equals_transformers(saved, family):
     """Learned positions + LayerNorm + plain tanh GELU (GPT-2), q/k norms and head_dim != H/nh (Qwen3), fused HF
-    storage (Phi-3), LayerNorm with biases + GQA (StarCoder2): the decoder's logits equal transformers'."""
+    storage (Phi-3), LayerNorm with biases + GQA (StarCoder2), (1 + w) norms + embedding scale + GeGLU (Gemma),
+    sandwich norms + soft-capping + query_pre_attn_scalar + alternating sliding layers (Gemma 2), q/k norms + two
+    RoPE bases (Gemma 3): the decoder's logits equal transformers'."""
     folder, model = saved[family]
     weights = cast_weights(load_hf_rank(str(folder), 0, 1, Options()), torch.float32, "cpu")
     got = forward(weights, TOKENS, TPGroup(), record=False).logits[..., :VOCAB]
@@ -266,3 +280,48 @@ def test_unknown_architecture_names_the_families_and_mapping(saved, capsys, tmp_
 def test_mappings_show_documents_each_family(capsys, name):
     code, out, _ = run_cli(capsys, "mappings", "show", name)
     assert code == 0 and f'name = "{name}"' in out and out.lstrip().startswith("#")
+
+
+# -- Gemma through Megatron's args ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3"])
+def test_gemma_meaning_survives_megatron_args(saved, capsys, tmp_path, family):
+    """What Megatron-LM's args spell (apply_layernorm_1p, softmax_scale, window_attn_skip_freq) goes there; the rest
+    (embedding scale, sandwich norms, soft-capping, GeGLU, Gemma 3's local RoPE base) rides in the args' hf_config
+    record with a note. HF -> Megatron -> HF: the config means the same (verify compares meaning, exit 0) and
+    transformers loads it."""
+    folder, model = saved[family]
+    code, out, err = run_cli(capsys, "convert", folder, tmp_path / "m", "--to", "megatron", "--tp", "2")
+    assert code == 0 and "kept in args.hf_config" in out + err, out + err
+    f = TorchFile(str(tmp_path / "m/release/mp_rank_00/model_optim_rng.pt"))
+    args = f.structure["args"]
+    f.close()
+    assert args.apply_layernorm_1p is True and args.kv_channels == 32 and args.normalization == "RMSNorm"
+    if family != "gemma":
+        assert args.softmax_scale == 24 ** -0.5 and args.window_size == (3, 0) and args.window_attn_skip_freq == 2
+    assert run_cli(capsys, "convert", tmp_path / "m", tmp_path / "hf", "--to", "hf")[0] == 0
+    assert run_cli(capsys, "verify", folder, tmp_path / "hf")[0] == 0
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    with torch.no_grad():
+        assert (back(TOKENS).logits - model(TOKENS).logits).abs().max().item() <= 1e-5
+
+
+def test_gemma_megatron_without_the_record_is_refused(saved, capsys, tmp_path):
+    """Without the hf_config record, a Gemma 2's soft-capping is nowhere in Megatron-LM's args: refused, not
+    guessed."""
+    folder, _ = saved["gemma2"]
+    assert run_cli(capsys, "convert", folder, tmp_path / "m", "--to", "megatron")[0] == 0
+    path = tmp_path / "m/release/mp_rank_00/model_optim_rng.pt"
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        state = torch.load(path, weights_only=True)
+    del state["args"].hf_config
+    torch.save(state, path)
+    code, _, err = run_cli(capsys, "convert", tmp_path / "m", tmp_path / "hf", "--to", "hf",
+                           "--architecture", "Gemma2ForCausalLM", "--vocab-size", str(VOCAB))
+    assert code == 2 and "attn_softcap" in err and "no hf_config" in err, err
+
+
+def test_query_scale_from_softmax_scale_rounds_to_gemmas_integers():
+    for q in (24, 144, 168, 256, 1000):
+        m = meaning_from_args(_gpt2_args(softmax_scale=q ** -0.5), VOCAB, None, "test")
+        assert m.query_scale == float(q)

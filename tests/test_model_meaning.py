@@ -209,16 +209,30 @@ def test_7_megatron_compute_args_are_not_ignored(arg, value, field, tmp_path):
     assert getattr(megatron_args(tmp_path / "m4"), arg) == value
 
 
-@pytest.mark.parametrize("arg, value", [("softmax_scale", 0.5), ("glu_linear_offset", 1.0), ("no_rope_freq", [1, 1]),
-                                        ("apply_layernorm_1p", True), ("squared_relu", True), ("num_experts", 8)])
+@pytest.mark.parametrize("arg, value", [("glu_linear_offset", 1.0), ("no_rope_freq", [1, 1]), ("qk_l2_norm", True),
+                                        ("squared_relu", True), ("num_experts", 8)])
 def test_7_args_reshard_does_not_carry_are_refused_on_read(arg, value, tmp_path):
-    """megatron-core reads these (measured: softmax_scale 0.5 moves its logits by 0.13, glu_linear_offset 1.0 by
-    1.8); a reader that ignores them would convert another function."""
+    """megatron-core reads these (measured: glu_linear_offset 1.0 moves its logits by 1.8); a reader that ignores
+    them would convert another function."""
     config = hf_config(hidden=64, heads=8, kv_heads=2, ffn=96, vocab=1000, layers=2)
     root = write_megatron_lm_checkpoint(str(tmp_path / "mlm"), config, position_coded(hf_tensor_shapes(config)), 2)
     rewrite_args(root, **{arg: value})
     proc = run_main("convert", root, tmp_path / "out", "--to", "hf")
     assert proc.returncode == 2 and f"args set {arg} = {value!r}" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("arg, value, field", [("softmax_scale", 0.5, "query_scale"), ("apply_layernorm_1p", True,
+                                                                                     "norm_offset")])
+def test_7_args_carried_but_not_by_a_llama_config_are_refused_at_plan_time(arg, value, field, tmp_path):
+    """softmax_scale (measured: 0.5 moves megatron-core's logits by 0.13) and zero-centred norms are carried now
+    (Gemma's query_pre_attn_scalar and 1 + w norms), so a Llama run with them reads fine and is refused where a
+    Llama config.json cannot spell them, naming the canonical field."""
+    config = hf_config(hidden=64, heads=8, kv_heads=2, ffn=96, vocab=1000, layers=2)
+    root = write_megatron_lm_checkpoint(str(tmp_path / "mlm"), config, position_coded(hf_tensor_shapes(config)), 2)
+    rewrite_args(root, **{arg: value})
+    proc = run_main("convert", root, tmp_path / "out", "--to", "hf")
+    assert proc.returncode == 2 and f"cannot express {field} = " in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists()
 
 
 # -- 8, 9, 10: vocab size and divisor, mixed rank folders ------------------------------------------------------------

@@ -13,7 +13,11 @@ and the ``sliding_window - 1`` keys before it), on ``sliding_layers`` (``None``:
 (q, k, v projections), ``o_bias`` (attention output), ``mlp_bias`` (every MLP linear). Structure: ``position``
 (``rope`` or ``learned`` absolute embeddings, whose RoPE fields then keep their defaults), ``gated_mlp``
 (``down(act(gate(x)) * up(x))`` or ``down(act(up(x)))``), ``qk_norm`` (an RMSNorm over each head's q and k before
-RoPE, Qwen3).
+RoPE, Qwen3). Gemma: ``norm_offset`` (norm weights stored as w and applied as 1 + w), ``embedding_scaled`` (the
+embedding times sqrt(hidden)), ``sandwich_norm`` (a norm on the attention and on the MLP output before each
+residual add), ``attn_softcap`` / ``final_softcap`` (``cap * tanh(x / cap)`` on attention scores / logits),
+``query_scale`` (scores scaled by ``query_scale ** -0.5`` instead of ``head_dim ** -0.5``), ``rope_local_theta``
+(the RoPE base of sliding-window layers when it differs from the others').
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from reshard.errors import PlanError
 SEMANTIC_FIELDS = ("architecture", "hidden", "layers", "heads", "kv_heads", "head_dim", "ffn", "vocab",
                    "max_positions", "norm", "norm_eps", "activation", "rope_theta", "rope_scaling",
                    "rotary_fraction", "rope_interleaved", "sliding_window", "sliding_layers", "qkv_bias", "o_bias",
-                   "mlp_bias", "tied", "residual_post_norm", "position", "gated_mlp", "qk_norm")
+                   "mlp_bias", "tied", "residual_post_norm", "position", "gated_mlp", "qk_norm", "norm_offset",
+                   "embedding_scaled", "sandwich_norm", "attn_softcap", "final_softcap", "query_scale",
+                   "rope_local_theta")
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,13 @@ class ModelConfig:
     position: str = "rope"  # rope | learned
     gated_mlp: bool = True
     qk_norm: bool = False
+    norm_offset: bool = False
+    embedding_scaled: bool = False
+    sandwich_norm: bool = False
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    query_scale: float | None = None
+    rope_local_theta: float | None = None
 
     @property
     def rope_type(self) -> str:
@@ -120,9 +133,14 @@ class ConfigLoss:
     target: str
     allowed: tuple[str, ...] = ()
     lost: list[tuple[str, Any, str]] = dataclasses.field(default_factory=list)
+    kept_aside: list[str] = dataclasses.field(default_factory=list)
 
     def cannot(self, field: str, value: Any, why: str) -> None:
         self.lost.append((field, value, why))
+
+    def record(self, what: str, why: str) -> None:
+        """Meaning the target keeps outside its own spelling (a note, not a loss)."""
+        self.kept_aside.append(f"{what}: {why}")
 
     def check(self) -> list[str]:
         """Raise ``PlanError`` for the first loss not allowed; return notes for the allowed ones."""
@@ -131,5 +149,5 @@ class ConfigLoss:
                 raise PlanError(f"the {self.target} config cannot express {field} = {value!r} ({why}); the output "
                                 f"would compute a different function. Convert to another layout, or pass "
                                 f"--allow-lossy-config {field} to drop it knowingly")
-        return [f"dropped {field} = {value!r} from the {self.target} config ({why}; --allow-lossy-config)"
-                for field, value, why in self.lost]
+        return self.kept_aside + [f"dropped {field} = {value!r} from the {self.target} config ({why}; "
+                                  "--allow-lossy-config)" for field, value, why in self.lost]

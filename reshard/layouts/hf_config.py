@@ -21,9 +21,33 @@ from reshard.mapping import ACTIVATIONS, BIAS_GROUPS, Family
 HIDDEN_ACT = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
 
 
-def _rope(config: dict, where: str) -> tuple[float, tuple | None, float]:
-    """(theta, normalized scaling, rotary fraction) from either spelling."""
+#: transformers 5's per-layer-type RoPE (Gemma 3): ``rope_parameters`` = {layer type: parameters}.
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _local_theta(config: dict, family: Family, theta: float, where: str) -> float | None:
+    """The RoPE base of sliding-window layers when it differs from ``theta`` (Gemma 3), from transformers 5's
+    per-layer-type ``rope_parameters`` or the family's key (``rope_local_base_freq``)."""
     params = config.get("rope_parameters")
+    local = None
+    if isinstance(params, dict) and set(params) <= set(LAYER_TYPES) and isinstance(params.get("sliding_attention"),
+                                                                                    dict):
+        sliding = params["sliding_attention"]
+        if normalize_scaling(sliding) is not None:
+            raise CheckpointError(f"{where}: RoPE scaling on sliding-window layers ({sliding}) is not carried yet")
+        local = float(sliding.get("rope_theta", theta))
+    elif family.config.rope_local_theta and config.get(family.config.rope_local_theta) is not None:
+        local = float(config[family.config.rope_local_theta])
+    return None if local is None or local == theta else local
+
+
+def _rope(config: dict, where: str) -> tuple[float, tuple | None, float]:
+    """(theta, normalized scaling, rotary fraction) from either spelling (per-layer-type parameters: the full
+    attention layers')."""
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and params and set(params) <= set(LAYER_TYPES):
+        config = dict(config, rope_parameters=params.get("full_attention") or {})
+        params = config["rope_parameters"]
     scaling = config.get("rope_scaling")
     if params is not None and not isinstance(params, dict):
         raise CheckpointError(f"{where}: rope_parameters must be an object, not {type(params).__name__}")
@@ -42,13 +66,25 @@ def _rope(config: dict, where: str) -> tuple[float, tuple | None, float]:
             float(config.get("partial_rotary_factor", 1.0)))
 
 
-def _window(config: dict, spelling: str, layers: int) -> tuple[int | None, tuple[int, ...] | None]:
+def _window(config: dict, spelling: str, layers: int, pattern: int | None = None) \
+        -> tuple[int | None, tuple[int, ...] | None]:
     """(window, windowed layers or None for all) as the architecture spells it."""
     if spelling == "none":
         return None, None
     if spelling == "all_layers":
         window = config.get("sliding_window")
         return (int(window), None) if window else (None, None)
+    if spelling == "typed":
+        window = config.get("sliding_window")
+        types = config.get("layer_types")
+        if not isinstance(types, list) or len(types) != layers:
+            every = int(config.get("sliding_window_pattern") or pattern or 0)
+            types = ["full_attention" if every and (i + 1) % every == 0 else "sliding_attention"
+                     for i in range(layers)]
+        windowed = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+        if not window or not windowed:
+            return None, None
+        return int(window), None if windowed == tuple(range(layers)) else windowed
     window = config.get("sliding_window") if config.get("use_sliding_window", False) else None
     if not window:
         return None, None
@@ -72,7 +108,7 @@ def read_meaning(config: dict, family: Family, architecture: str, dims: dict[str
     """The meaning of an HF-style ``config`` whose weights include the optional templates ``present``."""
     spelling = family.config.architecture(architecture)
     for key, wanted in spelling.requires if spelling else ():
-        if key in config and config[key] != wanted:
+        if config.get(key) is not None and config[key] != wanted:
             raise CheckpointError(f"{where}: config.json sets {key} = {json.dumps(config[key])}, which changes what "
                                   f"{architecture} computes and which reshard does not carry (it needs "
                                   f"{json.dumps(wanted)}); converting it would silently compute another function")
@@ -86,8 +122,14 @@ def read_meaning(config: dict, family: Family, architecture: str, dims: dict[str
             raise CheckpointError(f"{where}: the {group} biases are partly present ({missing[0]} is missing): "
                                   "the weights are incomplete")
         biases[group] = all(found)
-    window, windowed = _window(config, spelling.window if spelling else "none", dims["L"])
+    window, windowed = _window(config, spelling.window if spelling else "none", dims["L"],
+                               spelling.window_pattern if spelling else None)
     act = config.get(family.config.activation) or family.decoder.activation
+    spelt = family.config
+
+    def value(key: str | None) -> float | None:
+        return float(config[key]) if key and config.get(key) is not None else None
+
     return ModelConfig(
         architecture=architecture, hidden=dims["H"], layers=dims["L"], heads=dims["nh"],
         kv_heads=dims.get("ng", dims["nh"]), head_dim=dims.get("d", dims["H"] // dims["nh"]), ffn=dims.get("F", 0),
@@ -96,7 +138,11 @@ def read_meaning(config: dict, family: Family, architecture: str, dims: dict[str
         rope_theta=theta, rope_scaling=scaling, rotary_fraction=fraction, sliding_window=window,
         sliding_layers=windowed, qkv_bias=biases.get("qkv", False), o_bias=biases.get("o", False),
         mlp_bias=biases.get("mlp", False), tied=tied, position=position,
-        gated_mlp=family.decoder.mlp == "gated", qk_norm=family.role_spec("q_norm") is not None)
+        gated_mlp=family.decoder.mlp == "gated", qk_norm=family.role_spec("q_norm") is not None,
+        norm_offset=family.decoder.norm_offset, embedding_scaled=family.decoder.embedding_scaled,
+        sandwich_norm=family.role_spec("attn_output_norm") is not None, attn_softcap=value(spelt.attn_softcap),
+        final_softcap=value(spelt.final_softcap), query_scale=value(spelt.query_scale),
+        rope_local_theta=_local_theta(config, family, theta, where) if position == "rope" else None)
 
 
 def write_config(meaning: ModelConfig, base: dict | None, family: Family, loss: ConfigLoss) -> dict:
@@ -137,11 +183,25 @@ def write_config(meaning: ModelConfig, base: dict | None, family: Family, loss: 
     features = family.decoder
     for field, value, has in (("norm", meaning.norm, features.norm), ("position", meaning.position, features.position),
                               ("gated_mlp", meaning.gated_mlp, features.mlp == "gated"),
-                              ("qk_norm", meaning.qk_norm, family.role_spec("q_norm") is not None)):
+                              ("qk_norm", meaning.qk_norm, family.role_spec("q_norm") is not None),
+                              ("norm_offset", meaning.norm_offset, features.norm_offset),
+                              ("embedding_scaled", meaning.embedding_scaled, features.embedding_scaled),
+                              ("sandwich_norm", meaning.sandwich_norm, family.role_spec("attn_output_norm") is not None)):
         if value != has:
             loss.cannot(field, value, f"{meaning.architecture} has {field} = {has!r}")
+    for field in ("attn_softcap", "final_softcap", "query_scale"):
+        key, value = getattr(family.config, field), getattr(meaning, field)
+        if key:  # transformers types query_pre_attn_scalar as an int
+            c[key] = int(value) if field == "query_scale" and value is not None and value.is_integer() else value
+        elif value is not None:
+            loss.cannot(field, value, f"{meaning.architecture} has no {field}")
     if features.position == "rope":
+        params = c.get("rope_parameters")
+        per_type = isinstance(params, dict) and bool(params) and set(params) <= set(LAYER_TYPES)
+        if per_type:
+            c["rope_parameters"] = dict(params.get("full_attention") or {})
         _write_rope(c, meaning, spelling.rotary_fraction, loss)
+        _write_local_theta(c, meaning, family, loss, per_type)
     if meaning.residual_post_norm:
         loss.cannot("residual_post_norm", True, "transformers' decoders add the residual before the norm")
     for group in BIAS_GROUPS:
@@ -190,11 +250,33 @@ def _write_rope(c: dict, meaning: ModelConfig, partial_ok: bool, loss: ConfigLos
         c.pop("partial_rotary_factor", None)
 
 
+def _write_local_theta(c: dict, meaning: ModelConfig, family: Family, loss: ConfigLoss, per_type: bool) -> None:
+    """The sliding layers' RoPE base: in transformers 5's per-layer-type ``rope_parameters`` when the source config
+    spells RoPE so (``per_type``), else under the family's key."""
+    local = meaning.rope_local_theta if meaning.rope_local_theta is not None else meaning.rope_theta
+    key = family.config.rope_local_theta
+    if key is None:
+        if meaning.rope_local_theta is not None:
+            loss.cannot("rope_local_theta", meaning.rope_local_theta, f"{meaning.architecture} has one RoPE base")
+        return
+    if per_type:
+        c["rope_parameters"] = {"full_attention": c["rope_parameters"],
+                                "sliding_attention": {"rope_type": "default", "rope_theta": local}}
+        c.pop(key, None)
+    else:
+        c[key] = local
+
+
 def _write_window(c: dict, meaning: ModelConfig, spelling: str, loss: ConfigLoss) -> None:
     window, windowed = meaning.sliding_window, meaning.windowed_layers()
     if spelling == "none":
         if window:
             loss.cannot("sliding_window", window, f"{meaning.architecture} has no sliding window")
+        return
+    if spelling == "typed":
+        c["sliding_window"] = window
+        c["layer_types"] = ["sliding_attention" if i in windowed else "full_attention" for i in range(meaning.layers)]
+        c.pop("sliding_window_pattern", None)
         return
     if spelling == "all_layers":
         if window and meaning.sliding_layers is not None:

@@ -29,7 +29,8 @@ from reshard.io.readahead import read_heads_in_background
 from reshard.io.torch_format import MegatronEnum, TensorSlot, TorchFile, torch_dtype_global
 from reshard.layouts.base import Layout, Options, Source, TargetPlan, TargetSpec, check_shape, find_side_files
 from reshard.layouts.hf_config import write_config as write_hf_config
-from reshard.layouts.megatron_args import args_from_meaning, meaning_from_args
+from reshard.layouts.hf_config import read_meaning
+from reshard.layouts.megatron_args import RECORD_ONLY, args_from_meaning, meaning_from_args
 from reshard.mapping import Family, WeightSpec, family_for_architecture
 
 NAME = "megatron"
@@ -185,11 +186,33 @@ def read_args(args, opts: Options, root: str, where: str) -> tuple[ModelConfig, 
     architecture = opts.architecture or ((recorded.get("architectures") or [None])[0] if recorded else None)
     meaning = meaning_from_args(args, vocab, architecture, where)
     family = family_for_architecture(meaning.architecture, opts.mapping)
+    meaning = _with_record_only(meaning, family, recorded, where)
     base = recorded or {"torch_dtype": _args_dtype(args)}
     if not recorded and "d" in family.dims:
         base[family.dims["d"][0]] = meaning.head_dim
     config = write_hf_config(meaning, base, family, ConfigLoss("record"))  # losses are refused by each target
     return meaning, family, config
+
+
+def _with_record_only(meaning: ModelConfig, family: Family, recorded: dict | None, where: str) -> ModelConfig:
+    """``meaning`` with the fields Megatron-LM's args cannot spell (:data:`RECORD_ONLY`, a gated MLP's activation)
+    from the ``hf_config`` record reshard writes into args, or, without one, from the family's fixed features
+    (refused when the family has config-valued ones the args cannot give)."""
+    if recorded is not None:
+        dims = family.resolve_dims(recorded)
+        spelled = read_meaning(recorded, family, meaning.architecture, dims, set(), meaning.tied, where)
+        fields = {f: getattr(spelled, f) for f in RECORD_ONLY}
+        if spelled.gated_mlp and spelled.activation != "silu":
+            fields.update(gated_mlp=True, activation=spelled.activation)
+        return meaning.replace(**fields)
+    valued = [k for k in ("attn_softcap", "final_softcap", "rope_local_theta") if getattr(family.config, k)]
+    if valued or (family.decoder.mlp == "gated" and family.decoder.activation not in ("silu", "swish")):
+        what = ", ".join(valued) or f"its {family.decoder.activation} gated MLP"
+        raise CheckpointError(f"{where}: a {meaning.architecture} needs {what}, which Megatron-LM's args cannot "
+                              "spell and this checkpoint records no hf_config; convert from the Hugging Face "
+                              "checkpoint instead")
+    return meaning.replace(embedding_scaled=family.decoder.embedding_scaled,
+                           sandwich_norm=family.role_spec("attn_output_norm") is not None)
 
 
 def _args_dtype(args) -> str:

@@ -25,11 +25,9 @@ LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_p
 #: Args that change what megatron-core computes and that the canonical config does not carry (yet), with the
 #: value that changes nothing: any other value is refused on read, never dropped.
 UNCARRIED = {
-    "softmax_scale": None,  # attention scale other than 1/sqrt(head_dim)
     "glu_linear_offset": 0.0,  # added to the linear half of the gated MLP
     "activation_func_clamp_value": None,
     "no_rope_freq": None,  # layers without RoPE
-    "apply_layernorm_1p": False,  # zero-centred norm weights (applied as 1 + w)
     "qk_l2_norm": False,
     "squared_relu": False,
     "quick_geglu": False,
@@ -69,9 +67,12 @@ def meaning_from_args(args, vocab: int, architecture: str | None, where: str) ->
             raise CheckpointError(f"{where}: window_size {tuple(size)} looks ahead; only causal windows "
                                   "(left, 0) are supported")
         window = int(left) + 1
-        if get("window_attn_skip_freq") is not None:
-            raise CheckpointError(f"{where}: window_attn_skip_freq {get('window_attn_skip_freq')} (full-attention "
-                                  "layers among windowed ones) is not supported yet")
+        every = get("window_attn_skip_freq")
+        if every is not None and (not isinstance(every, int) or every < 1):
+            raise CheckpointError(f"{where}: window_attn_skip_freq {every!r} (a per-layer pattern) is not "
+                                  "supported yet; only an integer period")
+        if every and every > 1:  # megatron-core: 1-based layer n is full attention when n % every == 0
+            windowed = tuple(i for i in range(get("num_layers")) if (i + 1) % every)
     qkv_bias = bool(get("add_qkv_bias", False) or get("add_bias_linear", False))
     bias = bool(get("add_bias_linear", False))
     gated = bool(get("swiglu", False))
@@ -94,7 +95,41 @@ def meaning_from_args(args, vocab: int, architecture: str | None, where: str) ->
         sliding_window=window, sliding_layers=windowed, qkv_bias=qkv_bias, o_bias=bias, mlp_bias=bias,
         tied=not get("untie_embeddings_and_output_weights", False),
         residual_post_norm=bool(get("apply_residual_connection_post_layernorm", False)),
-        position="learned" if learned else "rope", gated_mlp=gated, qk_norm=qk_norm)
+        position="learned" if learned else "rope", gated_mlp=gated, qk_norm=qk_norm,
+        norm_offset=bool(get("apply_layernorm_1p", False)),
+        query_scale=_query_scale(get("softmax_scale")))
+
+
+def _query_scale(softmax_scale: float | None) -> float | None:
+    """``query_pre_attn_scalar`` from megatron-core's ``softmax_scale`` (= its ``** -0.5``): the nearest integer
+    when within rounding (Gemma's are integers), else the float."""
+    if not softmax_scale:
+        return None
+    value = float(softmax_scale) ** -2
+    return float(round(value)) if abs(value - round(value)) <= 1e-9 * value else value
+
+
+#: Meaning Megatron-LM's args have no place for (Megatron-Bridge's model providers set it in code): written into
+#: the args' ``hf_config`` record and read back from it; stock Megatron-LM does not apply it.
+RECORD_ONLY = ("embedding_scaled", "sandwich_norm", "attn_softcap", "final_softcap", "rope_local_theta")
+
+
+def record_only_fields(meaning: ModelConfig) -> dict[str, Any]:
+    """The fields of ``meaning`` that only the ``hf_config`` record carries (a gated MLP's non-SiLU activation
+    too), with their values where they are not the default."""
+    default = ModelConfig(architecture="", hidden=1, layers=1, heads=1, kv_heads=1, head_dim=1, ffn=1, vocab=1)
+    fields = {f: getattr(meaning, f) for f in RECORD_ONLY if getattr(meaning, f) != getattr(default, f)}
+    if meaning.gated_mlp and meaning.activation != "silu":
+        fields.update(gated_mlp=True, activation=meaning.activation)
+    return fields
+
+
+def _skip_period(windowed: tuple[int, ...], layers: int) -> int | None:
+    """The n with every n-th layer (1-based) at full attention and the others windowed, or None."""
+    for every in range(2, layers + 1):
+        if windowed == tuple(i for i in range(layers) if (i + 1) % every):
+            return every
+    return None
 
 
 def args_from_meaning(meaning: ModelConfig, loss: ConfigLoss) -> dict[str, Any]:
@@ -114,8 +149,13 @@ def args_from_meaning(meaning: ModelConfig, loss: ConfigLoss) -> dict[str, Any]:
     )
     if m.norm not in ("rms", "layer"):
         loss.cannot("norm", m.norm, "Megatron-LM's args spell RMSNorm and LayerNorm")
+    recorded = record_only_fields(m)
+    if recorded:
+        loss.record(", ".join(f"{k} = {v!r}" for k, v in recorded.items()),
+                    "Megatron-LM's args have no place for it: kept in args.hf_config (run the model with a "
+                    "Megatron-Bridge provider for this architecture; stock Megatron-LM would not apply it)")
     if m.gated_mlp and m.activation != "silu":
-        loss.cannot("activation", m.activation, "Megatron-LM's args spell a gated MLP only as swiglu (SiLU)")
+        values["swiglu"] = False  # no args spell a non-SiLU gated MLP: a stock load fails on fc1's shape, loudly
     elif not m.gated_mlp:
         if m.activation == "gelu_tanh" and not m.mlp_bias:
             loss.cannot("activation", m.activation, "megatron-core computes tanh GELU only in its fused bias_gelu, "
@@ -138,9 +178,15 @@ def args_from_meaning(meaning: ModelConfig, loss: ConfigLoss) -> dict[str, Any]:
         values["rotary_seq_len_interpolation_factor"] = float(scaling["factor"])
     elif kind != "default":
         loss.cannot("rope_scaling", scaling, f"megatron-core's GPT model has no '{kind}' RoPE scaling")
+    values.update(apply_layernorm_1p=m.norm_offset, softmax_scale=m.query_scale ** -0.5 if m.query_scale else None,
+                  window_attn_skip_freq=None)
     if m.sliding_window:
         if m.sliding_layers is not None:
-            loss.cannot("sliding_layers", list(m.sliding_layers), "window_size applies to every layer")
+            every = _skip_period(m.sliding_layers, m.layers)
+            if every is None:
+                loss.cannot("sliding_layers", list(m.sliding_layers), "window_attn_skip_freq spells only every n-th "
+                            "layer at full attention")
+            values["window_attn_skip_freq"] = every
         values["window_size"] = (m.sliding_window - 1, 0)
     if (m.qkv_bias, m.o_bias, m.mlp_bias) == (True, True, True):
         values.update(add_bias_linear=True, add_qkv_bias=True)

@@ -9,8 +9,11 @@ position embedding (``position = "learned"``, whole on every rank); then per lay
     x = x + down(act(up(n2(x))))                   mlp = "plain"
 
 ``norm``: ``rms`` (HF order: ``weight * (x * rsqrt(mean(x^2) + eps))``) or ``layer`` (LayerNorm, optional bias);
-``act``: silu, gelu, gelu_tanh, relu; ``qn`` / ``kn``: an RMSNorm over each head's ``head_dim`` (``qk_norm``, Qwen3),
-else identity; ``rope``: identity with learned positions. Column-parallel q/k/v (local heads, optional biases),
+``act``: silu, gelu, gelu_tanh, relu; ``qn`` / ``kn``: an RMSNorm over each head's ``head_dim`` (``qk_norm``, Qwen3,
+Gemma 3), else identity; ``rope``: identity with learned positions. Gemma: norms apply ``1 + w`` in fp32
+(``norm_offset``), the embedding is times sqrt(hidden), sandwich norms wrap each block's output before the
+residual add (``x = x + norm(attention(...))``), scores are scaled by ``query_scale ** -0.5`` and soft-capped
+(``cap * tanh(s / cap)``, also the logits), sliding layers use ``rope_local_theta``. Column-parallel q/k/v (local heads, optional biases),
 rotate-half RoPE with ``rope_theta`` and ``rope_scaling`` (``linear``, ``llama3``), causal attention with GQA (local q head j reads
 local KV head ``j // (local q heads / local KV heads)``) and an optional sliding window; final norm;
 vocab-parallel head whose logits are all-gathered over the padded vocab. Row-parallel biases are added once,
@@ -58,11 +61,13 @@ class ForwardOutput:
     states: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # (block name, hidden [b, s, H])
 
 
-def rope_inv_freq(config: DecoderConfig) -> torch.Tensor:
-    """HF's inverse frequencies for ``rope_theta`` and the ``rope_scaling`` types this decoder supports."""
+def rope_inv_freq(config: DecoderConfig, local: bool = False) -> torch.Tensor:
+    """HF's inverse frequencies for ``rope_theta`` and the ``rope_scaling`` types this decoder supports
+    (``local``: a sliding-window layer's plain RoPE with ``rope_local_theta``)."""
     d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    scaling = config.rope_scaling
+    theta = config.rope_local_theta if local else config.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = None if local else config.rope_scaling
     if not scaling:
         return inv_freq
     kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -85,8 +90,9 @@ def rope_inv_freq(config: DecoderConfig) -> torch.Tensor:
                        "default, linear, llama3); verify this checkpoint with the digest check instead")
 
 
-def rope_cos_sin(config: DecoderConfig, seq_len: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = rope_inv_freq(config).to(device)
+def rope_cos_sin(config: DecoderConfig, seq_len: int, device, dtype,
+                 local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = rope_inv_freq(config, local).to(device)
     positions = torch.arange(seq_len, device=device, dtype=torch.float32)
     freqs = positions[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -98,10 +104,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
+    """HF's RMSNorm: ``weight * normed(x)`` in x's dtype; ``offset`` (Gemma): ``normed(x) * (1 + weight)`` in fp32,
+    then cast."""
     dtype = x.dtype
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (h * (1.0 + weight.float())).to(dtype)
     return weight * h.to(dtype)
 
 
@@ -112,7 +122,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 def norm(config: DecoderConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The family's norm (``config.norm``) of ``x``."""
     if config.norm == "rms":
-        return rms_norm(x, weight, config.eps)
+        return rms_norm(x, weight, config.eps, config.norm_offset)
     return layer_norm(x, weight, bias, config.eps)
 
 
@@ -144,7 +154,8 @@ def attention(x: torch.Tensor, w: LayerWeights, config: DecoderConfig, cos, sin,
     q = _linear(x, w.q, w.q_bias).view(b, s, -1, d)
     k = _linear(x, w.k, w.k_bias).view(b, s, -1, d)
     if config.qk_norm:
-        q, k = rms_norm(q, w.q_norm, config.eps), rms_norm(k, w.k_norm, config.eps)
+        q = rms_norm(q, w.q_norm, config.eps, config.norm_offset)
+        k = rms_norm(k, w.k_norm, config.eps, config.norm_offset)
     q, k = q.transpose(1, 2), k.transpose(1, 2)
     v = _linear(x, w.v, w.v_bias).view(b, s, -1, d).transpose(1, 2)
     if config.position == "rope":
@@ -155,7 +166,9 @@ def attention(x: torch.Tensor, w: LayerWeights, config: DecoderConfig, cos, sin,
         raise ReshardError(f"rank holds {local_q} query heads and {local_kv} KV heads: not a GQA grouping")
     k = k.repeat_interleave(local_q // local_kv, dim=1)
     v = v.repeat_interleave(local_q // local_kv, dim=1)
-    scores = torch.matmul(q, k.transpose(2, 3)) * d ** -0.5
+    scores = torch.matmul(q, k.transpose(2, 3)) * (config.query_scale or d) ** -0.5
+    if config.attn_softcap:
+        scores = torch.tanh(scores / config.attn_softcap) * config.attn_softcap
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     out = torch.matmul(probs, v).transpose(1, 2).reshape(b, s, local_q * d)
@@ -219,6 +232,9 @@ def check_features(weights: RankWeights) -> None:
                                else "has no gate projection, but the checkpoint holds one"))
         if config.norm == "rms" and (layer.input_norm_bias is not None or layer.post_norm_bias is not None):
             raise ReshardError(f"layer {i}: RMSNorm has no bias, but the checkpoint holds norm biases")
+        if (layer.attn_output_norm is None or layer.mlp_output_norm is None) == config.sandwich_norm:
+            raise ReshardError(f"layer {i}: " + ("sandwich norms need attention- and MLP-output norm weights"
+                               if config.sandwich_norm else "the checkpoint holds output norms the config lacks"))
         if (layer.q_norm is None or layer.k_norm is None) == config.qk_norm:
             raise ReshardError(f"layer {i}: " + ("per-head q/k norms need q_norm and k_norm weights" if config.qk_norm
                                else "the checkpoint holds q/k norms, but the config has none"))
@@ -233,22 +249,33 @@ def forward(weights: RankWeights, ids: torch.Tensor, tp: TPGroup, record: bool =
     dtype = weights.embedding.dtype
     out = ForwardOutput(logits=torch.empty(0))
     x = embed(ids, weights.embedding, weights.vocab_start, tp)
+    if config.embedding_scaled:
+        x = x * torch.tensor(config.hidden ** 0.5, dtype=x.dtype)
     if weights.position_embedding is not None:
         x = x + weights.position_embedding[:ids.shape[1]]
     if record:
         out.states.append(("embedding", x.detach().cpu()))
-    cos, sin = rope_cos_sin(config, ids.shape[1], ids.device, dtype)
+    rope = rope_cos_sin(config, ids.shape[1], ids.device, dtype)
+    local_rope = rope if config.rope_local_theta is None else rope_cos_sin(config, ids.shape[1], ids.device, dtype,
+                                                                           local=True)
     full = attention_mask(ids.shape[1], None, ids.device)
     windowed = attention_mask(ids.shape[1], config.sliding_window, ids.device)
     for i, layer in enumerate(weights.layers):
-        mask = windowed if i in config.window_layers else full
-        x = x + attention(norm(config, x, layer.input_norm, layer.input_norm_bias), layer, config, cos, sin, mask, tp)
+        sliding = i in config.window_layers
+        cos, sin = local_rope if sliding else rope
+        h = attention(norm(config, x, layer.input_norm, layer.input_norm_bias), layer, config, cos, sin,
+                      windowed if sliding else full, tp)
+        x = x + (norm(config, h, layer.attn_output_norm, None) if config.sandwich_norm else h)
         if record:
             out.states.append((f"layer {i} attention", x.detach().cpu()))
-        x = x + mlp(norm(config, x, layer.post_norm, layer.post_norm_bias), layer, config, tp)
+        h = mlp(norm(config, x, layer.post_norm, layer.post_norm_bias), layer, config, tp)
+        x = x + (norm(config, h, layer.mlp_output_norm, None) if config.sandwich_norm else h)
         if record:
             out.states.append((f"layer {i} mlp", x.detach().cpu()))
     x = norm(config, x, weights.final_norm, weights.final_norm_bias)
     head = weights.embedding if weights.lm_head is None else weights.lm_head
-    out.logits = tp.gather_last_dim(_linear(x, head)).cpu()
+    logits = tp.gather_last_dim(_linear(x, head))
+    if config.final_softcap:
+        logits = torch.tanh(logits / config.final_softcap) * config.final_softcap
+    out.logits = logits.cpu()
     return out

@@ -50,6 +50,13 @@ class DecoderConfig:
     position: str = "rope"  # rope | learned
     activation: str = "silu"  # silu | gelu | gelu_tanh | relu
     qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE
+    norm_offset: bool = False  # norms apply 1 + w (Gemma)
+    embedding_scaled: bool = False  # embedding times sqrt(hidden) (Gemma)
+    sandwich_norm: bool = False  # norms on the attention and MLP outputs (Gemma 2 / 3)
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    query_scale: float | None = None  # attention scores times query_scale ** -0.5 (else head_dim ** -0.5)
+    rope_local_theta: float | None = None  # RoPE base of the sliding-window layers (plain RoPE there)
 
     @classmethod
     def from_meaning(cls, meaning: ModelConfig) -> "DecoderConfig":
@@ -74,7 +81,10 @@ class DecoderConfig:
                    rope_scaling=meaning.scaling or None, sliding_window=meaning.sliding_window,
                    window_layers=meaning.windowed_layers(), architecture=meaning.architecture, norm=meaning.norm,
                    mlp="gated" if meaning.gated_mlp else "plain", position=meaning.position,
-                   activation=meaning.activation, qk_norm=meaning.qk_norm)
+                   activation=meaning.activation, qk_norm=meaning.qk_norm, norm_offset=meaning.norm_offset,
+                   embedding_scaled=meaning.embedding_scaled, sandwich_norm=meaning.sandwich_norm,
+                   attn_softcap=meaning.attn_softcap, final_softcap=meaning.final_softcap,
+                   query_scale=meaning.query_scale, rope_local_theta=meaning.rope_local_theta)
 
 
 @dataclass
@@ -103,6 +113,8 @@ class LayerWeights:
     post_norm_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    attn_output_norm: torch.Tensor | None = None  # Gemma 2 / 3 sandwich norms
+    mlp_output_norm: torch.Tensor | None = None
 
 
 @dataclass
