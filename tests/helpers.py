@@ -29,7 +29,11 @@ def tiny_transformers_model(transformers, cls_name: str, **extra):
     settings), with seeded noise on every parameter so norms and biases matter."""
     settings = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
                     vocab_size=1003, max_position_embeddings=128)
-    config = getattr(transformers, cls_name)(**{**settings, **extra})
+    return perturbed_model(transformers, getattr(transformers, cls_name)(**{**settings, **extra}))
+
+
+def perturbed_model(transformers, config):
+    """An fp32 eval model built from ``config`` with seeded noise (0.05) on every parameter."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import run_cli
+from helpers import perturbed_model, run_cli
 from reshard.errors import MappingError
 from reshard.io.torch_format import TorchFile
 from reshard.layouts.base import Options
@@ -33,12 +33,7 @@ TOKENS = torch.tensor([[1, 5, 900, 1002, 7, 3, 44, 2, 650, 17]])
 
 
 def _perturbed(config) -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return model
+    return perturbed_model(transformers, config)
 
 
 #: head_dim 32 != 64 / 4; 4 layers so that Gemma's sliding and full layers alternate

@@ -28,8 +28,7 @@ from reshard.io.partial import replace_with_text
 from reshard.io.readahead import read_heads_in_background
 from reshard.io.torch_format import MegatronEnum, TensorSlot, TorchFile, torch_dtype_global
 from reshard.layouts.base import Layout, Options, Source, TargetPlan, TargetSpec, check_shape, find_side_files
-from reshard.layouts.hf_config import write_config as write_hf_config
-from reshard.layouts.hf_config import read_meaning
+from reshard.layouts.hf_config import read_meaning, write_config as write_hf_config
 from reshard.layouts.megatron_args import RECORD_ONLY, args_from_meaning, meaning_from_args
 from reshard.mapping import Family, WeightSpec, family_for_architecture
 
