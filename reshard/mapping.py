@@ -19,16 +19,21 @@ from reshard.errors import MappingError
 SPLIT_KINDS = ("replicated", "column", "row", "vocab", "qkv", "gate_up")
 PACK_SLOTS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
 WEIGHT_KEYS = {
-    "hf", "split", "slot", "shape", "optional", "tied_to", "stage", "role", "hf_stored", "hf_transposed",
+    "hf", "split", "slot", "shape", "optional", "tied_to", "stage", "role", "hf_stored", "hf_transposed", "layers",
     "megatron", "megatron_te", "megatron_local", "vllm",
 }
-TOP_KEYS = {"family", "dims", "hf", "megatron", "vllm", "decoder", "config", "weight"}
+TOP_KEYS = {"family", "dims", "hf", "moe", "megatron", "vllm", "decoder", "config", "weight"}
+#: Mixture of Experts ([moe]): the dims symbol of the expert count and the config keys that say which layers are
+#: sparse (every ``sparse_step``-th, except ``dense_layers``; all when neither is set).
+MOE_KEYS = {"experts", "expert_ffn", "shared_ffn", "top_k", "renormalize", "sparse_step", "dense_layers"}
+LAYER_KINDS = ("all", "sparse", "dense")
 HF_KEYS = {"ignore"}
 #: What a weight is to the forward verifier's decoder (verification/forward/rank_weights.py): per-layer roles
 #: are LayerWeights fields, the others RankWeights fields. A plain (ungated) MLP's first linear is ``up``.
 LAYER_ROLES = ("input_norm", "input_norm_bias", "q", "k", "v", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm",
                "o", "o_bias", "attn_output_norm", "post_norm", "post_norm_bias", "gate", "gate_bias", "up", "up_bias",
-               "down", "down_bias", "mlp_output_norm")
+               "down", "down_bias", "mlp_output_norm", "router", "expert_gate", "expert_up", "expert_down",
+               "shared_gate", "shared_up", "shared_down", "shared_expert_gate")
 MODEL_ROLES = ("embedding", "position_embedding", "final_norm", "final_norm_bias", "lm_head")
 FAMILY_KEYS = {"name", "description", "architectures"}
 DIM_KEYS = {"key", "default"}
@@ -139,9 +144,16 @@ class WeightSpec:
     megatron_local: str | None = None
     vllm: str | None = None
 
+    layers: str = "all"  # which layers hold it: all | sparse (MoE layers) | dense
+
     @property
     def per_layer(self) -> bool:
         return "{layer}" in self.hf
+
+    @property
+    def per_expert(self) -> bool:
+        """One tensor per routed expert (``{expert}`` in the name)."""
+        return "{expert}" in self.hf
 
     @property
     def axis(self) -> int:
@@ -177,6 +189,16 @@ class Family:
     decoder: DecoderFeatures = DecoderFeatures()
     config: ConfigSpelling = ConfigSpelling()
     hf_ignore: tuple[str, ...] = ()  # HF tensor templates dropped on read (buffers old files saved)
+    moe: dict = field(default_factory=dict)  # the [moe] table (MOE_KEYS)
+
+    def sparse_layers(self, config: dict, layers: int) -> tuple[int, ...]:
+        """The layers whose MLP is a Mixture of Experts (none for a dense family): every ``sparse_step``-th
+        (1-based) except the ``dense_layers`` list, as transformers' Qwen2-MoE decides."""
+        if not self.moe:
+            return ()
+        step = int(config.get(self.moe["sparse_step"], 1) or 1) if "sparse_step" in self.moe else 1
+        dense = set(config.get(self.moe["dense_layers"]) or ()) if "dense_layers" in self.moe else set()
+        return tuple(i for i in range(layers) if (i + 1) % step == 0 and i not in dense)
 
     def holds(self, template: str, present_optional: set[str]) -> bool:
         """Whether a model with the optional weights ``present_optional`` has weight ``template``."""
@@ -269,6 +291,13 @@ def parse_family(data: dict, source: str) -> Family:
 
     hf_table = data.get("hf", {})
     _check_keys(source, "[hf]", hf_table, HF_KEYS)
+    moe = data.get("moe", {})
+    _check_keys(source, "[moe]", moe, MOE_KEYS)
+    for key in ("experts", "expert_ffn", "shared_ffn"):
+        if key in moe and moe[key] not in dims:
+            raise MappingError(f"{source}: [moe] {key} must name a dims symbol{_suggest(str(moe[key]), dims)}")
+    if moe and not {"experts", "expert_ffn", "top_k"} <= set(moe):
+        raise MappingError(f"{source}: [moe] needs experts, expert_ffn (dims symbols) and top_k (a config key)")
     decoder = _parse_decoder(data.get("decoder", {}), source)
     config = _parse_config(data.get("config", {}), source, tuple(fam["architectures"]))
 
@@ -306,6 +335,11 @@ def parse_family(data: dict, source: str) -> Family:
             valid = LAYER_ROLES if per_layer else MODEL_ROLES
             raise MappingError(f"{source}: {where} has unknown role '{role}' for a "
                                f"{'per-layer' if per_layer else 'model-level'} weight{_suggest(role, valid)}")
+        if w.get("layers", "all") not in LAYER_KINDS:
+            raise MappingError(f"{source}: {where} layers must be one of {', '.join(LAYER_KINDS)}")
+        if "{expert}" in w["hf"] and (not moe or not per_layer or w.get("layers") != "sparse"):
+            raise MappingError(f"{source}: {where} has an {{expert}} placeholder: it needs a [moe] table, a "
+                               "{layer} placeholder and layers = 'sparse'")
         if w.get("hf_transposed") and len(w["shape"]) != 2:
             raise MappingError(f"{source}: {where} is hf_transposed but is not 2-D")
         if "hf_stored" in w and ("{layer}" in w["hf_stored"]) != per_layer:
@@ -320,6 +354,7 @@ def parse_family(data: dict, source: str) -> Family:
             hf=w["hf"], split=w["split"], shape=tuple(str(s) for s in w["shape"]), slot=w.get("slot"),
             optional=bool(w.get("optional", False)), tied_to=w.get("tied_to"), stage=w.get("stage"), role=role,
             hf_stored=w.get("hf_stored"), hf_transposed=bool(w.get("hf_transposed", False)),
+            layers=w.get("layers", "all"),
             megatron_te=te, megatron_local=local, vllm=w.get("vllm"),
         ))
     roles = [w.role for w in weights if w.role]
@@ -334,7 +369,7 @@ def parse_family(data: dict, source: str) -> Family:
     return Family(name=fam["name"], description=fam.get("description", ""),
                   architectures=tuple(fam["architectures"]), dims=dims, weights=tuple(weights),
                   extra_state=extra_state, source=source, vllm_scales=vllm_scales, decoder=decoder,
-                  config=config, hf_ignore=tuple(hf_table.get("ignore", ())))
+                  config=config, hf_ignore=tuple(hf_table.get("ignore", ())), moe=dict(moe))
 
 
 def _parse_decoder(table: dict, source: str) -> DecoderFeatures:

@@ -210,7 +210,7 @@ def test_7_megatron_compute_args_are_not_ignored(arg, value, field, tmp_path):
 
 
 @pytest.mark.parametrize("arg, value", [("glu_linear_offset", 1.0), ("no_rope_freq", [1, 1]), ("qk_l2_norm", True),
-                                        ("squared_relu", True), ("num_experts", 8)])
+                                        ("squared_relu", True), ("moe_router_num_groups", 4)])
 def test_7_args_reshard_does_not_carry_are_refused_on_read(arg, value, tmp_path):
     """megatron-core reads these (measured: glu_linear_offset 1.0 moves its logits by 1.8); a reader that ignores
     them would convert another function."""
@@ -261,7 +261,7 @@ def test_10_mixed_pp_and_no_pp_rank_folders_are_refused(tmp_path):
     reshard.convert(hf, str(tmp_path / "m"), to="megatron", tp=1)
     shutil.copytree(tmp_path / "m" / "release" / "mp_rank_00", tmp_path / "m" / "release" / "mp_rank_00_000")
     proc = run_main("inspect", tmp_path / "m")
-    assert proc.returncode == 2 and "mp_rank_00 (a pp=1 rank) and mp_rank_00_000 (a pp>1 rank)" in proc.stderr
+    assert proc.returncode == 2 and "mp_rank_00 (a pp=1 rank) and mp_rank_00_000 (a pp>1 or ep>1 rank)" in proc.stderr
 
 
 # -- 11: sliding window carried into args and used by the forward verifier ------------------------------------------

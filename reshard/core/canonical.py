@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from reshard.core.model_config import ModelConfig
@@ -16,6 +17,7 @@ class CanonicalTensor:
     spec: WeightSpec
     layer: int | None
     shape: tuple[int, ...]
+    expert: int | None = None  # the global routed-expert index of a per-expert weight
 
     @property
     def axis(self) -> int:
@@ -60,12 +62,31 @@ class CanonicalModel:
     def vocab_size(self) -> int:
         return self.dims["V"]
 
-    def get(self, spec: WeightSpec, layer: int | None) -> CanonicalTensor | None:
-        name = spec.hf.format(layer=layer) if spec.per_layer else spec.hf
-        return self.tensors.get(name)
+    sparse_layers: tuple[int, ...] = ()  # the Mixture-of-Experts layers
+
+    @property
+    def num_experts(self) -> int:
+        return self.dims[self.family.moe["experts"]] if self.family.moe else 0
+
+    def get(self, spec: WeightSpec, layer: int | None, expert: int | None = None) -> CanonicalTensor | None:
+        return self.tensors.get(instance(spec.hf, layer, expert))
+
+    def holds_layer(self, spec: WeightSpec, layer: int) -> bool:
+        """Whether ``layer`` has ``spec`` (sparse-only weights on MoE layers, dense-only ones elsewhere)."""
+        return spec.layers == "all" or (layer in self.sparse_layers) == (spec.layers == "sparse")
 
     def has_spec(self, spec: WeightSpec) -> bool:
-        return self.get(spec, 0 if spec.per_layer else None) is not None
+        if not spec.per_layer:
+            return self.get(spec, None) is not None
+        return any(self.get(spec, layer, 0 if spec.per_expert else None) is not None
+                   for layer in range(self.num_layers) if self.holds_layer(spec, layer))
+
+
+def instance(template: str, layer: int | None, expert: int | None = None) -> str:
+    """``template`` with its ``{layer}`` (and ``{expert}``) placeholders filled."""
+    if layer is None:
+        return template
+    return template.format(layer=layer, expert=expert) if "{expert}" in template else template.format(layer=layer)
 
 
 def build_canonical(family: Family, config: dict, present_optional: set[str], tied: bool) -> CanonicalModel:
@@ -80,9 +101,9 @@ def build_canonical(family: Family, config: dict, present_optional: set[str], ti
             raise CheckpointError(f"mapping '{family.name}' must declare dims L (layers) and V (vocab)")
     tensors: dict[str, CanonicalTensor] = {}
 
-    def add(spec: WeightSpec, layer: int | None):
-        name = spec.hf.format(layer=layer) if layer is not None else spec.hf
-        tensors[name] = CanonicalTensor(name, spec, layer, family.shape_of(spec, dims))
+    def add(spec: WeightSpec, layer: int | None, expert: int | None = None):
+        name = instance(spec.hf, layer, expert)
+        tensors[name] = CanonicalTensor(name, spec, layer, family.shape_of(spec, dims), expert)
 
     def wanted(spec: WeightSpec) -> bool:
         if spec.optional and spec.hf not in present_optional:
@@ -92,33 +113,46 @@ def build_canonical(family: Family, config: dict, present_optional: set[str], ti
     for spec in family.weights:
         if spec.stage == "first" and wanted(spec):
             add(spec, None)
+    sparse = family.sparse_layers(config, dims["L"])
+    experts = dims[family.moe["experts"]] if family.moe else 0
     for layer in range(dims["L"]):
         for spec in family.weights:
-            if spec.per_layer and wanted(spec):
-                add(spec, layer)
+            if not (spec.per_layer and wanted(spec)) or \
+                    (spec.layers != "all" and (layer in sparse) != (spec.layers == "sparse")):
+                continue
+            for expert in range(experts) if spec.per_expert else [None]:
+                add(spec, layer, expert)
     for spec in family.weights:
         if spec.stage == "last" and wanted(spec):
             add(spec, None)
-    return CanonicalModel(family=family, config=dict(config), dims=dims, tensors=tensors, tied=tied)
+    return CanonicalModel(family=family, config=dict(config), dims=dims, tensors=tensors, tied=tied,
+                          sparse_layers=sparse)
+
+
+def template_match(template: str, name: str) -> tuple[int | None, int | None] | None:
+    """(layer, expert) that ``name`` instantiates ``template`` at (None where it has no such placeholder), or None."""
+    if "{layer}" not in template:
+        return (None, None) if template == name else None
+    parts = re.split(r"(\{layer\}|\{expert\})", template)
+    pattern = "".join("(\\d+)" if p in ("{layer}", "{expert}") else re.escape(p) for p in parts)
+    m = re.fullmatch(pattern, name)
+    if m is None:
+        return None
+    found = dict(zip([p for p in parts if p in ("{layer}", "{expert}")], map(int, m.groups())))
+    return found.get("{layer}"), found.get("{expert}")
 
 
 def template_layer(template: str, name: str) -> int | None | bool:
     """The layer ``name`` instantiates ``template`` at (None for a template without ``{layer}``), or False."""
-    if "{layer}" not in template:
-        return None if template == name else False
-    head, _, tail = template.partition("{layer}")
-    if name.startswith(head) and name.endswith(tail) and len(name) > len(head) + len(tail):
-        mid = name[len(head):len(name) - len(tail)]
-        if mid.isdigit():
-            return int(mid)
-    return False
+    found = template_match(template, name)
+    return False if found is None else found[0]
 
 
 def match_template(family: Family, name: str, stored: bool = False) -> tuple[WeightSpec, int | None] | None:
     """Which weight spec (and layer) an HF tensor name belongs to, or None. ``stored``: match the names HF files
     store (:attr:`WeightSpec.hf_name`; a fused tensor matches its pack's first weight)."""
     for spec in family.weights:
-        layer = template_layer(spec.hf_name if stored else spec.hf, name)
-        if layer is not False:
-            return spec, layer
+        found = template_match(spec.hf_name if stored else spec.hf, name)
+        if found is not None:
+            return spec, found[0]
     return None

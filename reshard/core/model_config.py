@@ -17,7 +17,11 @@ RoPE, Qwen3). Gemma: ``norm_offset`` (norm weights stored as w and applied as 1 
 embedding times sqrt(hidden)), ``sandwich_norm`` (a norm on the attention and on the MLP output before each
 residual add), ``attn_softcap`` / ``final_softcap`` (``cap * tanh(x / cap)`` on attention scores / logits),
 ``query_scale`` (scores scaled by ``query_scale ** -0.5`` instead of ``head_dim ** -0.5``), ``rope_local_theta``
-(the RoPE base of sliding-window layers when it differs from the others').
+(the RoPE base of sliding-window layers when it differs from the others'). Mixture of Experts: ``experts`` routed
+experts (0: dense), ``experts_per_token`` (top-k), ``expert_ffn`` (each expert's intermediate size),
+``router_renormalize`` (the top-k softmax weights renormalised to sum to 1, else taken from the softmax over all
+experts), ``moe_layers`` (``None``: every layer), ``shared_expert_ffn`` (0: none) and ``shared_expert_gate`` (its
+output times ``sigmoid(x @ gate)``, Qwen2-MoE).
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ SEMANTIC_FIELDS = ("architecture", "hidden", "layers", "heads", "kv_heads", "hea
                    "rotary_fraction", "rope_interleaved", "sliding_window", "sliding_layers", "qkv_bias", "o_bias",
                    "mlp_bias", "tied", "residual_post_norm", "position", "gated_mlp", "qk_norm", "norm_offset",
                    "embedding_scaled", "sandwich_norm", "attn_softcap", "final_softcap", "query_scale",
-                   "rope_local_theta")
+                   "rope_local_theta", "experts", "experts_per_token", "expert_ffn", "router_renormalize",
+                   "moe_layers", "shared_expert_ffn", "shared_expert_gate")
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,13 @@ class ModelConfig:
     final_softcap: float | None = None
     query_scale: float | None = None
     rope_local_theta: float | None = None
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_ffn: int = 0
+    router_renormalize: bool = False
+    moe_layers: tuple[int, ...] | None = None
+    shared_expert_ffn: int = 0
+    shared_expert_gate: bool = False
 
     @property
     def rope_type(self) -> str:
@@ -90,6 +102,12 @@ class ModelConfig:
             return ()
         return tuple(range(self.layers)) if self.sliding_layers is None else self.sliding_layers
 
+    def sparse_layers(self) -> tuple[int, ...]:
+        """The Mixture-of-Experts layers (none for a dense model)."""
+        if not self.experts:
+            return ()
+        return tuple(range(self.layers)) if self.moe_layers is None else self.moe_layers
+
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
@@ -97,6 +115,7 @@ class ModelConfig:
         d = dataclasses.asdict(self)
         d["rope_scaling"] = self.scaling or None
         d["sliding_layers"] = list(self.sliding_layers) if self.sliding_layers is not None else None
+        d["moe_layers"] = list(self.moe_layers) if self.moe_layers is not None else None
         return d
 
 

@@ -145,7 +145,7 @@ def check_vllm_degrees(model: CanonicalModel, tp: int) -> None:
 # ------------------------------------------------------------------------------- per-rank stored tensors
 
 def pack_members(model: CanonicalModel, spec: WeightSpec, layer: int | None,
-                 name_of: Callable[[WeightSpec], str]) -> list[CanonicalTensor] | None:
+                 name_of: Callable[[WeightSpec], str], expert: int | None = None) -> list[CanonicalTensor] | None:
     """The canonical tensors one stored tensor of ``spec`` holds: the whole pack (weights sharing the fused name
     ``name_of`` gives) for a pack's first slot, ``spec``'s own tensor otherwise; None when the model lacks it or
     ``spec`` is a later slot of a pack (stored with the first)."""
@@ -153,9 +153,9 @@ def pack_members(model: CanonicalModel, spec: WeightSpec, layer: int | None,
         pack = [s for s in model.family.weights if name_of(s) == name_of(spec)]
         if spec is not pack[0]:
             return None
-        members = [model.get(s, layer) for s in pack]
+        members = [model.get(s, layer, expert) for s in pack]
         return None if any(m is None for m in members) else members
-    member = model.get(spec, layer)
+    member = model.get(spec, layer, expert)
     return None if member is None else [member]
 
 

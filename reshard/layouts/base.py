@@ -28,6 +28,8 @@ class Options:
 
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # Megatron expert-parallel degree (Mixture of Experts)
+    etp: int | None = None  # Megatron expert-tensor-parallel degree (default: tp)
     dtype: str | None = None  # safetensors dtype name of the output, None keeps the source's
     megatron_spec: str = "te"
     max_shard_size: int = 5 * 10**9

@@ -11,7 +11,8 @@ import json
 import math
 import os
 
-from reshard.core.canonical import CanonicalModel, build_canonical, match_template, stored_whole, template_layer
+from reshard.core.canonical import (CanonicalModel, build_canonical, instance, match_template, stored_whole,
+                                    template_layer)
 from reshard.core.pieces import StoredTensor
 from reshard.core.sharding import pack_members
 from reshard.core.model_config import ConfigLoss
@@ -208,10 +209,10 @@ def hf_tensors(model: CanonicalModel) -> list[StoredTensor]:
     out = []
     for tensor in model.tensors.values():
         spec = tensor.spec
-        members = pack_members(model, spec, tensor.layer, lambda s: s.hf_name)
+        members = pack_members(model, spec, tensor.layer, lambda s: s.hf_name, tensor.expert)
         if members is None:
             continue
-        name = spec.hf_name.format(layer=tensor.layer) if spec.per_layer else spec.hf_name
+        name = instance(spec.hf_name, tensor.layer, tensor.expert)
         out.append(stored_whole(name, members, spec.hf_transposed))
     return out
 

@@ -142,7 +142,57 @@ def read_meaning(config: dict, family: Family, architecture: str, dims: dict[str
         norm_offset=family.decoder.norm_offset, embedding_scaled=family.decoder.embedding_scaled,
         sandwich_norm=family.role_spec("attn_output_norm") is not None, attn_softcap=value(spelt.attn_softcap),
         final_softcap=value(spelt.final_softcap), query_scale=value(spelt.query_scale),
-        rope_local_theta=_local_theta(config, family, theta, where) if position == "rope" else None)
+        rope_local_theta=_local_theta(config, family, theta, where) if position == "rope" else None,
+        **_read_moe(config, family, dims))
+
+
+def _read_moe(config: dict, family: Family, dims: dict[str, int]) -> dict:
+    """The Mixture-of-Experts fields of an HF config, as the family's [moe] table spells them."""
+    moe = family.moe
+    if not moe:
+        return {}
+    renormalize = moe.get("renormalize", False)
+    if isinstance(renormalize, str):
+        renormalize = bool(config.get(renormalize, False))
+    sparse = family.sparse_layers(config, dims["L"])
+    shared = dims.get(moe["shared_ffn"], 0) if "shared_ffn" in moe else 0
+    return dict(experts=dims[moe["experts"]], experts_per_token=int(config[moe["top_k"]]),
+                expert_ffn=dims[moe["expert_ffn"]], router_renormalize=renormalize,
+                moe_layers=None if sparse == tuple(range(dims["L"])) else sparse, shared_expert_ffn=shared,
+                shared_expert_gate=bool(shared) and family.role_spec("shared_expert_gate") is not None)
+
+
+def _write_moe(c: dict, meaning: ModelConfig, family: Family, loss: ConfigLoss) -> None:
+    moe = family.moe
+    if not moe:
+        if meaning.experts:
+            loss.cannot("experts", meaning.experts, f"{meaning.architecture} is a dense model")
+        return
+    for field, symbol in (("experts", moe["experts"]), ("expert_ffn", moe["expert_ffn"]),
+                          ("shared_expert_ffn", moe.get("shared_ffn"))):
+        value = getattr(meaning, field)
+        if symbol is None:
+            if value:
+                loss.cannot(field, value, f"{meaning.architecture} has no such setting")
+            continue
+        c[family.dims[symbol][0]] = value
+    c[moe["top_k"]] = meaning.experts_per_token
+    renormalize = moe.get("renormalize", False)
+    if isinstance(renormalize, str):
+        c[renormalize] = meaning.router_renormalize
+    elif renormalize != meaning.router_renormalize:
+        loss.cannot("router_renormalize", meaning.router_renormalize, f"{meaning.architecture}'s router "
+                    f"{'always' if renormalize else 'never'} renormalises its top-k weights")
+    if meaning.shared_expert_gate != (bool(meaning.shared_expert_ffn) and
+                                      family.role_spec("shared_expert_gate") is not None):
+        loss.cannot("shared_expert_gate", meaning.shared_expert_gate, f"{meaning.architecture} fixes it")
+    sparse = meaning.sparse_layers()
+    if "dense_layers" in moe:
+        c[moe["dense_layers"]] = [i for i in range(meaning.layers) if i not in sparse]
+        if "sparse_step" in moe:
+            c[moe["sparse_step"]] = 1
+    elif sparse != tuple(range(meaning.layers)):
+        loss.cannot("moe_layers", list(sparse), f"{meaning.architecture} has experts on every layer")
 
 
 def write_config(meaning: ModelConfig, base: dict | None, family: Family, loss: ConfigLoss) -> dict:
@@ -220,6 +270,7 @@ def write_config(meaning: ModelConfig, base: dict | None, family: Family, loss: 
         else:
             c[setting] = value
     _write_window(c, meaning, spelling.window, loss)
+    _write_moe(c, meaning, family, loss)
     return c
 
 

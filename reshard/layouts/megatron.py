@@ -17,7 +17,7 @@ import re
 import sys
 from dataclasses import dataclass
 
-from reshard.core.canonical import CanonicalModel, build_canonical
+from reshard.core.canonical import CanonicalModel, build_canonical, instance
 from reshard.core.model_config import ConfigLoss, ModelConfig
 from reshard.core.pieces import StoredTensor
 from reshard.core.sharding import (check_megatron_degrees, megatron_padded_vocab, megatron_qkv_pieces, pack_members,
@@ -42,22 +42,46 @@ _REMOTE_RANK_FILE = re.compile(r"^(iter_\d{7}|release)/mp_rank_\d{2}(_\d{3})?/mo
 
 # ----------------------------------------------------------------------------------------- shared rules
 
-def rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
-    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+def rank_dir(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> str:
+    """``mp_rank_TT``, ``_PPP`` when pp > 1, ``_EEE`` when ep > 1 (Megatron-LM's get_checkpoint_name)."""
+    return (f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
+            + (f"_{ep_rank:03d}" if ep > 1 else ""))
+
+
+@dataclass(frozen=True)
+class ExpertGrid:
+    """Expert parallelism of a Megatron run: ``ep`` ranks hold E/ep routed experts each (global expert =
+    ``ep_rank * E/ep + local``), each expert split over ``etp`` expert-tensor-parallel ranks (etp rank = dense TP
+    rank % etp); ``ep_rank`` is the rank a file belongs to."""
+
+    ep: int = 1
+    etp: int = 1
+    ep_rank: int = 0
 
 
 def rank_tensors(model: CanonicalModel, tp: int, rank: int, layers: list[int], first: bool, last: bool,
-                 spec_name: str, padded_vocab: int) -> list[StoredTensor]:
-    """The tensors of one TP rank of one pipeline chunk holding global ``layers`` (names local to the chunk)."""
+                 spec_name: str, padded_vocab: int, grid: ExpertGrid | None = None) -> list[StoredTensor]:
+    """The tensors of one TP rank (and EP rank, ``grid``) of one pipeline chunk holding global ``layers`` (names
+    local to the chunk; routed experts under their local index)."""
     family = model.family
     groups = model.dims["ng"]
+    grid = grid or ExpertGrid(etp=tp)
     out: list[StoredTensor] = []
 
     def emit(spec: WeightSpec, layer: int | None, local: int | None, name_spec: WeightSpec | None = None):
+        template = (name_spec or spec).megatron_name(spec_name)
+        if spec.per_expert:
+            per_rank = model.num_experts // grid.ep
+            for j in range(per_rank):
+                members = pack_members(model, spec, layer, lambda s: s.megatron_name(spec_name),
+                                       grid.ep_rank * per_rank + j)
+                if members is not None:
+                    out.append(rank_slice(instance(template, local, j), spec, members, rank % grid.etp, grid.etp,
+                                          groups, padded_vocab, megatron_qkv_pieces))
+            return
         members = pack_members(model, spec, layer, lambda s: s.megatron_name(spec_name))
         if members is None:
             return
-        template = (name_spec or spec).megatron_name(spec_name)
         name = template.format(layer=local) if local is not None else template
         out.append(rank_slice(name, spec, members, rank, tp, groups, padded_vocab, megatron_qkv_pieces))
 
@@ -222,49 +246,86 @@ def _args_dtype(args) -> str:
     return dtype.removeprefix("torch.")
 
 
-def _scan_ranks(folder: str) -> dict[tuple[int, int], str]:
-    found: dict[tuple[int, int], str] = {}
-    forms: dict[bool, str] = {}
+_FORMS = {1: "a pp=1 rank", 2: "a pp>1 or ep>1 rank", 3: "a pp>1 and ep>1 rank"}
+
+
+def scan_rank_folders(folder: str) -> dict[tuple[int, ...], str]:
+    """``mp_rank_*`` folders by their number groups (1 to 3: what the groups mean depends on the run's pp and
+    ep, :func:`rank_grid`), each checked to hold its rank file; all folders must have the same form."""
+    found: dict[tuple[int, ...], str] = {}
+    forms: dict[int, str] = {}
     for name in sorted(os.listdir(folder)):
         m = _RANK_DIR.match(name)
         if not m:
             continue
-        if m.group(3) is not None:
-            raise CheckpointError(f"{folder}/{name}: expert-parallel rank folders are not supported for this family")
-        tp_rank, pp_rank = int(m.group(1)), int(m.group(2) or 0)
-        forms.setdefault(m.group(2) is not None, name)
+        groups = tuple(int(g) for g in m.groups() if g is not None)
+        forms.setdefault(len(groups), name)
         if len(forms) > 1:
-            raise CheckpointError(f"{folder} holds both {forms[False]} (a pp=1 rank) and {forms[True]} (a pp>1 "
-                                  "rank): folders of two runs are mixed; remove the one you do not mean")
+            (na, a), (nb, b) = sorted(forms.items())[:2]
+            raise CheckpointError(f"{folder} holds both {a} ({_FORMS[na]}) and {b} ({_FORMS[nb]}): folders of two "
+                                  "runs are mixed; remove the one you do not mean")
         path = os.path.join(folder, name, RANK_FILE)
         if not os.path.isfile(path):
             raise CheckpointError(f"{os.path.join(folder, name)} has no {RANK_FILE}: the checkpoint is incomplete")
-        found[(tp_rank, pp_rank)] = path
+        found[groups] = path
     if not found:
         raise CheckpointError(f"{folder} has no mp_rank_* folders")
     return found
 
 
+def rank_grid(found: dict[tuple[int, ...], str], pp: int, ep: int, folder: str) -> dict[tuple[int, int, int], str]:
+    """Rank files by (tp, pp, ep) rank: ``mp_rank_TT_PPP_EEE``; with two groups the second is the pipeline rank
+    when the run's pp > 1, else the expert rank (Megatron-LM names them alike)."""
+    grid = {}
+    for groups, path in found.items():
+        if len(groups) == 3:
+            key = groups
+        elif len(groups) == 2:
+            key = (groups[0], groups[1], 0) if pp > 1 or ep == 1 else (groups[0], 0, groups[1])
+        else:
+            key = (groups[0], 0, 0)
+        grid[key] = path
+    if ep > 1 and all(len(g) < 3 for g in found) and pp > 1:
+        raise CheckpointError(f"{folder}: args say pp={pp} and ep={ep} but the rank folders carry two numbers; "
+                              "the checkpoint is inconsistent")
+    return grid
+
+
+def _scan_ranks(folder: str) -> dict[tuple[int, int], str]:
+    """(tp, pp) rank files of a run without expert parallelism."""
+    found = scan_rank_folders(folder)
+    if any(len(g) == 3 for g in found):
+        raise CheckpointError(f"{folder}: expert-parallel rank folders need the MoE reader")
+    return {(g[0], g[1] if len(g) > 1 else 0): path for g, path in found.items()}
+
+
 def open_source(path: str, opts: Options) -> Source:
     folder, iteration = _iteration_dir(path)
     root = _checkpoint_root(path, folder)
-    ranks = _scan_ranks(folder)
-    tp = max(t for t, _ in ranks) + 1
-    pp = max(p for _, p in ranks) + 1
-    missing = [rank_dir(t, p, pp) for p in range(pp) for t in range(tp) if (t, p) not in ranks]
-    if missing:
-        raise CheckpointError(f"{folder}: rank folder {missing[0]} is missing (found tp={tp}, pp={pp}); "
-                              "the checkpoint is incomplete")
-    order = [(t, p) for p in range(pp) for t in range(tp)]
+    found_folders = scan_rank_folders(folder)
     if "torch" not in sys.modules:  # importing torch takes a second or more: read meanwhile
-        read_heads_in_background([ranks[key] for key in order])
+        read_heads_in_background(list(found_folders.values()))
+    probe = TorchFile(found_folders[min(found_folders)])
+    args = probe.structure.get("args") if isinstance(probe.structure, dict) else None
+    probe.close()
+    if args is None:
+        raise CheckpointError(f"{probe.path}: no 'args' in the checkpoint: cannot tell the model config")
+    ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
+    ranks = rank_grid(found_folders, int(getattr(args, "pipeline_model_parallel_size", 1) or 1), ep, folder)
+    tp = max(t for t, _, _ in ranks) + 1
+    pp = max(p for _, p, _ in ranks) + 1
+    ep_found = max(e for _, _, e in ranks) + 1
+    missing = [rank_dir(t, p, pp, e, ep_found) for p in range(pp) for e in range(ep_found) for t in range(tp)
+               if (t, p, e) not in ranks]
+    if missing:
+        raise CheckpointError(f"{folder}: rank folder {missing[0]} is missing (found tp={tp}, pp={pp}"
+                              f"{f', ep={ep_found}' if ep_found > 1 else ''}); the checkpoint is incomplete")
+    order = [(t, p, e) for p in range(pp) for e in range(ep_found) for t in range(tp)]
     files = [TorchFile(ranks[key]) for key in order]
-    first = files[0].structure
-    if not isinstance(first, dict) or "args" not in first:
-        raise CheckpointError(f"{files[0].path}: no 'args' in the checkpoint: cannot tell the model config")
-    args = first["args"]
+    etp = int(getattr(args, "expert_tensor_parallel_size", None) or tp)
     for label, value, found in (("tensor", getattr(args, "tensor_model_parallel_size", tp), tp),
-                                ("pipeline", getattr(args, "pipeline_model_parallel_size", pp), pp)):
+                                ("pipeline", getattr(args, "pipeline_model_parallel_size", pp), pp),
+                                ("expert", ep, ep_found)):
         if value != found:
             raise CheckpointError(f"{folder}: args say {label}_model_parallel_size={value} but the rank folders "
                                   f"give {found}: the checkpoint is inconsistent or incomplete")
@@ -274,7 +335,7 @@ def open_source(path: str, opts: Options) -> Source:
     # Which chunks (model / model0, model1, ...) each rank file holds, and their layer counts.
     chunk_layers: dict[tuple[int, str], int] = {}
     names_all: set[str] = set()
-    for (t, p), f in zip(order, files):
+    for (t, p, e), f in zip(order, files):
         chunks = [k for k in f.structure if k == "model" or re.fullmatch(r"model\d+", str(k))]
         if not chunks:
             raise CheckpointError(f"{f.path}: no 'model' state dict in the checkpoint")
@@ -285,7 +346,7 @@ def open_source(path: str, opts: Options) -> Source:
                 m = _LAYER.match(key)
                 if m:
                     count = max(count, int(m.group(1)) + 1)
-            if t == 0:
+            if t == 0 and e == 0:
                 chunk_layers[(p, chunk)] = count
     chunk_keys = sorted({c for _, c in chunk_layers}, key=lambda c: -1 if c == "model" else int(c[5:]))
     spec_name = "te" if any(n.endswith("linear_qkv.layer_norm_weight") for n in names_all) else "local"
@@ -327,7 +388,7 @@ def open_source(path: str, opts: Options) -> Source:
                               "--vocab-size or the recorded vocab is wrong")
 
     stored, expected_names = [], []
-    for index, ((t, p), f) in enumerate(zip(order, files)):
+    for index, ((t, p, e), f) in enumerate(zip(order, files)):
         expected_names.append(set())
         for chunk in chunk_keys:
             if (p, chunk) not in chunk_layers:
@@ -336,7 +397,8 @@ def open_source(path: str, opts: Options) -> Source:
             layers = list(range(start, start + chunk_layers[(p, chunk)]))
             is_first = p == 0 and chunk == chunk_keys[0]
             is_last = p == pp - 1 and chunk == chunk_keys[-1]
-            for tensor in rank_tensors(model, tp, t, layers, is_first, is_last, spec_name, padded):
+            for tensor in rank_tensors(model, tp, t, layers, is_first, is_last, spec_name, padded,
+                                       ExpertGrid(ep_found, etp, e)):
                 key = f"{chunk}/{tensor.name}"
                 loc = f.tensors.get(key)
                 if loc is None:
@@ -359,7 +421,8 @@ def open_source(path: str, opts: Options) -> Source:
     info = {"args": args, "iteration": iteration, "spec": spec_name, "padded_vocab": padded,
             "vocab_divisor": getattr(args, "make_vocab_size_divisible_by", None), "dropped": dropped}
     return Source(layout=NAME, root=root, model=model, files=files, stored=stored,
-                  degrees={"tp": tp, "pp": pp}, info=info, side_files=find_side_files(root))
+                  degrees={"tp": tp, "pp": pp, **({"ep": ep_found, "etp": etp} if model.num_experts else {})},
+                  info=info, side_files=find_side_files(root))
 
 
 # ---------------------------------------------------------------------------------------------- writing
@@ -378,8 +441,10 @@ def build_args(model: CanonicalModel, opts: Options, padded: int, divisor: int, 
     values.update(
         padded_vocab_size=padded, make_vocab_size_divisible_by=divisor,
         tensor_model_parallel_size=opts.tp, pipeline_model_parallel_size=opts.pp,
-        virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=1, world_size=opts.tp * opts.pp,
-        data_parallel_size=1, seq_length=values.get("seq_length") or model.meaning.max_positions,
+        virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=opts.ep,
+        expert_tensor_parallel_size=expert_tp(opts) if model.num_experts else None,
+        world_size=opts.pp * max(opts.tp, opts.ep * expert_tp(opts)),
+        data_parallel_size=max(opts.tp, opts.ep * expert_tp(opts)) // opts.tp, seq_length=values.get("seq_length") or model.meaning.max_positions,
         params_dtype=torch_dtype_global(dtype), bf16=dtype == "BF16", fp16=dtype == "F16",
         transformer_impl="transformer_engine" if opts.megatron_spec == "te" else "local",
         apply_query_key_layer_scaling=False, attention_softmax_in_fp32=True, hf_config=record,
@@ -409,6 +474,7 @@ def output_args(source: Source, opts: Options, dtype: str) -> OutputArgs:
         raise PlanError(f"--make-vocab-size-divisible-by must be a positive integer (got {opts.vocab_divisor}); "
                         "Megatron pads the vocab to a multiple of it times tp (default 128)")
     check_megatron_degrees(model, opts.tp, opts.pp)
+    check_expert_degrees(model, opts)
     divisor = opts.vocab_divisor or source.info.get("vocab_divisor") or 128
     padded = megatron_padded_vocab(model.vocab_size, opts.tp, divisor)
     iteration = source.info.get("iteration", "release")
@@ -428,18 +494,46 @@ def targets(model: CanonicalModel, opts: Options, source: Source, dtype: str
     args.ckpt_format = "torch"  # a torch_dist source's run said torch_dist
     specs = []
     stages = stage_layers(model.num_layers, opts.pp)
+    ep, etp = opts.ep, expert_tp(opts)
     for p, layers in enumerate(stages):
-        for t in range(opts.tp):
+        for e, t in ((e, t) for e in range(ep) for t in range(opts.tp)):
             tensors = rank_tensors(model, opts.tp, t, list(layers), p == 0, p == opts.pp - 1,
-                                   opts.megatron_spec, padded)
+                                   opts.megatron_spec, padded, ExpertGrid(ep, etp, e))
             state = collections.OrderedDict((s.name, TensorSlot(s.name, "", ())) for s in tensors)
             for name in extra_state_names(model.family, opts.megatron_spec, len(layers), list(state)):
                 state[name] = None
             payload = {"args": args, "checkpoint_version": 3.0,
                        "iteration": 0 if iteration == "release" else int(iteration), "model": state}
-            specs.append(TargetSpec(f"{folder}/{rank_dir(t, p, opts.pp)}/{RANK_FILE}", "torch", tensors,
+            specs.append(TargetSpec(f"{folder}/{rank_dir(t, p, opts.pp, e, ep)}/{RANK_FILE}", "torch", tensors,
                                     payload=payload))
     return specs, iteration, run.notes
+
+
+def expert_tp(opts: Options) -> int:
+    return opts.etp or opts.tp
+
+
+def check_expert_degrees(model: CanonicalModel, opts: Options) -> None:
+    """Refuse expert-parallel degrees Megatron-Core cannot hold this model at, before anything is written."""
+    ep, etp = opts.ep, expert_tp(opts)
+    if ep < 1 or etp < 1:
+        raise PlanError(f"--ep and --etp must be >= 1 (got ep={ep}, etp={etp})")
+    if not model.num_experts:
+        if ep > 1 or opts.etp not in (None, opts.tp):
+            raise PlanError(f"--ep / --etp are for Mixture-of-Experts models; {model.meaning.architecture} is dense")
+        return
+    if model.num_experts % ep:
+        raise PlanError(f"{model.num_experts} experts do not split over ep={ep}: Megatron needs experts % ep == 0; "
+                        f"choose an ep that divides {model.num_experts}")
+    if opts.tp % etp:
+        raise PlanError(f"--etp {etp} must divide --tp {opts.tp}: Megatron's torch format names rank folders by the "
+                        "dense TP rank, so an expert-TP degree above it (or not dividing it) has no folder")
+    ffn = model.meaning.expert_ffn
+    if ffn % etp:
+        raise PlanError(f"expert intermediate size {ffn} does not split over etp={etp}; choose an etp dividing it")
+    shared = model.meaning.shared_expert_ffn
+    if shared and shared % opts.tp:
+        raise PlanError(f"shared-expert intermediate size {shared} does not split over tp={opts.tp}")
 
 
 def finalize(out: str, iteration: str) -> None:

@@ -31,7 +31,9 @@ UNCARRIED = {
     "qk_l2_norm": False,
     "squared_relu": False,
     "quick_geglu": False,
-    "num_experts": None,  # Mixture of Experts
+    "moe_router_enable_expert_bias": False,  # a sigmoid router's load-balancing bias (DeepSeek-V3)
+    "moe_router_num_groups": None,  # group-limited routing
+    "moe_router_topk_scaling_factor": None,
     "multi_latent_attention": False,
     "mtp_num_layers": None,  # multi-token prediction heads
 }
@@ -78,6 +80,9 @@ def meaning_from_args(args, vocab: int, architecture: str | None, where: str) ->
     gated = bool(get("swiglu", False))
     activation = "silu" if gated else "gelu_tanh" if get("bias_gelu_fusion", True) and bias else "gelu"
     learned, qk_norm = position == "learned_absolute", bool(get("qk_layernorm", False))
+    if architecture is None and get("num_experts"):
+        architecture = ("Qwen2MoeForCausalLM" if get("moe_shared_expert_intermediate_size")
+                        else "Qwen3MoeForCausalLM" if qk_norm else "MixtralForCausalLM")
     if architecture is None:
         architecture = ("GPT2LMHeadModel" if learned else "Qwen3ForCausalLM" if qk_norm
                         else "Starcoder2ForCausalLM" if not gated else "MistralForCausalLM" if window
@@ -97,7 +102,30 @@ def meaning_from_args(args, vocab: int, architecture: str | None, where: str) ->
         residual_post_norm=bool(get("apply_residual_connection_post_layernorm", False)),
         position="learned" if learned else "rope", gated_mlp=gated, qk_norm=qk_norm,
         norm_offset=bool(get("apply_layernorm_1p", False)),
-        query_scale=_query_scale(get("softmax_scale")))
+        query_scale=_query_scale(get("softmax_scale")), **_moe_from_args(args, where))
+
+
+def _moe_from_args(args, where: str) -> dict[str, Any]:
+    """The Mixture-of-Experts fields of Megatron-LM args (``num_experts`` unset: dense)."""
+    get = lambda key, default=None: getattr(args, key, default)  # noqa: E731
+    experts = get("num_experts")
+    if not experts:
+        return {}
+    if get("moe_router_score_function", "softmax") != "softmax":
+        raise CheckpointError(f"{where}: args set moe_router_score_function = "
+                              f"{get('moe_router_score_function')!r}; reshard carries softmax routers only yet")
+    freq = get("moe_layer_freq", 1)
+    layers = get("num_layers")
+    if isinstance(freq, int):
+        sparse = tuple(i for i in range(layers) if i % freq == 0)
+    else:
+        sparse = tuple(i for i, on in enumerate(list(freq)) if on)
+    shared = get("moe_shared_expert_intermediate_size") or 0
+    return dict(experts=int(experts), experts_per_token=int(get("moe_router_topk", 2)),
+                expert_ffn=int(get("moe_ffn_hidden_size") or get("ffn_hidden_size")),
+                router_renormalize=not get("moe_router_pre_softmax", False),
+                moe_layers=None if sparse == tuple(range(layers)) else sparse, shared_expert_ffn=int(shared),
+                shared_expert_gate=bool(shared) and bool(get("moe_shared_expert_gate", False)))
 
 
 def _query_scale(softmax_scale: float | None) -> float | None:
@@ -122,6 +150,21 @@ def record_only_fields(meaning: ModelConfig) -> dict[str, Any]:
     if meaning.gated_mlp and meaning.activation != "silu":
         fields.update(gated_mlp=True, activation=meaning.activation)
     return fields
+
+
+def _moe_args(m: ModelConfig) -> dict[str, Any]:
+    """Megatron-LM's Mixture-of-Experts args for ``m`` (``num_experts`` None for a dense model). The router:
+    softmax scores; ``moe_router_pre_softmax`` takes the top-k of the softmax over every expert (no
+    renormalisation), without it the softmax runs over the top-k logits (renormalised)."""
+    if not m.experts:
+        return dict(num_experts=None)
+    sparse = m.sparse_layers()
+    return dict(num_experts=m.experts, moe_router_topk=m.experts_per_token, moe_ffn_hidden_size=m.expert_ffn,
+                moe_router_pre_softmax=not m.router_renormalize, moe_router_score_function="softmax",
+                moe_layer_freq=1 if sparse == tuple(range(m.layers)) else [int(i in sparse) for i in range(m.layers)],
+                moe_shared_expert_intermediate_size=m.shared_expert_ffn or None,
+                moe_shared_expert_gate=m.shared_expert_gate, moe_grouped_gemm=False,
+                moe_token_dispatcher_type="allgather")
 
 
 def _skip_period(windowed: tuple[int, ...], layers: int) -> int | None:
@@ -149,6 +192,7 @@ def args_from_meaning(meaning: ModelConfig, loss: ConfigLoss) -> dict[str, Any]:
     )
     if m.norm not in ("rms", "layer"):
         loss.cannot("norm", m.norm, "Megatron-LM's args spell RMSNorm and LayerNorm")
+    values.update(_moe_args(m))
     recorded = record_only_fields(m)
     if recorded:
         loss.record(", ".join(f"{k} = {v!r}" for k, v in recorded.items()),

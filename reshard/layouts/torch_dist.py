@@ -21,7 +21,7 @@ import re
 
 from reshard.core.canonical import build_canonical
 from reshard.core.pieces import Piece, StoredTensor
-from reshard.errors import CheckpointError
+from reshard.errors import CheckpointError, PlanError
 from reshard.io import dtypes
 from reshard.io.dcp import DcpTensor, DistcpFile, metadata_pickle, read_metadata, written_chunks
 from reshard.io.partial import replace_with_text
@@ -168,6 +168,9 @@ def open_source(path: str, opts: Options) -> Source:
     tensors, objects = read_metadata(folder)
     index = _Index(tensors)
     meaning, family, config = megatron.read_args(args, opts, root, folder)
+    if meaning.experts:
+        raise CheckpointError(f"{folder}: a Mixture-of-Experts torch_dist checkpoint is not supported yet; convert "
+                              "it with Megatron-LM to the torch format (--ckpt-format torch) first")
     present = set()
     for spec in family.weights:
         if spec.optional and index.regions(spec.megatron_te.format(layer=0)) is not None:
@@ -266,6 +269,9 @@ def target_chunks(model, tp: int, padded: int) -> list[tuple[str, tuple[int, ...
 def _targets(source: Source, opts: Options, dtype: str) -> TargetPlan:
     """The ``__0_{i}.distcp`` files of the global tensors, chunked as Megatron chunks them at ``opts.tp``."""
     model = source.model
+    if source.model.num_experts:
+        raise PlanError("torch_dist output of a Mixture-of-Experts model is not supported yet: use --to megatron "
+                        "(the torch format, with --ep / --etp)")
     run = megatron.output_args(source, opts, dtype)  # the data does not depend on tp / pp; the args do
     padded, iteration, folder, args = run.padded, run.iteration, run.folder, run.args
     args.ckpt_format = NAME
