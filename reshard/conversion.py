@@ -87,14 +87,15 @@ def auto_workers(plan: Plan) -> int:
 
 
 def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
-            dtype: str | None = None,
+            expert_parallel: bool = False, dtype: str | None = None,
             overwrite: bool = False, dry_run: bool = False, megatron_spec: str = "te",
             max_shard_size: int = 5 * 10**9, vocab_size: int | None = None, vocab_divisor: int | None = None,
             architecture: str | None = None, mapping: str | None = None, allow_replica_mismatch: bool = False,
             progress: bool = False, workers: int | None = 1, allow_lossy_config: tuple[str, ...] = (),
             allow_cast_overflow: bool = False) -> ConvertResult:
     """Convert checkpoint ``src`` to layout ``to`` at degrees ``tp`` x ``pp`` in folder ``dst`` (a Megatron
-    Mixture of Experts also at expert-parallel ``ep`` and expert-tensor-parallel ``etp``, default ``tp``).
+    Mixture of Experts also at expert-parallel ``ep`` and expert-tensor-parallel ``etp``, default ``tp``; a vLLM
+    one with ``expert_parallel``: whole experts split over the ranks).
 
     Everything that can be refused is refused before a byte is written; the output appears only when complete.
     ``workers`` > 1 splits the target files over that many processes; the output bytes are the same. ``None``
@@ -108,7 +109,7 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
                         f"{', '.join(SEMANTIC_FIELDS)})")
     if workers is not None and workers < 1:
         raise PlanError(f"--workers must be at least 1 (got {workers})")
-    opts = Options(tp=tp, pp=pp, ep=ep, etp=etp, dtype=dtypes.parse_user_dtype(dtype), megatron_spec=megatron_spec,
+    opts = Options(tp=tp, pp=pp, ep=ep, etp=etp, expert_parallel=expert_parallel, dtype=dtypes.parse_user_dtype(dtype), megatron_spec=megatron_spec,
                    max_shard_size=max_shard_size, vocab_size=vocab_size, vocab_divisor=vocab_divisor,
                    architecture=architecture, mapping=mapping, allow_replica_mismatch=allow_replica_mismatch,
                    allow_lossy_config=tuple(allow_lossy_config))

@@ -59,7 +59,7 @@ def assemble(tensor: TargetTensor, files: list[TensorFile], allow_overflow: bool
     dtype = dtypes.to_torch(tensor.dtype)
     if tensor.fill is not None:
         return torch.full(tensor.shape, tensor.fill, dtype=dtype)
-    if len(tensor.reads) == 1 and not tensor.has_padding:
+    if len(tensor.reads) == 1 and not tensor.has_padding and not tensor.reads[0].blocked:
         op = tensor.reads[0]
         data = read_op(op, tensor.axis, files)
         if tuple(data.shape) == tuple(tensor.shape):
@@ -70,7 +70,10 @@ def assemble(tensor: TargetTensor, files: list[TensorFile], allow_overflow: bool
     buf = torch.zeros(tensor.shape, dtype=dtype) if tensor.has_padding else torch.empty(tensor.shape, dtype=dtype)
     for op in tensor.reads:
         data = read_op(op, tensor.axis, files)
-        part = buf.narrow(tensor.axis, op.dst_start, op.length)
+        if op.dst_block is not None:
+            part = buf[op.dst_block].narrow(tensor.axis - 1, op.dst_start, op.length)
+        else:
+            part = buf.narrow(tensor.axis, op.dst_start, op.length)
         part.copy_(data)
         if not allow_overflow:
             check_cast(tensor.name, data, part)
@@ -80,6 +83,9 @@ def assemble(tensor: TargetTensor, files: list[TensorFile], allow_overflow: bool
 def read_op(op: ReadOp, axis: int, files: list[TensorFile]):
     """``op``'s slice of its source tensor, in the target's orientation (a transposed op reads along the
     source's other axis and is transposed)."""
+    if op.src_block is not None:  # one block of a stacked source, then the slice within it
+        block = files[op.source].read(op.tensor, 0, op.src_block, 1)[0]
+        return block.narrow(op.source_axis(axis) - 1, op.src_start, op.length)
     data = files[op.source].read(op.tensor, op.source_axis(axis), op.src_start, op.length)
     return data.t() if op.transposed else data
 
@@ -96,9 +102,11 @@ def read_slice(op: ReadOp, axis: int, files: list[TensorFile], gatherer: Gathere
     """The bytes of ``op``'s slice of its source tensor (torch-free)."""
     loc = files[op.source].tensors[op.tensor]
     stored = tuple(reversed(loc.shape)) if op.transposed else tuple(loc.shape)
+    if op.src_block is not None:
+        stored = stored[1:]
     shape = tuple(op.length if i == axis else n for i, n in enumerate(stored))
     tensor = TargetTensor(op.tensor, shape, loc.dtype, axis, [ReadOp(op.source, op.tensor, op.src_start,
-                                                                      op.length, 0, op.transposed)])
+                                                                      op.length, 0, op.transposed, op.src_block)])
     data = np.empty(tensor.nbytes, np.uint8)
     if direct(tensor, files):
         gatherer.fill([(tensor, data)])

@@ -12,6 +12,7 @@ class Piece:
     canonical: str | None
     start: int
     stop: int
+    block: int | None = None  # in a stacked tensor (vLLM's [E, ...] experts): the index along dim 0
 
     @property
     def length(self) -> int:
@@ -26,7 +27,9 @@ def padding(length: int) -> Piece:
 class StoredTensor:
     """One tensor as a layout stores it: ``shape`` with ``pieces`` concatenated along ``axis`` (of the stored
     tensor). ``transposed``: the layout stores the canonical ``[out, in]`` matrix as ``[in, out]`` (a GPT-2
-    Conv1D), so a piece's canonical rows run along stored axis ``axis`` = 1 - the canonical split axis."""
+    Conv1D), so a piece's canonical rows run along stored axis ``axis`` = 1 - the canonical split axis. A stacked
+    tensor (``stacked``: vLLM's ``[E, rows, cols]`` experts) holds one 2-D block per index of dim 0, each made of
+    the pieces with that ``block``, laid along ``axis`` (>= 1) within the block."""
 
     name: str
     shape: tuple[int, ...]
@@ -35,15 +38,20 @@ class StoredTensor:
     fill: float | None = None  # a constant tensor outside the canonical model (no pieces), e.g. vLLM scales
     dtype: str | None = None  # a fixed dtype that --dtype does not change (constants)
     transposed: bool = False
+    stacked: bool = False
 
     @property
     def canonical_axis(self) -> int:
         """The axis of the canonical tensors the pieces run along."""
+        if self.stacked:
+            return self.axis - 1
         return 1 - self.axis if self.transposed else self.axis
 
     def offsets(self):
-        """Yield (piece, offset along the axis) pairs."""
-        pos = 0
+        """Yield (piece, offset along the axis) pairs (within its block for a stacked tensor)."""
+        pos, block = 0, None
         for piece in self.pieces:
+            if piece.block != block:
+                pos, block = 0, piece.block
             yield piece, pos
             pos += piece.length

@@ -28,9 +28,20 @@ class ReadOp:
     length: int
     dst_start: int
     transposed: bool = False
+    src_block: int | None = None  # a stacked source tensor: the block (dim 0 index) read from
+    dst_block: int | None = None  # a stacked target tensor: the block written to
 
     def source_axis(self, target_axis: int) -> int:
+        """The source tensor's axis the op reads along (within its block when stacked)."""
+        if self.dst_block is not None:
+            target_axis -= 1
+        if self.src_block is not None:
+            return target_axis + 1
         return 1 - target_axis if self.transposed else target_axis
+
+    @property
+    def blocked(self) -> bool:
+        return self.src_block is not None or self.dst_block is not None
 
 
 @dataclass
@@ -88,13 +99,14 @@ class Plan:
         return sum(f.nbytes for f in self.files)
 
     def count_read_bytes(self, row_bytes) -> None:
-        """Fill :attr:`read_bytes`: bytes each source file contributes, given ``row_bytes(source, tensor, axis)``."""
+        """Fill :attr:`read_bytes`: bytes each source file contributes, given ``row_bytes(source, tensor, axis,
+        in_block)`` (``in_block``: one index along ``axis`` within one block of a stacked tensor)."""
         totals = dict.fromkeys(self.source_files, 0)
         for f in self.files:
             for t in f.tensors:
                 for op in t.reads:
-                    totals[self.source_files[op.source]] += op.length * row_bytes(op.source, op.tensor,
-                                                                                  op.source_axis(t.axis))
+                    totals[self.source_files[op.source]] += op.length * row_bytes(
+                        op.source, op.tensor, op.source_axis(t.axis), op.src_block is not None)
         self.read_bytes = totals
 
 
@@ -106,6 +118,7 @@ class _Span:
     tensor: str
     offset: int  # position of ``start`` in the source tensor along the axis
     transposed: bool = False  # the source tensor is stored [in, out]
+    block: int | None = None  # a stacked source tensor's block
 
 
 class CanonicalIndex:
@@ -122,7 +135,7 @@ class CanonicalIndex:
                 if prev != tensor.canonical_axis:
                     raise AssertionError(f"{piece.canonical} is split on two axes")
                 spans.setdefault(piece.canonical, []).append(
-                    _Span(piece.start, piece.stop, source, tensor.name, offset, tensor.transposed))
+                    _Span(piece.start, piece.stop, source, tensor.name, offset, tensor.transposed, piece.block))
         self.primary: dict[str, list[_Span]] = {}
         self.checks: list[ReplicaCheck] = []
         for name, shape in shapes.items():
@@ -139,7 +152,7 @@ class CanonicalIndex:
                 if span.stop > covered:
                     cut = covered - span.start
                     cover.append(_Span(covered, span.stop, span.source, span.tensor, span.offset + cut,
-                                       span.transposed))
+                                       span.transposed, span.block))
                     covered = span.stop
             if covered < shape[axis]:
                 raise CheckpointError(f"the source holds only rows 0..{covered} of '{name}' (of {shape[axis]}) "
@@ -151,12 +164,12 @@ class CanonicalIndex:
                     if lo < hi and not (c.source == span.source and c.tensor == span.tensor):
                         self.checks.append(ReplicaCheck(
                             name, axis, ReadOp(c.source, c.tensor, c.offset + lo - c.start, hi - lo, 0,
-                                               c.transposed),
+                                               c.transposed, c.block),
                             ReadOp(span.source, span.tensor, span.offset + lo - span.start, hi - lo, 0,
-                                   span.transposed)))
+                                   span.transposed, span.block)))
 
     def reads_for(self, canonical: str, start: int, stop: int, dst_start: int,
-                  transposed: bool = False) -> list[ReadOp]:
+                  transposed: bool = False, block: int | None = None) -> list[ReadOp]:
         """Read operations that fill canonical rows ``[start, stop)`` at ``dst_start`` in a target tensor
         (``transposed``: one stored ``[in, out]``; a replica check's ops are relative to the canonical form)."""
         ops = []
@@ -164,7 +177,7 @@ class CanonicalIndex:
             lo, hi = max(start, span.start), min(stop, span.stop)
             if lo < hi:
                 ops.append(ReadOp(span.source, span.tensor, span.offset + lo - span.start, hi - lo,
-                                  dst_start + lo - start, span.transposed != transposed))
+                                  dst_start + lo - start, span.transposed != transposed, span.block, block))
         return ops
 
 
@@ -174,5 +187,6 @@ def plan_tensor(index: CanonicalIndex, target: StoredTensor, dtype: str) -> Targ
         if piece.canonical is None:
             padded = True
         else:
-            reads.extend(index.reads_for(piece.canonical, piece.start, piece.stop, offset, target.transposed))
+            reads.extend(index.reads_for(piece.canonical, piece.start, piece.stop, offset, target.transposed,
+                                         piece.block))
     return TargetTensor(target.name, target.shape, target.dtype or dtype, target.axis, reads, padded, target.fill)

@@ -82,7 +82,7 @@ def check_megatron_degrees(model: CanonicalModel, tp: int, pp: int) -> None:
     if d["ng"] % tp:
         raise PlanError(f"Megatron tp={tp} needs num_query_groups % tp == 0, but the model has {d['ng']} KV "
                         f"groups; choose a tp that divides {d['ng']} (tp > groups is not supported)")
-    if "F" in d and d["F"] % tp:
+    if "F" in d and d["F"] % tp and dense_mlp(model):
         raise PlanError(f"cannot shard intermediate size {d['F']} over tp={tp}; choose a tp that divides it")
     if pp > model.num_layers:
         raise PlanError(f"pp={pp} is more than the model's {model.num_layers} layers; choose pp <= layers")
@@ -121,7 +121,12 @@ def vllm_qkv_pieces(q: CanonicalTensor, k: CanonicalTensor, v: CanonicalTensor, 
     return [Piece(q.name, rank * q_rows, (rank + 1) * q_rows), Piece(k.name, lo, hi), Piece(v.name, lo, hi)]
 
 
-def check_vllm_degrees(model: CanonicalModel, tp: int) -> None:
+def dense_mlp(model: CanonicalModel) -> bool:
+    """Whether the model has a dense MLP somewhere (a Mixtral has only experts)."""
+    return any(s.role in ("gate", "up") and model.has_spec(s) for s in model.family.weights)
+
+
+def check_vllm_degrees(model: CanonicalModel, tp: int, expert_parallel: bool = False) -> None:
     """Refuse a tensor_parallel_size vLLM cannot load this model at, before anything is written."""
     d = model.dims
     if tp < 1:
@@ -134,8 +139,18 @@ def check_vllm_degrees(model: CanonicalModel, tp: int) -> None:
                         f"replicates KV heads only when tp % num_key_value_heads == 0")
     if tp < d["ng"] and d["ng"] % tp:
         raise PlanError(f"{d['ng']} KV heads do not split over tp={tp}; choose a tp that divides {d['ng']}")
-    if "F" in d and d["F"] % tp:
+    if "F" in d and d["F"] % tp and dense_mlp(model):
         raise PlanError(f"cannot shard intermediate size {d['F']} over tp={tp}; choose a tp that divides it")
+    if model.num_experts:
+        if expert_parallel and model.num_experts < tp:
+            raise PlanError(f"--expert-parallel puts {model.num_experts} experts on {tp} ranks: some would hold none; "
+                            f"choose tp <= {model.num_experts}")
+        ffn = model.meaning.expert_ffn
+        if not expert_parallel and ffn % tp:
+            raise PlanError(f"vLLM splits each expert's intermediate size {ffn} over tp={tp}: choose a tp dividing "
+                            "it, or --expert-parallel (whole experts per rank)")
+    elif expert_parallel:
+        raise PlanError("--expert-parallel is for Mixture-of-Experts models")
     padded = vllm_padded_vocab(model.vocab_size)
     if padded % tp:
         raise PlanError(f"vLLM pads the vocab {model.vocab_size} to {padded} rows, which do not split over "

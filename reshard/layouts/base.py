@@ -30,6 +30,7 @@ class Options:
     pp: int = 1
     ep: int = 1  # Megatron expert-parallel degree (Mixture of Experts)
     etp: int | None = None  # Megatron expert-tensor-parallel degree (default: tp)
+    expert_parallel: bool = False  # vLLM: whole experts split over the ranks (enable_expert_parallel)
     dtype: str | None = None  # safetensors dtype name of the output, None keeps the source's
     megatron_spec: str = "te"
     max_shard_size: int = 5 * 10**9
@@ -64,9 +65,9 @@ class Source:
     def __exit__(self, *exc):
         self.close()
 
-    def row_bytes(self, source: int, tensor: str, axis: int) -> int:
+    def row_bytes(self, source: int, tensor: str, axis: int, in_block: bool = False) -> int:
         loc = self.files[source].tensors[tensor]
-        n = loc.nbytes
+        n = loc.nbytes // (loc.shape[0] or 1) if in_block else loc.nbytes
         return n // loc.shape[axis] if loc.shape and loc.shape[axis] else n
 
 

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import re
+from dataclasses import replace
 
 from reshard.version import __version__
 from reshard.core.canonical import CanonicalModel, build_canonical
@@ -49,8 +50,19 @@ def _check_names(model: CanonicalModel) -> None:
                         "add `vllm = ...` to it in the mapping file")
 
 
-def rank_tensors(model: CanonicalModel, tp: int, rank: int, padded_vocab: int) -> list[StoredTensor]:
-    """Every tensor of vLLM rank ``rank``, in vLLM's state-dict order, as pieces (scales as constants)."""
+def expert_block(experts: int, ranks: int, rank: int) -> range:
+    """The routed experts vLLM's ``enable_expert_parallel`` puts on ``rank`` (linear placement): contiguous
+    blocks, the first ``experts % ranks`` ranks one more (vLLM's determine_expert_map)."""
+    base, rem = divmod(experts, ranks)
+    start = rank * base + min(rank, rem)
+    return range(start, start + base + (rank < rem))
+
+
+def rank_tensors(model: CanonicalModel, tp: int, rank: int, padded_vocab: int,
+                 expert_parallel: bool = False) -> list[StoredTensor]:
+    """Every tensor of vLLM rank ``rank``, in vLLM's state-dict order, as pieces (scales as constants). Routed
+    experts are stacked per layer (``w13_weight [E, 2I/tp, H]`` = per expert ``[gate_r; up_r]``, ``w2_weight
+    [E, H, I/tp]``); with ``expert_parallel`` the rank holds its block of whole experts instead."""
     family = model.family
     groups = model.dims["ng"]
     out: list[StoredTensor] = []
@@ -58,11 +70,25 @@ def rank_tensors(model: CanonicalModel, tp: int, rank: int, padded_vocab: int) -
     emb_spec = next((s for s in family.weights if head_spec and s.hf == head_spec.tied_to), None)
 
     def emit(spec: WeightSpec, layer: int | None, name: str | None = None) -> None:
+        template = name or spec.vllm_name
+        stored_name = template.format(layer=layer) if layer is not None else template
+        if spec.per_expert:
+            experts = expert_block(model.num_experts, tp, rank) if expert_parallel else range(model.num_experts)
+            blocks = []
+            for j, e in enumerate(experts):
+                members = pack_members(model, spec, layer, lambda s: s.vllm_name, e)
+                if members is None:
+                    return
+                blocks.append(rank_slice(stored_name, spec, members, 0 if expert_parallel else rank,
+                                         1 if expert_parallel else tp, groups, padded_vocab, vllm_qkv_pieces))
+            first = blocks[0]
+            out.append(StoredTensor(stored_name, (len(blocks), *first.shape), first.axis + 1,
+                                    tuple(replace(p, block=j) for j, b in enumerate(blocks) for p in b.pieces),
+                                    stacked=True))
+            return
         members = pack_members(model, spec, layer, lambda s: s.vllm_name)
         if members is None:
             return
-        template = name or spec.vllm_name
-        stored_name = template.format(layer=layer) if layer is not None else template
         out.append(rank_slice(stored_name, spec, members, rank, tp, groups, padded_vocab, vllm_qkv_pieces))
 
     for spec in family.weights:
@@ -112,6 +138,19 @@ def _tp_value(where: str, value) -> int:
     if tp < 1 or isinstance(value, bool):
         raise CheckpointError(f"{where}: tensor_parallel_size {value!r} is not a positive integer; fix or remove it")
     return tp
+
+
+def _expert_parallel(model: CanonicalModel, files: list[SafetensorsFile], names: dict[str, int], tp: int) -> bool:
+    """Whether a vLLM MoE folder holds whole experts split over the ranks: rank 0's stacked experts are fewer
+    than the model's (the layout is then fully determined; the file metadata says so too)."""
+    spec = next((s for s in model.family.weights if s.per_expert), None)
+    if spec is None or tp == 1:
+        return False
+    layer = model.sparse_layers[0] if model.sparse_layers else 0
+    name = spec.vllm_name.format(layer=layer)
+    if name not in names:
+        return False
+    return files[names[name]].tensors[name].shape[0] < model.num_experts
 
 
 def _recorded_tp(path: str, files: list[SafetensorsFile]) -> int | None:
@@ -170,8 +209,9 @@ def open_source(path: str, opts: Options) -> Source:
     model = build_canonical(family, config, present, tied)
     model.meaning = read_meaning(config, family, hf.architecture_of(config, opts), model.dims, present, tied, path)
     _check_names(model)
+    expert_parallel = _expert_parallel(model, files, where[0], tp)
     try:
-        check_vllm_degrees(model, tp)
+        check_vllm_degrees(model, tp, expert_parallel)
     except PlanError as exc:
         raise CheckpointError(f"{path}: the files name {tp} ranks, which this model cannot have: {exc}") from None
 
@@ -189,7 +229,7 @@ def open_source(path: str, opts: Options) -> Source:
     stored: list[tuple[int, StoredTensor]] = []
     dropped = set()
     for rank in range(tp):
-        expected = rank_tensors(model, tp, rank, padded)
+        expected = rank_tensors(model, tp, rank, padded, expert_parallel)
         for tensor in expected:
             index = where[rank].get(tensor.name)
             if index is None:
@@ -229,29 +269,31 @@ def targets(model: CanonicalModel, opts: Options, dtype: str) -> tuple[list[Targ
     if opts.pp != 1:
         raise PlanError("vLLM sharded_state files hold tensor-parallel ranks only: --pp must be 1 for --to vllm")
     _check_names(model)
-    check_vllm_degrees(model, opts.tp)
+    check_vllm_degrees(model, opts.tp, opts.expert_parallel)
     padded = vllm_padded_vocab(model.vocab_size)
     specs = []
     for rank in range(opts.tp):
-        parts = pack_by_size(rank_tensors(model, opts.tp, rank, padded),
+        parts = pack_by_size(rank_tensors(model, opts.tp, rank, padded, opts.expert_parallel),
                              lambda t: dtypes.itemsize(stored_dtype(model, t, opts, dtype)) * math.prod(t.shape),
                              opts.max_shard_size)
         for part, tensors in enumerate(parts):
             metadata = {"format": "pt", "reshard_layout": NAME, "tensor_parallel_size": str(opts.tp),
-                        "rank": str(rank)}
+                        "rank": str(rank), **({"expert_parallel": "true"} if opts.expert_parallel else {})}
             specs.append(TargetSpec(PATTERN.format(rank=rank, part=part), "safetensors", tensors,
                                     metadata=metadata))
     return specs, padded
 
 
-def finalize(out: str, model: CanonicalModel, config: dict, tp: int, padded_vocab: int, files: list) -> None:
+def finalize(out: str, model: CanonicalModel, config: dict, tp: int, padded_vocab: int, files: list,
+             expert_parallel: bool = False) -> None:
     """Write config.json, then ``reshard.json`` (the TP size vLLM does not record) last."""
     hf.write_config(out, config)
     record = {
-        "layout": NAME, "tensor_parallel_size": tp, "pattern": PATTERN,
+        "layout": NAME, "tensor_parallel_size": tp, "pattern": PATTERN, "expert_parallel": expert_parallel,
         "padded_vocab_size": padded_vocab, "vocab_size": model.vocab_size,
         "files": sorted(spec.path for spec in files), "producer": f"reshard {__version__}",
-        "load_with": f'vllm.LLM(model=DIR, load_format="sharded_state", tensor_parallel_size={tp})',
+        "load_with": f'vllm.LLM(model=DIR, load_format="sharded_state", tensor_parallel_size={tp}'
+                     + (", enable_expert_parallel=True)" if expert_parallel else ")"),
     }
     replace_with_text(os.path.join(out, RECORD), json.dumps(record, indent=2) + "\n")
 
@@ -274,10 +316,12 @@ class VLLMLayout(Layout):
     def targets(self, source: Source, opts: Options, dtype: str) -> TargetPlan:
         specs, padded = targets(source.model, opts, dtype)
         config, notes = hf.planned_config(source.model, dtype, opts, "vLLM")
-        return TargetPlan(specs, state={"tp": opts.tp, "padded_vocab": padded, "config": config}, notes=notes)
+        return TargetPlan(specs, state={"tp": opts.tp, "padded_vocab": padded, "config": config,
+                                        "expert_parallel": opts.expert_parallel}, notes=notes)
 
     def finalize(self, out: str, source: Source, plan, state) -> None:
-        finalize(out, source.model, state["config"], state["tp"], state["padded_vocab"], plan.files)
+        finalize(out, source.model, state["config"], state["tp"], state["padded_vocab"], plan.files,
+                 state["expert_parallel"])
 
     def remote_files(self, names: list[str], read_text) -> list[str]:
         return sorted(n for n in names if _FILE.match(n))
