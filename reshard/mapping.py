@@ -20,7 +20,7 @@ SPLIT_KINDS = ("replicated", "column", "row", "vocab", "qkv", "gate_up")
 PACK_SLOTS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
 WEIGHT_KEYS = {
     "hf", "split", "slot", "shape", "optional", "tied_to", "stage", "role", "hf_stored", "hf_transposed", "layers",
-    "megatron", "megatron_te", "megatron_local", "vllm",
+    "megatron", "megatron_te", "megatron_local", "megatron_sparse", "vllm",
 }
 TOP_KEYS = {"family", "dims", "hf", "moe", "megatron", "vllm", "decoder", "config", "weight"}
 #: Mixture of Experts ([moe]): the dims symbol of the expert count and the config keys that say which layers are
@@ -142,6 +142,7 @@ class WeightSpec:
     hf_transposed: bool = False  # HF stores the [out, in] matrix as [in, out] (GPT-2's Conv1D)
     megatron_te: str | None = None
     megatron_local: str | None = None
+    megatron_sparse: str | None = None  # its Megatron name on MoE layers, both specs (they never fuse the MLP norm)
     vllm: str | None = None
 
     layers: str = "all"  # which layers hold it: all | sparse (MoE layers) | dense
@@ -160,7 +161,10 @@ class WeightSpec:
         """The dimension along which ranks hold different parts (0 except row-parallel weights)."""
         return 1 if self.split == "row" else 0
 
-    def megatron_name(self, spec: str) -> str:
+    def megatron_name(self, spec: str, sparse: bool = False) -> str:
+        """Its Megatron name in layer spec ``spec`` (te | local), on a MoE layer when ``sparse``."""
+        if sparse and self.megatron_sparse:
+            return self.megatron_sparse
         return self.megatron_te if spec == "te" else self.megatron_local
 
     @property
@@ -208,12 +212,22 @@ class Family:
     def role_spec(self, role: str) -> WeightSpec | None:
         return next((w for w in self.weights if w.role == role), None)
 
+    def dim_key(self, symbol: str, config: dict | None = None) -> str | None:
+        """The config key of dimension ``symbol`` (of alternatives, the first ``config`` has); None if undeclared."""
+        if symbol not in self.dims:
+            return None
+        key = self.dims[symbol][0]
+        if isinstance(key, str):
+            return key
+        return next((k for k in key if config is not None and config.get(k) is not None), key[0])
+
     def resolve_dims(self, config: dict) -> dict[str, int]:
         """Bind every dimension symbol to an integer from an HF-style config dict."""
         values: dict[str, int] = {}
         pending = dict(self.dims)
         for _ in range(len(pending) + 1):
-            for sym, (key, default) in list(pending.items()):
+            for sym, (_, default) in list(pending.items()):
+                key = self.dim_key(sym, config)
                 if config.get(key) is not None:
                     values[sym] = int(config[key])
                 elif default is None:
@@ -276,7 +290,10 @@ def parse_family(data: dict, source: str) -> Family:
         if not isinstance(entry, dict) or "key" not in entry:
             raise MappingError(f"{source}: dims.{sym} must be a table with a 'key' (and optional 'default')")
         _check_keys(source, f"dims.{sym}", entry, DIM_KEYS)
-        dims[sym] = (entry["key"], entry.get("default"))
+        key = entry["key"]
+        if not (isinstance(key, str) or (isinstance(key, list) and key and all(isinstance(k, str) for k in key))):
+            raise MappingError(f"{source}: dims.{sym} key must be a config key or a list of alternatives")
+        dims[sym] = (key if isinstance(key, str) else tuple(key), entry.get("default"))
     extra_state: dict[str, tuple[str, ...]] = {}
     meg = data.get("megatron", {})
     _check_keys(source, "[megatron]", meg, MEGATRON_KEYS)
@@ -355,7 +372,7 @@ def parse_family(data: dict, source: str) -> Family:
             optional=bool(w.get("optional", False)), tied_to=w.get("tied_to"), stage=w.get("stage"), role=role,
             hf_stored=w.get("hf_stored"), hf_transposed=bool(w.get("hf_transposed", False)),
             layers=w.get("layers", "all"),
-            megatron_te=te, megatron_local=local, vllm=w.get("vllm"),
+            megatron_te=te, megatron_local=local, megatron_sparse=w.get("megatron_sparse"), vllm=w.get("vllm"),
         ))
     roles = [w.role for w in weights if w.role]
     if len(roles) != len(set(roles)):

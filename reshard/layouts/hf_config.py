@@ -175,7 +175,7 @@ def _write_moe(c: dict, meaning: ModelConfig, family: Family, loss: ConfigLoss) 
             if value:
                 loss.cannot(field, value, f"{meaning.architecture} has no such setting")
             continue
-        c[family.dims[symbol][0]] = value
+        c[family.dim_key(symbol, c)] = value
     c[moe["top_k"]] = meaning.experts_per_token
     renormalize = moe.get("renormalize", False)
     if isinstance(renormalize, str):
@@ -206,7 +206,7 @@ def write_config(meaning: ModelConfig, base: dict | None, family: Family, loss: 
     c.update(architectures=[meaning.architecture], model_type=spelling.model_type, tie_word_embeddings=meaning.tied)
     written: dict[str, tuple[str, int]] = {}
     for field, symbol in DIM_FIELDS:
-        key = family.dims.get(symbol, (None, None))[0]
+        key = family.dim_key(symbol, c)
         value = getattr(meaning, field)
         if key is None:
             continue
@@ -216,7 +216,7 @@ def write_config(meaning: ModelConfig, base: dict | None, family: Family, loss: 
             continue
         written[key] = (field, value)
         c[key] = value
-    head_key = family.dims.get("d", (None, None))[0]
+    head_key = family.dim_key("d", c)
     if head_key is None:
         if meaning.head_dim != meaning.hidden // meaning.heads:
             loss.cannot("head_dim", meaning.head_dim, f"{meaning.architecture}'s head dim is always hidden / heads")

@@ -69,7 +69,7 @@ def rank_tensors(model: CanonicalModel, tp: int, rank: int, layers: list[int], f
     out: list[StoredTensor] = []
 
     def emit(spec: WeightSpec, layer: int | None, local: int | None, name_spec: WeightSpec | None = None):
-        template = (name_spec or spec).megatron_name(spec_name)
+        template = (name_spec or spec).megatron_name(spec_name, layer in model.sparse_layers)
         if spec.per_expert:
             per_rank = model.num_experts // grid.ep
             for j in range(per_rank):
@@ -212,7 +212,7 @@ def read_args(args, opts: Options, root: str, where: str) -> tuple[ModelConfig, 
     meaning = _with_record_only(meaning, family, recorded, where)
     base = recorded or {"torch_dtype": _args_dtype(args)}
     if not recorded and "d" in family.dims:
-        base[family.dims["d"][0]] = meaning.head_dim
+        base[family.dim_key("d")] = meaning.head_dim
     config = write_hf_config(meaning, base, family, ConfigLoss("record"))  # losses are refused by each target
     return meaning, family, config
 
