@@ -20,6 +20,7 @@ SPLIT_KINDS = ("replicated", "column", "row", "vocab", "qkv", "gate_up")
 PACK_SLOTS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
 WEIGHT_KEYS = {
     "hf", "split", "slot", "shape", "optional", "tied_to", "stage", "role", "hf_stored", "hf_transposed", "layers",
+    "hf_fused",
     "megatron", "megatron_te", "megatron_local", "megatron_sparse", "vllm",
 }
 TOP_KEYS = {"family", "dims", "hf", "moe", "megatron", "vllm", "decoder", "config", "weight"}
@@ -140,6 +141,7 @@ class WeightSpec:
     role: str | None = None  # what the decoder uses it as (LAYER_ROLES / MODEL_ROLES)
     hf_stored: str | None = None  # the HF tensor holding it when HF fuses weights (whole, in slot order)
     hf_transposed: bool = False  # HF stores the [out, in] matrix as [in, out] (GPT-2's Conv1D)
+    hf_fused: str | None = None  # its name in transformers 5's fused form (experts stacked [E, ...], slot order)
     megatron_te: str | None = None
     megatron_local: str | None = None
     megatron_sparse: str | None = None  # its Megatron name on MoE layers, both specs (they never fuse the MLP norm)
@@ -357,6 +359,8 @@ def parse_family(data: dict, source: str) -> Family:
         if "{expert}" in w["hf"] and (not moe or not per_layer or w.get("layers") != "sparse"):
             raise MappingError(f"{source}: {where} has an {{expert}} placeholder: it needs a [moe] table, a "
                                "{layer} placeholder and layers = 'sparse'")
+        if "hf_fused" in w and "{expert}" in w["hf_fused"]:
+            raise MappingError(f"{source}: {where} hf_fused '{w['hf_fused']}' stacks the experts: no {{expert}}")
         if w.get("hf_transposed") and len(w["shape"]) != 2:
             raise MappingError(f"{source}: {where} is hf_transposed but is not 2-D")
         if "hf_stored" in w and ("{layer}" in w["hf_stored"]) != per_layer:
@@ -371,7 +375,7 @@ def parse_family(data: dict, source: str) -> Family:
             hf=w["hf"], split=w["split"], shape=tuple(str(s) for s in w["shape"]), slot=w.get("slot"),
             optional=bool(w.get("optional", False)), tied_to=w.get("tied_to"), stage=w.get("stage"), role=role,
             hf_stored=w.get("hf_stored"), hf_transposed=bool(w.get("hf_transposed", False)),
-            layers=w.get("layers", "all"),
+            layers=w.get("layers", "all"), hf_fused=w.get("hf_fused"),
             megatron_te=te, megatron_local=local, megatron_sparse=w.get("megatron_sparse"), vllm=w.get("vllm"),
         ))
     roles = [w.role for w in weights if w.role]

@@ -148,11 +148,14 @@ def template_layer(template: str, name: str) -> int | None | bool:
     return False if found is None else found[0]
 
 
-def match_template(family: Family, name: str, stored: bool = False) -> tuple[WeightSpec, int | None] | None:
+def match_template(family: Family, name: str, stored: bool = False,
+                   fused: bool = False) -> tuple[WeightSpec, int | None] | None:
     """Which weight spec (and layer) an HF tensor name belongs to, or None. ``stored``: match the names HF files
-    store (:attr:`WeightSpec.hf_name`; a fused tensor matches its pack's first weight)."""
+    store (:attr:`WeightSpec.hf_name`; a fused tensor matches its pack's first weight); ``fused``: transformers
+    5's fused form (:attr:`WeightSpec.hf_fused`) where a weight has one."""
     for spec in family.weights:
-        found = template_match(spec.hf_name if stored else spec.hf, name)
+        template = (spec.hf_fused or spec.hf_name) if fused else spec.hf_name if stored else spec.hf
+        found = template_match(template, name)
         if found is not None:
             return spec, found[0]
     return None

@@ -10,6 +10,7 @@ import glob
 import json
 import math
 import os
+from dataclasses import replace
 
 from reshard.core.canonical import (CanonicalModel, build_canonical, instance, match_template, stored_whole,
                                     template_layer)
@@ -159,9 +160,12 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
                 raise CheckpointError(f"tensor '{name}' is stored twice ({paths[where[name]]} and {paths[i]})")
             where[name] = i
     check_index(path, paths, files)
+    notes = []
+    fused = any(match_template(family, n, fused=True) is not None and match_template(family, n, stored=True) is None
+                for n in where)
     matched = {}
     for name in where:
-        m = match_template(family, name, stored=True)
+        m = match_template(family, name, stored=True, fused=fused)
         if m is None:
             if name.endswith(IGNORED_SUFFIXES) or any(template_layer(t, name) is not False for t in family.hf_ignore):
                 continue
@@ -170,9 +174,11 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
         matched[name] = m
     present = {s.hf for spec, _ in matched.values() for s in family.weights
                if s.optional and s.hf_name == spec.hf_name}
+    if fused:
+        notes.append("read transformers 5's fused expert tensors (mlp.experts.gate_up_proj / down_proj); the HF "
+                     "output writes them per expert, as save_pretrained does by default")
     output_spec = next((s for s in family.weights if s.tied_to), None)
     has_output = output_spec is not None and output_spec.hf_name in where
-    notes = []
     tied = bool(config.get("tie_word_embeddings", not has_output)) if output_spec else False
     if output_spec and "tie_word_embeddings" not in config and not has_output:
         notes.append(f"config.json has no tie_word_embeddings and there is no {output_spec.hf_name}: taken as tied "
@@ -180,7 +186,7 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
     model = build_canonical(family, config, present, tied)
     model.meaning = read_meaning(config, family, architecture, model.dims, present, tied, path)
     stored = []
-    for tensor in hf_tensors(model):
+    for tensor in hf_tensors(model, fused):
         name = tensor.name
         if name not in where:
             raise CheckpointError(f"{path}: tensor '{name}' is missing (the config has "
@@ -202,19 +208,41 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
                   degrees={"tp": 1, "pp": 1}, info={"config": config, "notes": notes}, side_files=side_files)
 
 
-def hf_tensors(model: CanonicalModel) -> list[StoredTensor]:
+def hf_tensors(model: CanonicalModel, fused: bool = False) -> list[StoredTensor]:
     """The model's HF tensors in canonical order: each canonical tensor whole under its own name, except that
     weights sharing an ``hf_stored`` name are one tensor (members whole, in slot order) and ``hf_transposed``
-    ones are stored ``[in, out]``."""
+    ones are stored ``[in, out]``. ``fused``: transformers 5's fused form, where each layer's routed experts are
+    stacked (``gate_up_proj [E, 2I, H]``: per expert [gate; up]; ``down_proj [E, H, I]``)."""
     out = []
     for tensor in model.tensors.values():
         spec = tensor.spec
+        if fused and spec.hf_fused:
+            stacked = _fused(model, tensor)
+            if stacked is not None:
+                out.append(stacked)
+            continue
         members = pack_members(model, spec, tensor.layer, lambda s: s.hf_name, tensor.expert)
         if members is None:
             continue
         name = instance(spec.hf_name, tensor.layer, tensor.expert)
         out.append(stored_whole(name, members, spec.hf_transposed))
     return out
+
+
+def _fused(model: CanonicalModel, tensor) -> StoredTensor | None:
+    """``tensor`` in transformers 5's fused form (None when it is stored with an earlier slot or expert)."""
+    spec = tensor.spec
+    name = instance(spec.hf_fused, tensor.layer)
+    if not spec.per_expert:
+        return stored_whole(name, [tensor])
+    if tensor.expert:
+        return None
+    blocks = [pack_members(model, spec, tensor.layer, lambda s: s.hf_fused, e) for e in range(model.num_experts)]
+    if blocks[0] is None:
+        return None
+    first = stored_whole(name, blocks[0])
+    pieces = tuple(replace(p, block=e) for e, members in enumerate(blocks) for p in stored_whole(name, members).pieces)
+    return StoredTensor(name, (len(blocks), *first.shape), first.axis + 1, pieces, stacked=True)
 
 
 def targets(model: CanonicalModel, opts: Options) -> list[TargetSpec]:
