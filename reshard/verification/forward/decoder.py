@@ -176,7 +176,39 @@ def attention(x: torch.Tensor, w: LayerWeights, config: DecoderConfig, cos, sin,
     return out + w.o_bias if w.o_bias is not None else out
 
 
+def route(x: torch.Tensor, router: torch.Tensor, config: DecoderConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, experts) ``[tokens, k]`` each: a softmax over every expert in fp32, its top-k, renormalised to sum
+    to 1 when the family does, cast to x's dtype."""
+    probs = torch.softmax(_linear(x, router).float(), dim=-1)
+    weights, chosen = torch.topk(probs, config.experts_per_token, dim=-1)
+    if config.router_renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(x.dtype), chosen
+
+
+def moe(x: torch.Tensor, w: LayerWeights, config: DecoderConfig, tp: TPGroup) -> torch.Tensor:
+    """A Mixture-of-Experts MLP: each token's top-k experts (SwiGLU), weighted by the router, plus the shared
+    expert (times ``sigmoid(x @ shared_expert_gate)``); this rank's partial sums, all-reduced once."""
+    act = ACTIVATION_FUNCTIONS[config.activation]
+    flat = x.reshape(-1, x.shape[-1])
+    weights, chosen = route(flat, w.router, config)
+    out = torch.zeros_like(flat)
+    for expert, (gate, up, down) in w.experts.items():
+        token, slot = torch.nonzero(chosen == expert, as_tuple=True)
+        if token.numel():
+            h = act(_linear(flat[token], gate)) * _linear(flat[token], up)
+            out.index_add_(0, token, _linear(h, down) * weights[token, slot, None])
+    if w.shared_up is not None:
+        shared = _linear(act(_linear(flat, w.shared_gate)) * _linear(flat, w.shared_up), w.shared_down)
+        if w.shared_expert_gate is not None:
+            shared = shared * torch.sigmoid(_linear(flat, w.shared_expert_gate))
+        out = out + shared
+    return tp.all_reduce(out).reshape(x.shape)
+
+
 def mlp(x: torch.Tensor, w: LayerWeights, config: DecoderConfig, tp: TPGroup) -> torch.Tensor:
+    if w.router is not None:
+        return moe(x, w, config, tp)
     act = ACTIVATION_FUNCTIONS[config.activation]
     if config.mlp == "gated":
         h = act(_linear(x, w.gate, w.gate_bias)) * _linear(x, w.up, w.up_bias)
@@ -206,7 +238,9 @@ def cast_weights(weights: RankWeights, dtype: torch.dtype, device) -> RankWeight
     weights.position_embedding = conv(weights.position_embedding)
     for layer in weights.layers:
         for name in layer.__dataclass_fields__:
-            setattr(layer, name, conv(getattr(layer, name)))
+            if name != "experts":
+                setattr(layer, name, conv(getattr(layer, name)))
+        layer.experts = {e: tuple(conv(t) for t in parts) for e, parts in layer.experts.items()}
     return weights
 
 
@@ -223,11 +257,11 @@ def check_features(weights: RankWeights) -> None:
         raise ReshardError("learned positions need a position embedding" if config.position == "learned"
                            else "the checkpoint holds a position embedding, but the model uses RoPE")
     for i, layer in enumerate(weights.layers):
-        missing = [n for n in ("input_norm", "post_norm", "q", "k", "v", "o", "up", "down")
-                   if getattr(layer, n) is None]
+        needed = ("input_norm", "post_norm", "q", "k", "v", "o") + (() if layer.router is not None else ("up", "down"))
+        missing = [n for n in needed if getattr(layer, n) is None]
         if missing:
             raise ReshardError(f"layer {i}: the checkpoint has no {missing[0]} weight (a mapping without decoder roles?)")
-        if (layer.gate is None) != (config.mlp == "plain"):
+        if layer.router is None and (layer.gate is None) != (config.mlp == "plain"):
             raise ReshardError(f"layer {i}: a {config.mlp} MLP " + ("needs a gate projection" if layer.gate is None
                                else "has no gate projection, but the checkpoint holds one"))
         if config.norm == "rms" and (layer.input_norm_bias is not None or layer.post_norm_bias is not None):

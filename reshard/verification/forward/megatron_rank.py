@@ -15,6 +15,7 @@ import os
 import re
 
 
+from reshard.core.canonical import instance
 from reshard.errors import CheckpointError, ReshardError
 from reshard.io.torch_format import TorchFile
 from reshard.layouts import megatron
@@ -26,9 +27,18 @@ _CHUNK = re.compile(r"^model\d*$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
-def _ranks(path: str) -> tuple[str, dict[tuple[int, int], str]]:
+def _ranks(path: str) -> tuple[str, dict[tuple[int, int, int], str], object]:
+    """The iteration folder, its rank files by (tp, pp, ep) rank, and the run's args."""
     folder, _ = megatron._iteration_dir(path)
-    return folder, megatron._scan_ranks(folder)
+    found = megatron.scan_rank_folders(folder)
+    probe = TorchFile(found[min(found)])
+    args = probe.structure.get("args") if isinstance(probe.structure, dict) else None
+    probe.close()
+    if args is None:
+        raise CheckpointError(f"{probe.path}: no 'args' in the checkpoint: cannot tell the model config")
+    grid = megatron.rank_grid(found, int(getattr(args, "pipeline_model_parallel_size", 1) or 1),
+                              int(getattr(args, "expert_model_parallel_size", 1) or 1), folder)
+    return folder, grid, args
 
 
 def _chunks(f: TorchFile) -> list[str]:
@@ -44,28 +54,32 @@ def _layer_count(f: TorchFile, chunk: str) -> int:
 
 
 def load_rank(path: str, rank: int, world: int, opts: Options) -> RankWeights:
-    folder, ranks = _ranks(path)
-    tp = max(t for t, _ in ranks) + 1
-    pp = max(p for _, p in ranks) + 1
+    folder, ranks, args = _ranks(path)
+    tp = max(t for t, _, _ in ranks) + 1
+    pp = max(p for _, p, _ in ranks) + 1
+    ep = max(e for _, _, e in ranks) + 1
     if world != tp:
         raise ReshardError(f"{path} is a Megatron checkpoint at tp={tp}; run the forward check with --nproc {tp} "
                            f"(got {world}), or convert it to tp={world} first")
-    missing = [megatron.rank_dir(rank, p, pp) for p in range(pp) if (rank, p) not in ranks]
+    missing = [megatron.rank_dir(rank, p, pp, e, ep) for p in range(pp) for e in range(ep)
+               if (rank, p, e) not in ranks]
     if missing:
         raise CheckpointError(f"{folder}: rank folder {missing[0]} is missing; the checkpoint is incomplete")
-    files = [TorchFile(ranks[(rank, p)]) for p in range(pp)]
+    expert_files = [[TorchFile(ranks[(rank, p, e)]) for e in range(ep)] for p in range(pp)]
     try:
-        return _read(path, folder, files, rank, world, opts)
+        return _read(path, folder, expert_files, args, rank, world, opts)
     finally:
-        for f in files:
-            f.close()
+        for stage in expert_files:
+            for f in stage:
+                f.close()
 
 
-def _read(path: str, folder: str, files: list[TorchFile], rank: int, world: int, opts: Options) -> RankWeights:
-    first = files[0].structure
-    if not isinstance(first, dict) or "args" not in first:
-        raise CheckpointError(f"{files[0].path}: no 'args' in the checkpoint: cannot tell the model config")
-    args = first["args"]
+def _read(path: str, folder: str, expert_files: list[list[TorchFile]], args, rank: int, world: int,
+          opts: Options) -> RankWeights:
+    """Rank ``rank``'s weights: every stage's file of EP rank 0 for everything but the routed experts, which come
+    from the stage's file of every EP rank (local index j of EP rank e = global ``e * E/ep + j``); with an
+    expert-TP degree below tp only ranks below it compute the experts (the others hold copies)."""
+    files = [stage[0] for stage in expert_files]
     root = megatron._checkpoint_root(path, folder)
     meaning, family, _ = megatron.read_args(args, opts, root, folder)
     config = DecoderConfig.from_meaning(meaning)
@@ -76,10 +90,15 @@ def _read(path: str, folder: str, files: list[TorchFile], rank: int, world: int,
     q_per_group = config.heads // config.kv_heads
     cache: dict[str, object] = {}
 
-    def get(f: TorchFile, chunk: str, spec, layer: int | None = None, name_spec=None):
+    sparse_layers = set(meaning.sparse_layers())
+    etp = int(getattr(args, "expert_tensor_parallel_size", None) or world)
+    experts_per_rank = meaning.experts // len(expert_files[0]) if meaning.experts else 0
+
+    def get(f: TorchFile, chunk: str, spec, layer: int | None = None, name_spec=None, global_layer=None,
+            expert: int | None = None):
         """``spec``'s local tensor (its slot of a fused tensor); None when an optional weight is absent."""
-        template = (name_spec or spec).megatron_name(spec_name)
-        name = template.format(layer=layer) if layer is not None else template
+        template = (name_spec or spec).megatron_name(spec_name, global_layer in sparse_layers)
+        name = instance(template, layer, expert)
         key = f"{chunk}/{name}"
         if key not in f.tensors:
             if spec.optional:
@@ -90,14 +109,24 @@ def _read(path: str, folder: str, files: list[TorchFile], rank: int, world: int,
             cache[(f.path, key)] = f.read(key)
         return unpack(spec, cache[(f.path, key)], lambda t: split_grouped_qkv(t, q_per_group, config.head_dim))
 
-    layer_specs = [s for s in family.weights if s.role and s.per_layer]
+    layer_specs = [s for s in family.weights if s.role and s.per_layer and not s.per_expert]
+    expert_specs = [s for s in family.weights if s.per_expert]
     layers: list[LayerWeights] = []
     for chunk in chunks:  # global layer order: chunk-major, then pipeline stage
-        for f in files:
+        for stage, f in zip(expert_files, files):
             if chunk not in f.structure:
                 continue
             for i in range(_layer_count(f, chunk)):
-                layers.append(LayerWeights(**{s.role: get(f, chunk, s, i) for s in layer_specs}))
+                g = len(layers)
+                held = [s for s in layer_specs if s.layers == "all" or (g in sparse_layers) == (s.layers == "sparse")]
+                weights = LayerWeights(**{s.role: get(f, chunk, s, i, global_layer=g) for s in held})
+                if g in sparse_layers and rank < etp:
+                    for e, ef in enumerate(stage):
+                        for j in range(experts_per_rank):
+                            parts = {s.role: get(ef, chunk, s, i, global_layer=g, expert=j) for s in expert_specs}
+                            weights.experts[e * experts_per_rank + j] = (parts["expert_gate"], parts["expert_up"],
+                                                                         parts["expert_down"])
+                layers.append(weights)
     if len(layers) != config.layers:
         raise CheckpointError(f"{folder}: rank {rank}'s files hold {len(layers)} layers but the args say "
                               f"{config.layers}: a pipeline stage is missing or inconsistent")

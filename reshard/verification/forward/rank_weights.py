@@ -57,6 +57,8 @@ class DecoderConfig:
     final_softcap: float | None = None
     query_scale: float | None = None  # attention scores times query_scale ** -0.5 (else head_dim ** -0.5)
     rope_local_theta: float | None = None  # RoPE base of the sliding-window layers (plain RoPE there)
+    experts_per_token: int = 0  # Mixture of Experts: top-k of a softmax router
+    router_renormalize: bool = False  # the top-k weights renormalised to sum to 1
 
     @classmethod
     def from_meaning(cls, meaning: ModelConfig) -> "DecoderConfig":
@@ -84,14 +86,17 @@ class DecoderConfig:
                    activation=meaning.activation, qk_norm=meaning.qk_norm, norm_offset=meaning.norm_offset,
                    embedding_scaled=meaning.embedding_scaled, sandwich_norm=meaning.sandwich_norm,
                    attn_softcap=meaning.attn_softcap, final_softcap=meaning.final_softcap,
-                   query_scale=meaning.query_scale, rope_local_theta=meaning.rope_local_theta)
+                   query_scale=meaning.query_scale, rope_local_theta=meaning.rope_local_theta,
+                   experts_per_token=meaning.experts_per_token, router_renormalize=meaning.router_renormalize)
 
 
 @dataclass
 class LayerWeights:
     """One layer's local tensors, one field per mapping role (:data:`reshard.mapping.LAYER_ROLES`). ``gate`` is
     None for a plain MLP (``up`` is then its first linear); norm biases are None for RMSNorm; ``q_norm`` /
-    ``k_norm`` (``[head_dim]``) only with per-head q/k norms."""
+    ``k_norm`` (``[head_dim]``) only with per-head q/k norms. A Mixture-of-Experts layer has a ``router`` and the
+    routed experts this rank computes, by global index: ``(gate, up, down)`` slices whose contributions, summed
+    over the ranks, count every expert once (a loader gives each expert slice to exactly one rank)."""
 
     input_norm: torch.Tensor | None = None
     post_norm: torch.Tensor | None = None
@@ -115,6 +120,12 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None
     attn_output_norm: torch.Tensor | None = None  # Gemma 2 / 3 sandwich norms
     mlp_output_norm: torch.Tensor | None = None
+    router: torch.Tensor | None = None  # a Mixture-of-Experts layer: [E, H], whole on every rank
+    experts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    shared_gate: torch.Tensor | None = None  # the shared expert (dense-TP slices, like a dense MLP)
+    shared_up: torch.Tensor | None = None
+    shared_down: torch.Tensor | None = None
+    shared_expert_gate: torch.Tensor | None = None  # [1, H], whole
 
 
 @dataclass

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from reshard.core.canonical import instance
 from reshard.core.plan import CanonicalIndex, TargetTensor
+from reshard.errors import ReshardError
 from reshard.execute import assemble
 from reshard.layouts.base import Options
 from reshard.layouts.registry import open_checkpoint
@@ -50,19 +52,37 @@ def _slice(source, rank: int, world: int) -> RankWeights:
     q_per = config.heads // world
     kv = kv_heads_of_rank(config.kv_heads, rank, world)
     f_per = model.dims["F"] // world
+    meaning = model.meaning
+    i_per, s_per = meaning.expert_ffn // world, meaning.shared_expert_ffn // world
+    for what, size in (("expert", meaning.expert_ffn), ("shared-expert", meaning.shared_expert_ffn)):
+        if size % world:
+            raise ReshardError(f"cannot split the {what} intermediate size {size} over {world} ranks: choose "
+                               "--nproc dividing it")
     spans = {**dict.fromkeys(_Q_ROLES, (0, rank * q_per * d, q_per * d)),
              **dict.fromkeys(_KV_ROLES, (0, kv.start * d, len(kv) * d)),
              **dict.fromkeys(_F_ROLES, (0, rank * f_per, f_per)),
-             "o": (1, rank * q_per * d, q_per * d), "down": (1, rank * f_per, f_per)}
+             "o": (1, rank * q_per * d, q_per * d), "down": (1, rank * f_per, f_per),
+             "expert_gate": (0, rank * i_per, i_per), "expert_up": (0, rank * i_per, i_per),
+             "expert_down": (1, rank * i_per, i_per), "shared_gate": (0, rank * s_per, s_per),
+             "shared_up": (0, rank * s_per, s_per), "shared_down": (1, rank * s_per, s_per)}
 
-    def role_tensors(layer: int | None) -> dict[str, torch.Tensor]:
-        out = {}
+    def role_tensors(layer: int | None) -> dict:
+        out: dict = {}
+        experts: dict[int, dict[str, torch.Tensor]] = {}
         for spec in model.family.weights:
             if spec.role is None or spec.per_layer != (layer is not None):
                 continue
-            name = spec.hf.format(layer=layer) if spec.per_layer else spec.hf
-            if name in model.tensors:
-                out[spec.role] = read(name, *spans.get(spec.role, ()))
+            for expert in range(model.num_experts) if spec.per_expert else [None]:
+                name = instance(spec.hf, layer, expert)
+                if name not in model.tensors:
+                    continue
+                tensor = read(name, *spans.get(spec.role, ()))
+                if spec.per_expert:  # every rank computes its 1/world slice of every expert
+                    experts.setdefault(expert, {})[spec.role] = tensor
+                else:
+                    out[spec.role] = tensor
+        if experts:
+            out["experts"] = {e: (p["expert_gate"], p["expert_up"], p["expert_down"]) for e, p in experts.items()}
         return out
 
     layers = [LayerWeights(**role_tensors(i)) for i in range(config.layers)]

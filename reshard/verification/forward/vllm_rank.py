@@ -17,7 +17,25 @@ from reshard.layouts.base import Options
 from reshard.layouts.hf_config import read_meaning
 from reshard.mapping import family_for_architecture
 from reshard.verification.forward.rank_weights import (DecoderConfig, LayerWeights, RankWeights, check_world,
-                                                       split_stacked_qkv, unpack)
+                                                       split_halves, split_stacked_qkv, unpack)
+
+
+def _experts(specs, layer: int, where: dict, experts: int, rank: int, world: int) -> dict:
+    """The routed experts of a stacked vLLM layer: every expert's 1/tp slice (``w13`` = [gate_r; up_r]), or with
+    expert parallelism (fewer stacked than the model's experts) the rank's block of whole experts."""
+    stacked = {}
+    for spec in specs:
+        name = spec.vllm_name.format(layer=layer)
+        if name not in where:
+            raise CheckpointError(f"tensor '{name}' is missing from rank {rank}'s files")
+        stacked[spec.role] = where[name].read(name)
+    held = stacked["expert_down"].shape[0]
+    ids = vllm.expert_block(experts, world, rank) if held < experts else range(experts)
+    out = {}
+    for j, e in enumerate(ids):
+        gate, up = split_halves(stacked["expert_gate"][j])
+        out[e] = (gate, up, stacked["expert_down"][j])
+    return out
 
 
 def load_rank(path: str, rank: int, world: int, opts: Options) -> RankWeights:
@@ -58,8 +76,16 @@ def _read(path: str, files: list[SafetensorsFile], rank: int, world: int, opts: 
             raise CheckpointError(f"{path}: tensor '{name}' is missing from rank {rank}'s files")
         return unpack(spec, where[name].read(name), lambda t: split_stacked_qkv(t, q_rows, kv_rows))
 
-    layer_specs = [s for s in family.weights if s.role and s.per_layer]
-    layers = [LayerWeights(**{s.role: get(s, i) for s in layer_specs}) for i in range(config.layers)]
+    sparse_layers = set(meaning.sparse_layers())
+    layer_specs = [s for s in family.weights if s.role and s.per_layer and not s.per_expert]
+    expert_specs = [s for s in family.weights if s.per_expert]
+    layers = []
+    for i in range(config.layers):
+        held = [s for s in layer_specs if s.layers == "all" or (i in sparse_layers) == (s.layers == "sparse")]
+        weights = LayerWeights(**{s.role: get(s, i) for s in held})
+        if i in sparse_layers:
+            weights.experts = _experts(expert_specs, i, where, meaning.experts, rank, world)
+        layers.append(weights)
     if tied:
         kept = vllm.kept_tied_name([emb_name, head_name])
         if kept not in where:
