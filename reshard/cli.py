@@ -110,6 +110,8 @@ def convert(
                                       "1 keeps each expert whole)."),
     expert_parallel: bool = typer.Option(False, "--expert-parallel", help="vLLM: whole experts split over the "
                                          "ranks, as enable_expert_parallel loads them."),
+    moe_grouped_gemm: bool = typer.Option(False, "--moe-grouped-gemm", help="Megatron: name the experts as "
+                                          "TEGroupedMLP's (linear_fc1.weight{j}) instead of SequentialMLP's."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast to bf16, fp16 or fp32 (default: keep)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output (only once complete)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; write nothing."),
@@ -150,6 +152,7 @@ def convert(
 
         parse_repo_id(push_to, revision)  # a bad repo id fails before anything is written
     result = run_convert(src, dst, to=to, tp=tp, pp=pp, ep=ep, etp=etp, expert_parallel=expert_parallel,
+                         moe_grouped_gemm=moe_grouped_gemm,
                          dtype=dtype, overwrite=overwrite, dry_run=dry_run,
                          megatron_spec=megatron_spec.value, max_shard_size=parse_size(max_shard_size),
                          vocab_size=vocab_size, vocab_divisor=vocab_divisor, architecture=architecture,
@@ -182,13 +185,15 @@ def plan(
     src: str = typer.Argument(...), to: str = TargetOpt, tp: int = typer.Option(1, "--tp"),
     pp: int = typer.Option(1, "--pp"), ep: int = typer.Option(1, "--ep"), etp: Optional[int] = typer.Option(None, "--etp"),
     expert_parallel: bool = typer.Option(False, "--expert-parallel"),
+    moe_grouped_gemm: bool = typer.Option(False, "--moe-grouped-gemm"),
     dtype: Optional[str] = typer.Option(None, "--dtype"), megatron_spec: Spec = typer.Option(Spec.te, "--megatron-spec"),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size"), vocab_size: Optional[int] = VocabOpt,
     architecture: Optional[str] = ArchOpt, mapping: Optional[str] = MappingOpt, as_json: bool = JsonOpt,
     allow_lossy_config: Optional[list[str]] = typer.Option(None, "--allow-lossy-config"),
 ):
     """Print the conversion plan (what `convert --dry-run` prints); write nothing."""
-    convert(src=src, dst="", to=to, tp=tp, pp=pp, ep=ep, etp=etp, expert_parallel=expert_parallel, dtype=dtype, overwrite=False, dry_run=True,
+    convert(src=src, dst="", to=to, tp=tp, pp=pp, ep=ep, etp=etp, expert_parallel=expert_parallel,
+            moe_grouped_gemm=moe_grouped_gemm, dtype=dtype, overwrite=False, dry_run=True,
             megatron_spec=megatron_spec, megatron_format="torch", max_shard_size=max_shard_size,
             vocab_size=vocab_size, vocab_divisor=None,
             architecture=architecture, mapping=mapping, allow_replica_mismatch=False, as_json=as_json, workers=1,

@@ -87,7 +87,7 @@ def auto_workers(plan: Plan) -> int:
 
 
 def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
-            expert_parallel: bool = False, dtype: str | None = None,
+            expert_parallel: bool = False, moe_grouped_gemm: bool = False, dtype: str | None = None,
             overwrite: bool = False, dry_run: bool = False, megatron_spec: str = "te",
             max_shard_size: int = 5 * 10**9, vocab_size: int | None = None, vocab_divisor: int | None = None,
             architecture: str | None = None, mapping: str | None = None, allow_replica_mismatch: bool = False,
@@ -109,7 +109,7 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
                         f"{', '.join(SEMANTIC_FIELDS)})")
     if workers is not None and workers < 1:
         raise PlanError(f"--workers must be at least 1 (got {workers})")
-    opts = Options(tp=tp, pp=pp, ep=ep, etp=etp, expert_parallel=expert_parallel, dtype=dtypes.parse_user_dtype(dtype), megatron_spec=megatron_spec,
+    opts = Options(tp=tp, pp=pp, ep=ep, etp=etp, expert_parallel=expert_parallel, moe_grouped_gemm=moe_grouped_gemm, dtype=dtypes.parse_user_dtype(dtype), megatron_spec=megatron_spec,
                    max_shard_size=max_shard_size, vocab_size=vocab_size, vocab_divisor=vocab_divisor,
                    architecture=architecture, mapping=mapping, allow_replica_mismatch=allow_replica_mismatch,
                    allow_lossy_config=tuple(allow_lossy_config))

@@ -85,7 +85,8 @@ def read_op(op: ReadOp, axis: int, files: list[TensorFile]):
     source's other axis and is transposed)."""
     if op.src_block is not None:  # one block of a stacked source, then the slice within it
         block = files[op.source].read(op.tensor, 0, op.src_block, 1)[0]
-        return block.narrow(op.source_axis(axis) - 1, op.src_start, op.length)
+        data = block.narrow(op.source_axis(axis) - 1, op.src_start, op.length)
+        return data.t() if op.transposed else data
     data = files[op.source].read(op.tensor, op.source_axis(axis), op.src_start, op.length)
     return data.t() if op.transposed else data
 
@@ -101,9 +102,9 @@ def bits_equal(a, b) -> bool:
 def read_slice(op: ReadOp, axis: int, files: list[TensorFile], gatherer: Gatherer) -> tuple[TargetTensor, np.ndarray]:
     """The bytes of ``op``'s slice of its source tensor (torch-free)."""
     loc = files[op.source].tensors[op.tensor]
-    stored = tuple(reversed(loc.shape)) if op.transposed else tuple(loc.shape)
-    if op.src_block is not None:
-        stored = stored[1:]
+    stored = tuple(loc.shape[1:]) if op.src_block is not None else tuple(loc.shape)
+    if op.transposed:
+        stored = tuple(reversed(stored))
     shape = tuple(op.length if i == axis else n for i, n in enumerate(stored))
     tensor = TargetTensor(op.tensor, shape, loc.dtype, axis, [ReadOp(op.source, op.tensor, op.src_start,
                                                                       op.length, 0, op.transposed, op.src_block)])

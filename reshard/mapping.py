@@ -21,7 +21,8 @@ PACK_SLOTS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
 WEIGHT_KEYS = {
     "hf", "split", "slot", "shape", "optional", "tied_to", "stage", "role", "hf_stored", "hf_transposed", "layers",
     "hf_fused",
-    "megatron", "megatron_te", "megatron_local", "megatron_sparse", "vllm",
+    "megatron", "megatron_te", "megatron_local", "megatron_sparse", "megatron_grouped", "megatron_legacy_grouped",
+    "vllm",
 }
 TOP_KEYS = {"family", "dims", "hf", "moe", "megatron", "vllm", "decoder", "config", "weight"}
 #: Mixture of Experts ([moe]): the dims symbol of the expert count and the config keys that say which layers are
@@ -145,6 +146,8 @@ class WeightSpec:
     megatron_te: str | None = None
     megatron_local: str | None = None
     megatron_sparse: str | None = None  # its Megatron name on MoE layers, both specs (they never fuse the MLP norm)
+    megatron_grouped: str | None = None  # a routed expert's name in TEGroupedMLP (moe_grouped_gemm): weight{j}
+    megatron_legacy_grouped: str | None = None  # legacy GroupedMLP: weight1 / weight2, every local expert in one
     vllm: str | None = None
 
     layers: str = "all"  # which layers hold it: all | sparse (MoE layers) | dense
@@ -163,8 +166,11 @@ class WeightSpec:
         """The dimension along which ranks hold different parts (0 except row-parallel weights)."""
         return 1 if self.split == "row" else 0
 
-    def megatron_name(self, spec: str, sparse: bool = False) -> str:
-        """Its Megatron name in layer spec ``spec`` (te | local), on a MoE layer when ``sparse``."""
+    def megatron_name(self, spec: str, sparse: bool = False, grouped: bool = False) -> str:
+        """Its Megatron name in layer spec ``spec`` (te | local), on a MoE layer when ``sparse``, with
+        TEGroupedMLP experts when ``grouped``."""
+        if grouped and self.megatron_grouped:
+            return self.megatron_grouped
         if sparse and self.megatron_sparse:
             return self.megatron_sparse
         return self.megatron_te if spec == "te" else self.megatron_local
@@ -376,7 +382,9 @@ def parse_family(data: dict, source: str) -> Family:
             optional=bool(w.get("optional", False)), tied_to=w.get("tied_to"), stage=w.get("stage"), role=role,
             hf_stored=w.get("hf_stored"), hf_transposed=bool(w.get("hf_transposed", False)),
             layers=w.get("layers", "all"), hf_fused=w.get("hf_fused"),
-            megatron_te=te, megatron_local=local, megatron_sparse=w.get("megatron_sparse"), vllm=w.get("vllm"),
+            megatron_te=te, megatron_local=local, megatron_sparse=w.get("megatron_sparse"),
+            megatron_grouped=w.get("megatron_grouped"), megatron_legacy_grouped=w.get("megatron_legacy_grouped"),
+            vllm=w.get("vllm"),
         ))
     roles = [w.role for w in weights if w.role]
     if len(roles) != len(set(roles)):

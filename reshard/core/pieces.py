@@ -29,7 +29,8 @@ class StoredTensor:
     tensor). ``transposed``: the layout stores the canonical ``[out, in]`` matrix as ``[in, out]`` (a GPT-2
     Conv1D), so a piece's canonical rows run along stored axis ``axis`` = 1 - the canonical split axis. A stacked
     tensor (``stacked``: vLLM's ``[E, rows, cols]`` experts) holds one 2-D block per index of dim 0, each made of
-    the pieces with that ``block``, laid along ``axis`` (>= 1) within the block."""
+    the pieces with that ``block``, laid along ``axis`` (>= 1) within the block; stacked and transposed, each
+    block is stored ``[in, out]`` (Megatron's legacy GroupedMLP ``weight1`` viewed as ``[E, H, 2I]``)."""
 
     name: str
     shape: tuple[int, ...]
@@ -43,9 +44,8 @@ class StoredTensor:
     @property
     def canonical_axis(self) -> int:
         """The axis of the canonical tensors the pieces run along."""
-        if self.stacked:
-            return self.axis - 1
-        return 1 - self.axis if self.transposed else self.axis
+        axis = self.axis - 1 if self.stacked else self.axis
+        return 1 - axis if self.transposed else axis
 
     def offsets(self):
         """Yield (piece, offset along the axis) pairs (within its block for a stacked tensor)."""

@@ -35,9 +35,8 @@ class ReadOp:
         """The source tensor's axis the op reads along (within its block when stacked)."""
         if self.dst_block is not None:
             target_axis -= 1
-        if self.src_block is not None:
-            return target_axis + 1
-        return 1 - target_axis if self.transposed else target_axis
+        axis = 1 - target_axis if self.transposed else target_axis
+        return axis + 1 if self.src_block is not None else axis
 
     @property
     def blocked(self) -> bool:

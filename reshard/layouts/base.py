@@ -31,6 +31,7 @@ class Options:
     ep: int = 1  # Megatron expert-parallel degree (Mixture of Experts)
     etp: int | None = None  # Megatron expert-tensor-parallel degree (default: tp)
     expert_parallel: bool = False  # vLLM: whole experts split over the ranks (enable_expert_parallel)
+    moe_grouped_gemm: bool = False  # Megatron: experts named as TEGroupedMLP's (linear_fc1.weight{j})
     dtype: str | None = None  # safetensors dtype name of the output, None keeps the source's
     megatron_spec: str = "te"
     max_shard_size: int = 5 * 10**9

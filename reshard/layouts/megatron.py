@@ -12,10 +12,11 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import os
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from reshard.core.canonical import CanonicalModel, build_canonical, instance
 from reshard.core.model_config import ConfigLoss, ModelConfig
@@ -37,6 +38,8 @@ TRACKER = "latest_checkpointed_iteration.txt"
 RANK_FILE = "model_optim_rng.pt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+GROUPED = re.compile(r"\.mlp\.experts\.linear_fc[12]\.weight\d+$")  # TEGroupedMLP
+LEGACY_GROUPED = re.compile(r"\.mlp\.experts\.weight[12]$")  # legacy GroupedMLP
 _REMOTE_RANK_FILE = re.compile(r"^(iter_\d{7}|release)/mp_rank_\d{2}(_\d{3})?/model_optim_rng\.pt$")
 
 
@@ -57,6 +60,8 @@ class ExpertGrid:
     ep: int = 1
     etp: int = 1
     ep_rank: int = 0
+    grouped: bool = False  # experts named as TEGroupedMLP's linear_fc1.weight{j} (moe_grouped_gemm)
+    legacy: bool = False  # legacy GroupedMLP: weight1 = the local experts' fc1 views, [E_loc, H, 2I/etp] in memory
 
 
 def rank_tensors(model: CanonicalModel, tp: int, rank: int, layers: list[int], first: bool, last: bool,
@@ -69,7 +74,10 @@ def rank_tensors(model: CanonicalModel, tp: int, rank: int, layers: list[int], f
     out: list[StoredTensor] = []
 
     def emit(spec: WeightSpec, layer: int | None, local: int | None, name_spec: WeightSpec | None = None):
-        template = (name_spec or spec).megatron_name(spec_name, layer in model.sparse_layers)
+        template = (name_spec or spec).megatron_name(spec_name, layer in model.sparse_layers, grid.grouped)
+        if spec.per_expert and grid.legacy:
+            out.extend(_legacy_grouped(model, spec, layer, local, rank, grid))
+            return
         if spec.per_expert:
             per_rank = model.num_experts // grid.ep
             for j in range(per_rank):
@@ -104,6 +112,25 @@ def rank_tensors(model: CanonicalModel, tp: int, rank: int, layers: list[int], f
             else:
                 emit(spec, None, None)
     return out
+
+
+def _legacy_grouped(model: CanonicalModel, spec: WeightSpec, layer: int, local: int, rank: int,
+                    grid: ExpertGrid) -> list[StoredTensor]:
+    """Legacy GroupedMLP's ``weight1`` / ``weight2`` of one layer: the bytes of ``[E_loc, H, 2I/etp]`` (resp.
+    ``[E_loc, I/etp, H]``), block j = local expert j's ``linear_fc1`` (``linear_fc2``) transposed; the file's 2-D
+    shape (``[H, E_loc * 2I/etp]``, ``[E_loc * I/etp, H]``) is the same memory, not a concatenation."""
+    name_of = lambda s: s.megatron_legacy_grouped  # noqa: E731
+    per_rank = model.num_experts // grid.ep
+    blocks = [pack_members(model, spec, layer, name_of, grid.ep_rank * per_rank + j) for j in range(per_rank)]
+    if blocks[0] is None:
+        return []
+    name = spec.megatron_legacy_grouped.format(layer=local)
+    slices = [rank_slice(name, spec, members, rank % grid.etp, grid.etp, model.dims["ng"], 0, megatron_qkv_pieces)
+              for members in blocks]
+    first = slices[0]
+    pieces = tuple(replace(p, block=j) for j, s in enumerate(slices) for p in s.pieces)
+    return [StoredTensor(name, (per_rank, *reversed(first.shape)), 2 - first.axis, pieces, transposed=True,
+                         stacked=True)]
 
 
 def extra_state_names(family: Family, spec_name: str, num_local_layers: int, tensor_names: list[str]) -> list[str]:
@@ -299,6 +326,17 @@ def _scan_ranks(folder: str) -> dict[tuple[int, int], str]:
     return {(g[0], g[1] if len(g) > 1 else 0): path for g, path in found.items()}
 
 
+def _legacy_view(f: TorchFile, key: str, loc, shape: tuple[int, ...]):
+    """Re-view a legacy GroupedMLP tensor's contiguous bytes as its ``[E_loc, ...]`` blocks (what megatron-core's
+    ``weight1.view(E_loc, H, -1)`` does), in the file's own table so reads see the blocks."""
+    if loc.strides is not None or math.prod(loc.shape) != math.prod(shape):
+        raise CheckpointError(f"{f.path}: '{key}' holds {tuple(loc.shape)}, which is not the legacy GroupedMLP "
+                              f"view {tuple(shape)} of this model's experts (or is not contiguous)")
+    view = replace(loc, shape=tuple(shape))
+    f.tensors[key] = view
+    return view
+
+
 def open_source(path: str, opts: Options) -> Source:
     folder, iteration = _iteration_dir(path)
     root = _checkpoint_root(path, folder)
@@ -350,6 +388,8 @@ def open_source(path: str, opts: Options) -> Source:
                 chunk_layers[(p, chunk)] = count
     chunk_keys = sorted({c for _, c in chunk_layers}, key=lambda c: -1 if c == "model" else int(c[5:]))
     spec_name = "te" if any(n.endswith("linear_qkv.layer_norm_weight") for n in names_all) else "local"
+    grouped = any(GROUPED.search(n) for n in names_all)
+    legacy_grouped = any(LEGACY_GROUPED.search(n) for n in names_all)
     starts, offset = {}, 0
     for chunk in chunk_keys:
         for p in range(pp):
@@ -398,13 +438,15 @@ def open_source(path: str, opts: Options) -> Source:
             is_first = p == 0 and chunk == chunk_keys[0]
             is_last = p == pp - 1 and chunk == chunk_keys[-1]
             for tensor in rank_tensors(model, tp, t, layers, is_first, is_last, spec_name, padded,
-                                       ExpertGrid(ep_found, etp, e)):
+                                       ExpertGrid(ep_found, etp, e, grouped, legacy_grouped)):
                 key = f"{chunk}/{tensor.name}"
                 loc = f.tensors.get(key)
+                if loc is not None and tensor.stacked and tensor.transposed:
+                    loc = _legacy_view(f, key, loc, tensor.shape)
                 if loc is None:
                     raise CheckpointError(f"{f.path}: tensor '{tensor.name}' is missing from the rank file")
                 check_shape(f.path, tensor.name, loc.shape, tensor.shape)
-                stored.append((index, StoredTensor(key, tensor.shape, tensor.axis, tensor.pieces)))
+                stored.append((index, replace(tensor, name=key)))
                 expected_names[-1].add(key)
                 for piece in tensor.pieces:
                     if piece.canonical:
@@ -436,6 +478,8 @@ def build_args(model: CanonicalModel, opts: Options, padded: int, divisor: int, 
     if base is not None:  # keep the run's own args; enum stand-ins cannot be written back without Megatron
         values = {k: v for k, v in vars(base).items() if not isinstance(v, MegatronEnum)}
     values.update(args_from_meaning(model.meaning, loss))
+    if model.num_experts:
+        values["moe_grouped_gemm"] = opts.moe_grouped_gemm
     record = write_hf_config(model.meaning, model.config, model.family, ConfigLoss("record"))
     record["torch_dtype"] = dtypes.hf_config_dtype(dtype)
     values.update(
@@ -495,10 +539,12 @@ def targets(model: CanonicalModel, opts: Options, source: Source, dtype: str
     specs = []
     stages = stage_layers(model.num_layers, opts.pp)
     ep, etp = opts.ep, expert_tp(opts)
+    if opts.moe_grouped_gemm and not model.num_experts:
+        raise PlanError("--moe-grouped-gemm is for Mixture-of-Experts models")
     for p, layers in enumerate(stages):
         for e, t in ((e, t) for e in range(ep) for t in range(opts.tp)):
             tensors = rank_tensors(model, opts.tp, t, list(layers), p == 0, p == opts.pp - 1,
-                                   opts.megatron_spec, padded, ExpertGrid(ep, etp, e))
+                                   opts.megatron_spec, padded, ExpertGrid(ep, etp, e, opts.moe_grouped_gemm))
             state = collections.OrderedDict((s.name, TensorSlot(s.name, "", ())) for s in tensors)
             for name in extra_state_names(model.family, opts.megatron_spec, len(layers), list(state)):
                 state[name] = None

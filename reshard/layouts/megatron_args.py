@@ -163,7 +163,7 @@ def _moe_args(m: ModelConfig) -> dict[str, Any]:
                 moe_router_pre_softmax=not m.router_renormalize, moe_router_score_function="softmax",
                 moe_layer_freq=1 if sparse == tuple(range(m.layers)) else [int(i in sparse) for i in range(m.layers)],
                 moe_shared_expert_intermediate_size=m.shared_expert_ffn or None,
-                moe_shared_expert_gate=m.shared_expert_gate, moe_grouped_gemm=False,
+                moe_shared_expert_gate=m.shared_expert_gate,
                 moe_token_dispatcher_type="allgather")
 
 

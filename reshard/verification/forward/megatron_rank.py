@@ -21,7 +21,7 @@ from reshard.io.torch_format import TorchFile
 from reshard.layouts import megatron
 from reshard.layouts.base import Options
 from reshard.verification.forward.rank_weights import (DecoderConfig, LayerWeights, RankWeights, check_world,
-                                                       split_grouped_qkv, unpack)
+                                                       split_grouped_qkv, split_halves, unpack)
 
 _CHUNK = re.compile(r"^model\d*$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -51,6 +51,19 @@ def _chunks(f: TorchFile) -> list[str]:
 def _layer_count(f: TorchFile, chunk: str) -> int:
     found = [int(m.group(1)) for key in f.structure[chunk] if (m := _LAYER.match(key))]
     return max(found) + 1 if found else 0
+
+
+def _legacy_experts(f: TorchFile, chunk: str, specs, layer: int, ep_rank: int, per_rank: int, hidden: int) -> dict:
+    """Legacy GroupedMLP experts as megatron-core runs them: ``weight1.view(E_loc, H, -1)[j].T`` is local expert
+    j's ``[gate; up]``, ``weight2.view(E_loc, -1, H)[j].T`` its down projection."""
+    names = {s.role: f"{chunk}/" + s.megatron_legacy_grouped.format(layer=layer) for s in specs}
+    w1 = f.read(names["expert_gate"]).reshape(per_rank, hidden, -1)
+    w2 = f.read(names["expert_down"]).reshape(per_rank, -1, hidden)
+    out = {}
+    for j in range(per_rank):
+        gate, up = split_halves(w1[j].T)
+        out[ep_rank * per_rank + j] = (gate, up, w2[j].T)
+    return out
 
 
 def load_rank(path: str, rank: int, world: int, opts: Options) -> RankWeights:
@@ -91,13 +104,15 @@ def _read(path: str, folder: str, expert_files: list[list[TorchFile]], args, ran
     cache: dict[str, object] = {}
 
     sparse_layers = set(meaning.sparse_layers())
+    grouped = any(megatron.GROUPED.search(k) for k in all_keys)
+    legacy = any(megatron.LEGACY_GROUPED.search(k) for k in all_keys)
     etp = int(getattr(args, "expert_tensor_parallel_size", None) or world)
     experts_per_rank = meaning.experts // len(expert_files[0]) if meaning.experts else 0
 
     def get(f: TorchFile, chunk: str, spec, layer: int | None = None, name_spec=None, global_layer=None,
             expert: int | None = None):
         """``spec``'s local tensor (its slot of a fused tensor); None when an optional weight is absent."""
-        template = (name_spec or spec).megatron_name(spec_name, global_layer in sparse_layers)
+        template = (name_spec or spec).megatron_name(spec_name, global_layer in sparse_layers, grouped)
         name = instance(template, layer, expert)
         key = f"{chunk}/{name}"
         if key not in f.tensors:
@@ -120,7 +135,11 @@ def _read(path: str, folder: str, expert_files: list[list[TorchFile]], args, ran
                 g = len(layers)
                 held = [s for s in layer_specs if s.layers == "all" or (g in sparse_layers) == (s.layers == "sparse")]
                 weights = LayerWeights(**{s.role: get(f, chunk, s, i, global_layer=g) for s in held})
-                if g in sparse_layers and rank < etp:
+                if g in sparse_layers and rank < etp and legacy:
+                    for e, ef in enumerate(stage):
+                        weights.experts.update(_legacy_experts(ef, chunk, expert_specs, i, e, experts_per_rank,
+                                                               config.hidden))
+                elif g in sparse_layers and rank < etp:
                     for e, ef in enumerate(stage):
                         for j in range(experts_per_rank):
                             parts = {s.role: get(ef, chunk, s, i, global_layer=g, expert=j) for s in expert_specs}
