@@ -54,18 +54,21 @@ if sys.path[:1] != [_HERE]:
     sys.path[:] = [_HERE] + [p for p in sys.path if p != _HERE]
 
 from bench_inspect import dir_bytes, largest_tensor_in_dir, read_safetensors_header  # noqa: E402
-from bench_model import (  # noqa: E402,F401 - choose_shapes, param_count, tensor_specs: used through this module
+from bench_model import (  # noqa: E402,F401 - choose_shapes, param_count, source_plan, tensor_specs: used through this module
     GIB,
     MIB,
+    MODELS,
     choose_shapes,
     ensure_source,
     expected_megatron_largest,
     param_count,
+    source_plan,
     tensor_specs,
 )
 from bench_ops import (  # noqa: E402,F401 - REPO_ROOT, SRC_DIR, OPS: re-exported
     CONVERTER_OPS,
     DERIVED_SOURCES,
+    MOE_OPS,
     OPS,
     REPO_ROOT,
     SRC_DIR,
@@ -96,8 +99,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sizes", type=float, nargs="+", default=[1.0, 2.0, 4.0], help="model sizes in GiB (default: 1 2 4)")
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per (size, operation) (default: 3)")
     ap.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory (default: bench-out)")
-    ap.add_argument("--ops", nargs="+", choices=list(OPS), default=list(OPS), metavar="OP",
-                    help="operations to run (default: all): " + ", ".join(OPS))
+    ap.add_argument("--model", choices=MODELS, default="llama",
+                    help="the generated source: llama (dense) or mixtral (8 experts per layer) (default: llama)")
+    ap.add_argument("--ops", nargs="+", choices=list(OPS), default=None, metavar="OP",
+                    help="operations to run (default: all for the model; MoE ones only for mixtral): " + ", ".join(OPS))
     ap.add_argument("--workers", type=int, default=None, help="pass --workers N to reshard convert (only when given)")
     ap.add_argument("--keep", action="store_true", help="keep the outputs of the last repeat under OUT/outputs")
     ap.add_argument("--plot", action="store_true", help="write OUT/bench.png (needs matplotlib)")
@@ -118,6 +123,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if any(not s > 0 for s in args.sizes):
         ap.error("--sizes must be positive")
     args.sizes = list({fmt_size(s): s for s in args.sizes}.values())
+    if args.ops is None:
+        args.ops = ["cp", *MOE_OPS] if args.model == "mixtral" else [op for op in OPS if op not in MOE_OPS]
     args.ops = [op for op in OPS if op in set(args.ops)]  # canonical order: cp, hf_to_megatron_tp8, ...
     return args
 
@@ -205,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         for size in args.sizes:
             key = fmt_size(size)
             t0 = time.perf_counter()
-            src, plan, generated = ensure_source(cache_dir, size, int(args.shard_gib * GIB), log)
+            src, plan, generated = ensure_source(cache_dir, size, int(args.shard_gib * GIB), log, args.model)
             headers = [read_safetensors_header(src / s["file"]) for s in plan["shards"]]
             name, info = max(((n, i) for h in headers for n, i in h.items()),
                              key=lambda kv: kv[1]["data_offsets"][1] - kv[1]["data_offsets"][0])

@@ -1,4 +1,4 @@
-"""Synthetic Llama checkpoints for scripts/bench.py: shapes for a requested size, the streaming bf16
+"""Synthetic Llama and Mixtral checkpoints for scripts/bench.py: shapes for a requested size, the streaming bf16
 safetensors writer, and the cached source directory (``ensure_source``)."""
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ GENERATOR_VERSION = 1
 
 HIDDEN_CANDIDATES = (8192, 4096, 2048, 1024, 512, 256, 128, 64)
 NUM_KV_HEADS = 8
+MODELS = ("llama", "mixtral")
+MIXTRAL_EXPERTS = 8  # Mixtral 8x7B: 8 experts, top-2, every layer sparse
 
 
 def vocab_for_hidden(hidden: int) -> int:
@@ -40,10 +42,12 @@ def min_layers_for_hidden(hidden: int) -> int:
     return max(4, hidden * hidden // 2**20)
 
 
-def model_shapes(hidden: int, layers: int) -> dict[str, Any]:
+def model_shapes(hidden: int, layers: int, model: str = "llama") -> dict[str, Any]:
     head_dim = 128 if hidden >= 4096 else hidden // 32
     heads = hidden // head_dim
     return {
+        "model": model,
+        "experts": MIXTRAL_EXPERTS if model == "mixtral" else 0,
         "hidden_size": hidden,
         "intermediate_size": hidden * 7 // 2,  # Llama-3 ratio; divisible by 8 for every candidate
         "num_hidden_layers": layers,
@@ -72,6 +76,15 @@ def tensor_specs(shapes: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
             (p + "self_attn.v_proj.weight", (kv, h)),
             (p + "self_attn.o_proj.weight", (h, q)),
             (p + "post_attention_layernorm.weight", (h,)),
+        ]
+        if shapes.get("experts"):  # Mixtral: a router and per-expert w1 (gate), w3 (up), w2 (down)
+            m = p + "block_sparse_moe."
+            specs.append((m + "gate.weight", (shapes["experts"], h)))
+            for e in range(shapes["experts"]):
+                specs += [(m + f"experts.{e}.w1.weight", (inter, h)), (m + f"experts.{e}.w2.weight", (h, inter)),
+                          (m + f"experts.{e}.w3.weight", (inter, h))]
+            continue
+        specs += [
             (p + "mlp.gate_proj.weight", (inter, h)),
             (p + "mlp.up_proj.weight", (inter, h)),
             (p + "mlp.down_proj.weight", (h, inter)),
@@ -84,24 +97,25 @@ def param_count(shapes: dict[str, Any]) -> int:
     return sum(math.prod(s) for _, s in tensor_specs(shapes))
 
 
-def choose_shapes(size_gib: float) -> dict[str, Any]:
-    """Llama-like shapes whose bf16 size is close to ``size_gib``: the widest hidden size
-    that still leaves a realistic number of layers, then the layer count that best fits."""
+def choose_shapes(size_gib: float, model: str = "llama") -> dict[str, Any]:
+    """Llama-like (or Mixtral-like: 8 experts per layer) shapes whose bf16 size is close to ``size_gib``: the widest
+    hidden size that still leaves a realistic number of layers, then the layer count that best fits."""
     if not size_gib > 0:
         raise ValueError(f"size must be positive, got {size_gib}")
     target_params = size_gib * GIB / 2
+    mlps = MIXTRAL_EXPERTS if model == "mixtral" else 1
     for hidden in HIDDEN_CANDIDATES:
-        base = param_count(model_shapes(hidden, 0))
-        per_layer = param_count(model_shapes(hidden, 1)) - base
+        base = param_count(model_shapes(hidden, 0, model))
+        per_layer = param_count(model_shapes(hidden, 1, model)) - base
         layers = max(1, round((target_params - base) / per_layer))
         if layers >= min_layers_for_hidden(hidden) or hidden == HIDDEN_CANDIDATES[-1]:
-            shapes = model_shapes(hidden, layers)
+            shapes = model_shapes(hidden, layers, model)
             # fine-tune the FFN width (within 2.5x..4x hidden, multiple of hidden/8) to close
             # the gap left by the integer layer count
             step = hidden // 8
-            mlp_params = 3 * hidden * shapes["intermediate_size"] * layers
+            mlp_params = 3 * mlps * hidden * shapes["intermediate_size"] * layers
             rest = param_count(shapes) - mlp_params
-            inter = (target_params - rest) / (3 * hidden * layers)
+            inter = (target_params - rest) / (3 * mlps * hidden * layers)
             inter = min(4 * hidden, max(5 * hidden // 2, round(inter / step) * step))
             shapes["intermediate_size"] = int(inter)
             return shapes
@@ -109,6 +123,13 @@ def choose_shapes(size_gib: float) -> dict[str, Any]:
 
 
 def hf_config(shapes: dict[str, Any]) -> dict[str, Any]:
+    if shapes.get("experts"):
+        return {**_llama_config(shapes), "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                "num_local_experts": shapes["experts"], "num_experts_per_tok": 2, "rope_theta": 1000000.0}
+    return _llama_config(shapes)
+
+
+def _llama_config(shapes: dict[str, Any]) -> dict[str, Any]:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -214,8 +235,8 @@ def plan_shards(
     return shards
 
 
-def source_plan(size_gib: float, shard_limit: int) -> dict[str, Any]:
-    shapes = choose_shapes(size_gib)
+def source_plan(size_gib: float, shard_limit: int, model: str = "llama") -> dict[str, Any]:
+    shapes = choose_shapes(size_gib, model)
     shards = plan_shards(tensor_specs(shapes), shard_limit)
     n = len(shards)
     return {
@@ -255,11 +276,12 @@ def _cache_valid(src: Path, marker: Path, plan: dict[str, Any]) -> bool:
     return (src / "config.json").is_file() and (src / "model.safetensors.index.json").is_file()
 
 
-def ensure_source(cache_dir: Path, size_gib: float, shard_limit: int, log=print) -> tuple[Path, dict, bool]:
-    """Generate (or reuse) the HF checkpoint for ``size_gib``.  Returns (dir, plan, generated)."""
-    plan = source_plan(size_gib, shard_limit)
-    src = cache_dir / f"llama-{size_gib:g}GiB"
-    marker = cache_dir / f"llama-{size_gib:g}GiB.json"  # kept outside the checkpoint dir
+def ensure_source(cache_dir: Path, size_gib: float, shard_limit: int, log=print,
+                  model: str = "llama") -> tuple[Path, dict, bool]:
+    """Generate (or reuse) the HF checkpoint of ``model`` for ``size_gib``.  Returns (dir, plan, generated)."""
+    plan = source_plan(size_gib, shard_limit, model)
+    src = cache_dir / f"{model}-{size_gib:g}GiB"
+    marker = cache_dir / f"{model}-{size_gib:g}GiB.json"  # kept outside the checkpoint dir
     if _cache_valid(src, marker, plan):
         return src, plan, False
     log(f"[bench] generating {src} ({size_gib:g} GiB requested) ...")

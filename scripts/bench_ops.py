@@ -28,11 +28,16 @@ OPS: dict[str, tuple[str, list[str] | None]] = {
     "hf_to_vllm_tp8": ("hf", ["--to", "vllm", "--tp", "8"]),
     "hf_to_torch_dist": ("hf", ["--to", "megatron", "--megatron-format", "torch_dist", "--tp", "8"]),
     "torch_dist_to_hf": ("torch_dist", ["--to", "hf"]),
+    "hf_to_megatron_tp2_ep4": ("hf", ["--to", "megatron", "--tp", "2", "--ep", "4"]),
+    "megatron_tp2_ep4_to_hf": ("megatron_tp2_ep4", ["--to", "hf"]),
     "naive": ("hf", None),
 }
+#: operations for Mixture-of-Experts sources only (the default for --model mixtral, with cp)
+MOE_OPS = ("hf_to_megatron_tp2_ep4", "megatron_tp2_ep4_to_hf")
 #: source kinds other than the generated HF checkpoint -> the op whose output is that source (run untimed first
 #: when the op itself is not among those timed)
-DERIVED_SOURCES = {"megatron_tp8": "hf_to_megatron_tp8", "torch_dist": "hf_to_torch_dist"}
+DERIVED_SOURCES = {"megatron_tp8": "hf_to_megatron_tp8", "torch_dist": "hf_to_torch_dist",
+                   "megatron_tp2_ep4": "hf_to_megatron_tp2_ep4"}
 CONVERTER_OPS = [name for name, (_, args) in OPS.items() if args is not None]
 MEGATRON_TP8_ARGS = OPS["hf_to_megatron_tp8"][1]
 

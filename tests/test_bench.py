@@ -140,6 +140,24 @@ def test_shapes_are_close_to_requested_size(gib):
     assert biggest in ("model.embed_tokens.weight", "lm_head.weight")
 
 
+@pytest.mark.parametrize("gib", [0.01, 2.5, 8])
+def test_mixtral_shapes(gib):
+    """--model mixtral: 8 experts per layer (router + w1/w2/w3 each), the requested size within 6%, the MoE ops
+    chosen by default and a Mixtral config that reshard maps."""
+    bench = load_bench()
+    shapes = bench.choose_shapes(gib, "mixtral")
+    assert abs(bench.param_count(shapes) * 2 / (gib * 2**30) - 1) < 0.06
+    specs = dict(bench.tensor_specs(shapes))
+    assert specs["model.layers.0.block_sparse_moe.gate.weight"] == (8, shapes["hidden_size"])
+    assert specs["model.layers.0.block_sparse_moe.experts.7.w2.weight"] == (shapes["hidden_size"],
+                                                                          shapes["intermediate_size"])
+    assert not any("mlp." in name for name in specs)
+    config = bench.source_plan(gib, 2 << 30, "mixtral")["config"]
+    assert config["architectures"] == ["MixtralForCausalLM"] and config["num_local_experts"] == 8
+    assert bench.parse_args(["--model", "mixtral"]).ops == ["cp", "hf_to_megatron_tp2_ep4", "megatron_tp2_ep4_to_hf"]
+    assert "hf_to_megatron_tp2_ep4" not in bench.parse_args([]).ops
+
+
 # ------------------------------------------------------------ bench without converter ---
 
 
