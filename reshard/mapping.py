@@ -22,7 +22,7 @@ WEIGHT_KEYS = {
     "hf", "split", "slot", "shape", "optional", "tied_to", "stage", "role", "hf_stored", "hf_transposed", "layers",
     "hf_fused",
     "megatron", "megatron_te", "megatron_local", "megatron_sparse", "megatron_grouped", "megatron_legacy_grouped",
-    "vllm",
+    "vllm", "trtllm",
 }
 TOP_KEYS = {"family", "dims", "hf", "moe", "megatron", "vllm", "decoder", "config", "weight"}
 #: Mixture of Experts ([moe]): the dims symbol of the expert count and the config keys that say which layers are
@@ -149,6 +149,7 @@ class WeightSpec:
     megatron_grouped: str | None = None  # a routed expert's name in TEGroupedMLP (moe_grouped_gemm): weight{j}
     megatron_legacy_grouped: str | None = None  # legacy GroupedMLP: weight1 / weight2, every local expert in one
     vllm: str | None = None
+    trtllm: str | None = None  # its name in a TensorRT-LLM checkpoint (packs share one fused name)
 
     layers: str = "all"  # which layers hold it: all | sparse (MoE layers) | dense
 
@@ -384,7 +385,7 @@ def parse_family(data: dict, source: str) -> Family:
             layers=w.get("layers", "all"), hf_fused=w.get("hf_fused"),
             megatron_te=te, megatron_local=local, megatron_sparse=w.get("megatron_sparse"),
             megatron_grouped=w.get("megatron_grouped"), megatron_legacy_grouped=w.get("megatron_legacy_grouped"),
-            vllm=w.get("vllm"),
+            vllm=w.get("vllm"), trtllm=w.get("trtllm"),
         ))
     roles = [w.role for w in weights if w.role]
     if len(roles) != len(set(roles)):
@@ -449,6 +450,8 @@ def _check_packs(weights: list[WeightSpec], source: str) -> None:
     """Weights sharing a fused Megatron (or vLLM) name must share a split kind and fill every slot once."""
     namings = [("Megatron", lambda w, s=spec: w.megatron_name(s)) for spec in MEGATRON_SPECS]
     namings.append(("HF", lambda w: w.hf_name))
+    if any(w.trtllm for w in weights):
+        namings.append(("TensorRT-LLM", lambda w: w.trtllm or w.hf))
     if any(w.vllm for w in weights):
         namings.append(("vLLM", lambda w: w.vllm_name))
     for layout, name_of in namings:
@@ -456,8 +459,8 @@ def _check_packs(weights: list[WeightSpec], source: str) -> None:
         for w in weights:
             packs.setdefault(name_of(w), []).append(w)
         for name, members in packs.items():
-            if len(members) == 1 and (not members[0].slot or layout == "HF"):
-                continue  # HF stores most packed weights unfused
+            if len(members) == 1 and (not members[0].slot or layout in ("HF", "TensorRT-LLM")):
+                continue  # HF stores most packed weights unfused, TensorRT-LLM its gate and up apart
             kinds = {m.split for m in members}
             if len(kinds) != 1 or next(iter(kinds)) not in PACK_SLOTS:
                 raise MappingError(f"{source}: weights {', '.join(m.hf for m in members)} share {layout} name "

@@ -141,3 +141,21 @@ def test_forward_names_the_layer_when_two_experts_are_swapped(models, capsys, tm
     torch.save(state, path)
     code, out, err = run_cli(capsys, "verify", src, tmp_path / "m", "--forward")
     assert code == 1 and "layer 1 mlp" in out, out + err
+
+
+def test_megatron_lm_folder_set_with_expert_tp_below_tp(models, capsys, tmp_path):
+    """At tp 2, ep 2, expert-TP 1 (world 2) Megatron-LM saves only mp_rank_00_000 and mp_rank_01_001 (each rank
+    its (dense tp, ep) folder, moe.md 3.1): together they hold every dense TP rank and every expert, so the
+    checkpoint reads bit-exact and runs; without the ep 1 folder it is refused as incomplete."""
+    import shutil
+
+    src = models["mixtral"]
+    assert run_cli(capsys, "convert", src, tmp_path / "m", "--to", "megatron", "--tp", "2", "--etp", "1",
+                   "--ep", "2")[0] == 0
+    for extra in ("mp_rank_00_001", "mp_rank_01_000"):
+        shutil.rmtree(tmp_path / "m/release" / extra)
+    assert run_cli(capsys, "verify", src, tmp_path / "m")[0] == 0
+    assert run_cli(capsys, "verify", src, tmp_path / "m", "--forward")[0] == 0
+    shutil.rmtree(tmp_path / "m/release/mp_rank_01_001")
+    code, _, err = run_cli(capsys, "verify", src, tmp_path / "m")
+    assert code == 2 and ("missing" in err or "incomplete" in err), err

@@ -188,6 +188,8 @@ def rank_slice(name: str, spec: WeightSpec, members: list[CanonicalTensor], rank
     elif kind == "qkv":
         by_slot = {m.spec.slot: m for m in members}
         pieces = qkv_rule(by_slot["q"], by_slot["k"], by_slot["v"], rank, tp, groups)
+    elif kind == "gate_up" and len(members) == 1:  # stored alone (TensorRT-LLM's mlp.fc / mlp.gate): a column split
+        pieces = even_pieces(first, rank, tp)
     elif kind == "gate_up":
         by_slot = {m.spec.slot: m for m in members}
         pieces = megatron_gate_up_pieces(by_slot["gate"], by_slot["up"], rank, tp)

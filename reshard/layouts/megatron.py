@@ -300,6 +300,21 @@ def scan_rank_folders(folder: str) -> dict[tuple[int, ...], str]:
     return found
 
 
+def missing_rank_folders(ranks, tp: int, pp: int, ep: int, etp: int) -> list[str]:
+    """Folders a checkpoint needs but lacks. Every (tp, pp, ep) folder when the expert-TP degree equals tp; with
+    a lower one Megatron-LM writes only some (a rank saves its (dense tp, ep) folder: moe.md 3.1), so what counts
+    is that every dense TP rank and every (ep, expert-TP rank) of each stage is held by some folder."""
+    if etp == tp:
+        return [rank_dir(t, p, pp, e, ep) for p in range(pp) for e in range(ep) for t in range(tp)
+                if (t, p, e) not in ranks]
+    missing = []
+    for p in range(pp):
+        missing += [rank_dir(t, p, pp, 0, ep) for t in range(tp) if not any((t, p, e) in ranks for e in range(ep))]
+        missing += [rank_dir(s, p, pp, e, ep) for e in range(ep) for s in range(etp)
+                    if not any((t, p, e) in ranks for t in range(s, tp, etp))]
+    return missing
+
+
 def rank_grid(found: dict[tuple[int, ...], str], pp: int, ep: int, folder: str) -> dict[tuple[int, int, int], str]:
     """Rank files by (tp, pp, ep) rank: ``mp_rank_TT_PPP_EEE``; with two groups the second is the pipeline rank
     when the run's pp > 1, else the expert rank (Megatron-LM names them alike)."""
@@ -353,14 +368,13 @@ def open_source(path: str, opts: Options) -> Source:
     tp = max(t for t, _, _ in ranks) + 1
     pp = max(p for _, p, _ in ranks) + 1
     ep_found = max(e for _, _, e in ranks) + 1
-    missing = [rank_dir(t, p, pp, e, ep_found) for p in range(pp) for e in range(ep_found) for t in range(tp)
-               if (t, p, e) not in ranks]
+    etp = int(getattr(args, "expert_tensor_parallel_size", None) or tp)
+    missing = missing_rank_folders(ranks, tp, pp, ep_found, etp)
     if missing:
         raise CheckpointError(f"{folder}: rank folder {missing[0]} is missing (found tp={tp}, pp={pp}"
                               f"{f', ep={ep_found}' if ep_found > 1 else ''}); the checkpoint is incomplete")
-    order = [(t, p, e) for p in range(pp) for e in range(ep_found) for t in range(tp)]
+    order = [(t, p, e) for p in range(pp) for e in range(ep_found) for t in range(tp) if (t, p, e) in ranks]
     files = [TorchFile(ranks[key]) for key in order]
-    etp = int(getattr(args, "expert_tensor_parallel_size", None) or tp)
     for label, value, found in (("tensor", getattr(args, "tensor_model_parallel_size", tp), tp),
                                 ("pipeline", getattr(args, "pipeline_model_parallel_size", pp), pp),
                                 ("expert", ep, ep_found)):
@@ -384,8 +398,7 @@ def open_source(path: str, opts: Options) -> Source:
                 m = _LAYER.match(key)
                 if m:
                     count = max(count, int(m.group(1)) + 1)
-            if t == 0 and e == 0:
-                chunk_layers[(p, chunk)] = count
+            chunk_layers.setdefault((p, chunk), count)
     chunk_keys = sorted({c for _, c in chunk_layers}, key=lambda c: -1 if c == "model" else int(c[5:]))
     spec_name = "te" if any(n.endswith("linear_qkv.layer_norm_weight") for n in names_all) else "local"
     grouped = any(GROUPED.search(n) for n in names_all)

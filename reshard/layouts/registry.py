@@ -24,6 +24,7 @@ BUILTIN = {
     "megatron": "reshard.layouts.megatron:MegatronLayout",
     "vllm": "reshard.layouts.vllm:VLLMLayout",
     "torch_dist": "reshard.layouts.torch_dist:TorchDistLayout",
+    "trtllm": "reshard.layouts.trtllm:TRTLLMLayout",
 }
 ENTRY_POINT_GROUP = "reshard.layouts"
 _NAME = re.compile(r"^[a-z][a-z0-9_.-]*$")

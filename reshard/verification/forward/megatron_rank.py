@@ -74,11 +74,20 @@ def load_rank(path: str, rank: int, world: int, opts: Options) -> RankWeights:
     if world != tp:
         raise ReshardError(f"{path} is a Megatron checkpoint at tp={tp}; run the forward check with --nproc {tp} "
                            f"(got {world}), or convert it to tp={world} first")
-    missing = [megatron.rank_dir(rank, p, pp, e, ep) for p in range(pp) for e in range(ep)
-               if (rank, p, e) not in ranks]
+    etp = int(getattr(args, "expert_tensor_parallel_size", None) or tp)
+    missing = megatron.missing_rank_folders(ranks, tp, pp, ep, etp)
     if missing:
         raise CheckpointError(f"{folder}: rank folder {missing[0]} is missing; the checkpoint is incomplete")
-    expert_files = [[TorchFile(ranks[(rank, p, e)]) for e in range(ep)] for p in range(pp)]
+
+    def holder(p: int, e: int) -> str | None:
+        """This rank's folder for EP rank e, else (expert-TP below tp) one holding the same expert-TP shard."""
+        if (rank, p, e) in ranks:
+            return ranks[(rank, p, e)]
+        return next((ranks[(t, p, e)] for t in range(rank % etp, tp, etp) if (t, p, e) in ranks), None)
+
+    dense = [next(ranks[(rank, p, e)] for e in range(ep) if (rank, p, e) in ranks) for p in range(pp)]
+    # per stage: the rank's own file (everything but the routed experts), then one file per EP rank
+    expert_files = [[TorchFile(dense[p])] + [TorchFile(holder(p, e)) for e in range(ep)] for p in range(pp)]
     try:
         return _read(path, folder, expert_files, args, rank, world, opts)
     finally:
@@ -89,9 +98,10 @@ def load_rank(path: str, rank: int, world: int, opts: Options) -> RankWeights:
 
 def _read(path: str, folder: str, expert_files: list[list[TorchFile]], args, rank: int, world: int,
           opts: Options) -> RankWeights:
-    """Rank ``rank``'s weights: every stage's file of EP rank 0 for everything but the routed experts, which come
-    from the stage's file of every EP rank (local index j of EP rank e = global ``e * E/ep + j``); with an
-    expert-TP degree below tp only ranks below it compute the experts (the others hold copies)."""
+    """Rank ``rank``'s weights: per stage, its own file for everything but the routed experts, which come from a
+    file of every EP rank holding this rank's expert-TP shard (local index j of EP rank e = global
+    ``e * E/ep + j``); with an expert-TP degree below tp only ranks below it compute the experts (the others
+    hold copies)."""
     files = [stage[0] for stage in expert_files]
     root = megatron._checkpoint_root(path, folder)
     meaning, family, _ = megatron.read_args(args, opts, root, folder)
@@ -107,7 +117,7 @@ def _read(path: str, folder: str, expert_files: list[list[TorchFile]], args, ran
     grouped = any(megatron.GROUPED.search(k) for k in all_keys)
     legacy = any(megatron.LEGACY_GROUPED.search(k) for k in all_keys)
     etp = int(getattr(args, "expert_tensor_parallel_size", None) or world)
-    experts_per_rank = meaning.experts // len(expert_files[0]) if meaning.experts else 0
+    experts_per_rank = meaning.experts // (len(expert_files[0]) - 1) if meaning.experts else 0
 
     def get(f: TorchFile, chunk: str, spec, layer: int | None = None, name_spec=None, global_layer=None,
             expert: int | None = None):
@@ -136,11 +146,11 @@ def _read(path: str, folder: str, expert_files: list[list[TorchFile]], args, ran
                 held = [s for s in layer_specs if s.layers == "all" or (g in sparse_layers) == (s.layers == "sparse")]
                 weights = LayerWeights(**{s.role: get(f, chunk, s, i, global_layer=g) for s in held})
                 if g in sparse_layers and rank < etp and legacy:
-                    for e, ef in enumerate(stage):
+                    for e, ef in enumerate(stage[1:]):
                         weights.experts.update(_legacy_experts(ef, chunk, expert_specs, i, e, experts_per_rank,
                                                                config.hidden))
                 elif g in sparse_layers and rank < etp:
-                    for e, ef in enumerate(stage):
+                    for e, ef in enumerate(stage[1:]):
                         for j in range(experts_per_rank):
                             parts = {s.role: get(ef, chunk, s, i, global_layer=g, expert=j) for s in expert_specs}
                             weights.experts[e * experts_per_rank + j] = (parts["expert_gate"], parts["expert_up"],
