@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -59,7 +59,7 @@ def assemble(tensor: TargetTensor, files: list[TensorFile], allow_overflow: bool
     dtype = dtypes.to_torch(tensor.dtype)
     if tensor.fill is not None:
         return torch.full(tensor.shape, tensor.fill, dtype=dtype)
-    if len(tensor.reads) == 1 and not tensor.has_padding and not tensor.reads[0].blocked:
+    if len(tensor.reads) == 1 and not tensor.has_padding and not tensor.reads[0].blocked:  # (reorders: torch)
         op = tensor.reads[0]
         data = read_op(op, tensor.axis, files)
         if tuple(data.shape) == tuple(tensor.shape):
@@ -80,9 +80,22 @@ def assemble(tensor: TargetTensor, files: list[TensorFile], allow_overflow: bool
     return buf
 
 
+def rope_rows(data, head_dim: int):
+    """Reorder rows inside each head: ``head_dim > 0`` from interleaved-RoPE order (row ``2i + j`` of a head) to
+    rotate-half order (row ``j * d/2 + i``), ``< 0`` back (transformers' Llama conversion ``permute`` and its
+    inverse)."""
+    d = abs(head_dim)
+    rest = data.shape[1:]
+    if head_dim > 0:
+        return data.reshape(-1, d // 2, 2, *rest).transpose(1, 2).reshape(data.shape)
+    return data.reshape(-1, 2, d // 2, *rest).transpose(1, 2).reshape(data.shape)
+
+
 def read_op(op: ReadOp, axis: int, files: list[TensorFile]):
     """``op``'s slice of its source tensor, in the target's orientation (a transposed op reads along the
-    source's other axis and is transposed)."""
+    source's other axis and is transposed; a RoPE reorder permutes rows inside each head)."""
+    if op.interleave:
+        return rope_rows(read_op(replace(op, interleave=0), axis, files), op.interleave)
     if op.src_block is not None:  # one block of a stacked source, then the slice within it
         block = files[op.source].read(op.tensor, 0, op.src_block, 1)[0]
         data = block.narrow(op.source_axis(axis) - 1, op.src_start, op.length)
@@ -107,7 +120,8 @@ def read_slice(op: ReadOp, axis: int, files: list[TensorFile], gatherer: Gathere
         stored = tuple(reversed(stored))
     shape = tuple(op.length if i == axis else n for i, n in enumerate(stored))
     tensor = TargetTensor(op.tensor, shape, loc.dtype, axis, [ReadOp(op.source, op.tensor, op.src_start,
-                                                                      op.length, 0, op.transposed, op.src_block)])
+                                                                      op.length, 0, op.transposed, op.src_block,
+                                                                      interleave=op.interleave)])
     data = np.empty(tensor.nbytes, np.uint8)
     if direct(tensor, files):
         gatherer.fill([(tensor, data)])

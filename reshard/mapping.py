@@ -22,7 +22,7 @@ WEIGHT_KEYS = {
     "hf", "split", "slot", "shape", "optional", "tied_to", "stage", "role", "hf_stored", "hf_transposed", "layers",
     "hf_fused",
     "megatron", "megatron_te", "megatron_local", "megatron_sparse", "megatron_grouped", "megatron_legacy_grouped",
-    "vllm", "trtllm",
+    "vllm", "trtllm", "meta",
 }
 TOP_KEYS = {"family", "dims", "hf", "moe", "megatron", "vllm", "decoder", "config", "weight"}
 #: Mixture of Experts ([moe]): the dims symbol of the expert count and the config keys that say which layers are
@@ -150,6 +150,7 @@ class WeightSpec:
     megatron_legacy_grouped: str | None = None  # legacy GroupedMLP: weight1 / weight2, every local expert in one
     vllm: str | None = None
     trtllm: str | None = None  # its name in a TensorRT-LLM checkpoint (packs share one fused name)
+    meta: str | None = None  # its name in Meta's consolidated files
 
     layers: str = "all"  # which layers hold it: all | sparse (MoE layers) | dense
 
@@ -385,7 +386,7 @@ def parse_family(data: dict, source: str) -> Family:
             layers=w.get("layers", "all"), hf_fused=w.get("hf_fused"),
             megatron_te=te, megatron_local=local, megatron_sparse=w.get("megatron_sparse"),
             megatron_grouped=w.get("megatron_grouped"), megatron_legacy_grouped=w.get("megatron_legacy_grouped"),
-            vllm=w.get("vllm"), trtllm=w.get("trtllm"),
+            vllm=w.get("vllm"), trtllm=w.get("trtllm"), meta=w.get("meta"),
         ))
     roles = [w.role for w in weights if w.role]
     if len(roles) != len(set(roles)):

@@ -30,7 +30,9 @@ class StoredTensor:
     Conv1D), so a piece's canonical rows run along stored axis ``axis`` = 1 - the canonical split axis. A stacked
     tensor (``stacked``: vLLM's ``[E, rows, cols]`` experts) holds one 2-D block per index of dim 0, each made of
     the pieces with that ``block``, laid along ``axis`` (>= 1) within the block; stacked and transposed, each
-    block is stored ``[in, out]`` (Megatron's legacy GroupedMLP ``weight1`` viewed as ``[E, H, 2I]``)."""
+    block is stored ``[in, out]`` (Megatron's legacy GroupedMLP ``weight1`` viewed as ``[E, H, 2I]``).
+    ``interleaved`` (q and k in Meta's format): within each head's ``d`` rows, row ``2i + j`` holds canonical row
+    ``j * d/2 + i`` (pairs rotate together instead of halves); pieces cover whole heads."""
 
     name: str
     shape: tuple[int, ...]
@@ -40,6 +42,7 @@ class StoredTensor:
     dtype: str | None = None  # a fixed dtype that --dtype does not change (constants)
     transposed: bool = False
     stacked: bool = False
+    interleaved: int = 0  # head dim d: rows inside each d-row head are in Meta's interleaved-RoPE order
 
     @property
     def canonical_axis(self) -> int:

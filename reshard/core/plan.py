@@ -30,6 +30,7 @@ class ReadOp:
     transposed: bool = False
     src_block: int | None = None  # a stacked source tensor: the block (dim 0 index) read from
     dst_block: int | None = None  # a stacked target tensor: the block written to
+    interleave: int = 0  # RoPE row order: +d reorders interleaved source heads to halves, -d halves to interleaved
 
     def source_axis(self, target_axis: int) -> int:
         """The source tensor's axis the op reads along (within its block when stacked)."""
@@ -41,6 +42,11 @@ class ReadOp:
     @property
     def blocked(self) -> bool:
         return self.src_block is not None or self.dst_block is not None
+
+    @property
+    def reordered(self) -> bool:
+        """Whether the bytes cannot be copied as they are (a transpose, a block or a RoPE row order)."""
+        return self.transposed or self.blocked or bool(self.interleave)
 
 
 @dataclass
@@ -118,6 +124,7 @@ class _Span:
     offset: int  # position of ``start`` in the source tensor along the axis
     transposed: bool = False  # the source tensor is stored [in, out]
     block: int | None = None  # a stacked source tensor's block
+    interleaved: int = 0  # the source tensor's heads are in interleaved-RoPE row order (head dim)
 
 
 class CanonicalIndex:
@@ -134,7 +141,8 @@ class CanonicalIndex:
                 if prev != tensor.canonical_axis:
                     raise AssertionError(f"{piece.canonical} is split on two axes")
                 spans.setdefault(piece.canonical, []).append(
-                    _Span(piece.start, piece.stop, source, tensor.name, offset, tensor.transposed, piece.block))
+                    _Span(piece.start, piece.stop, source, tensor.name, offset, tensor.transposed, piece.block,
+                          tensor.interleaved))
         self.primary: dict[str, list[_Span]] = {}
         self.checks: list[ReplicaCheck] = []
         for name, shape in shapes.items():
@@ -151,7 +159,7 @@ class CanonicalIndex:
                 if span.stop > covered:
                     cut = covered - span.start
                     cover.append(_Span(covered, span.stop, span.source, span.tensor, span.offset + cut,
-                                       span.transposed, span.block))
+                                       span.transposed, span.block, span.interleaved))
                     covered = span.stop
             if covered < shape[axis]:
                 raise CheckpointError(f"the source holds only rows 0..{covered} of '{name}' (of {shape[axis]}) "
@@ -163,20 +171,24 @@ class CanonicalIndex:
                     if lo < hi and not (c.source == span.source and c.tensor == span.tensor):
                         self.checks.append(ReplicaCheck(
                             name, axis, ReadOp(c.source, c.tensor, c.offset + lo - c.start, hi - lo, 0,
-                                               c.transposed, c.block),
+                                               c.transposed, c.block, interleave=c.interleaved),
                             ReadOp(span.source, span.tensor, span.offset + lo - span.start, hi - lo, 0,
-                                   span.transposed, span.block)))
+                                   span.transposed, span.block, interleave=span.interleaved)))
 
     def reads_for(self, canonical: str, start: int, stop: int, dst_start: int,
-                  transposed: bool = False, block: int | None = None) -> list[ReadOp]:
+                  transposed: bool = False, block: int | None = None, interleaved: int = 0) -> list[ReadOp]:
         """Read operations that fill canonical rows ``[start, stop)`` at ``dst_start`` in a target tensor
         (``transposed``: one stored ``[in, out]``; a replica check's ops are relative to the canonical form)."""
         ops = []
         for span in self.primary[canonical]:
             lo, hi = max(start, span.start), min(stop, span.stop)
             if lo < hi:
+                order = span.interleaved if not interleaved else -interleaved if not span.interleaved else 0
+                if order and (lo % abs(order) or hi % abs(order)):
+                    raise CheckpointError(f"rows {lo}..{hi} of '{canonical}' cut a head of {abs(order)} rows: an "
+                                          "interleaved-RoPE tensor is read in whole heads")
                 ops.append(ReadOp(span.source, span.tensor, span.offset + lo - span.start, hi - lo,
-                                  dst_start + lo - start, span.transposed != transposed, span.block, block))
+                                  dst_start + lo - start, span.transposed != transposed, span.block, block, order))
         return ops
 
 
@@ -187,5 +199,5 @@ def plan_tensor(index: CanonicalIndex, target: StoredTensor, dtype: str) -> Targ
             padded = True
         else:
             reads.extend(index.reads_for(piece.canonical, piece.start, piece.stop, offset, target.transposed,
-                                         piece.block))
+                                         piece.block, target.interleaved))
     return TargetTensor(target.name, target.shape, target.dtype or dtype, target.axis, reads, padded, target.fill)

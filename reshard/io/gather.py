@@ -45,7 +45,7 @@ def direct(tensor: TargetTensor, files: list[TensorFile]) -> bool:
     for op in tensor.reads:
         loc = files[op.source].tensors[op.tensor]
         if loc.dtype != tensor.dtype or loc.strides is not None or len(loc.shape) != len(tensor.shape) \
-                or op.transposed or op.blocked:
+                or op.reordered:
             return False
     return True
 

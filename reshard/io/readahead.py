@@ -27,7 +27,7 @@ def source_extents(tensor: TargetTensor, files: list[TensorFile]) -> list[tuple[
     for op in tensor.reads:
         file = files[op.source]
         loc = file.tensors[op.tensor]
-        if loc.shape and loc.strides is None and tensor.axis < len(loc.shape) and not (op.transposed or op.blocked):
+        if loc.shape and loc.strides is None and tensor.axis < len(loc.shape) and not (op.transposed or op.blocked):  # a RoPE reorder reads the same rows
             outer, _, unit = split_at_axis(loc.shape, tensor.axis, dtypes.itemsize(loc.dtype))
             if outer == 1:
                 extents.append((file.fd, loc.offset + op.src_start * unit, op.length * unit))

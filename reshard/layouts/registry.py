@@ -25,6 +25,7 @@ BUILTIN = {
     "vllm": "reshard.layouts.vllm:VLLMLayout",
     "torch_dist": "reshard.layouts.torch_dist:TorchDistLayout",
     "trtllm": "reshard.layouts.trtllm:TRTLLMLayout",
+    "meta": "reshard.layouts.meta:MetaLayout",
 }
 ENTRY_POINT_GROUP = "reshard.layouts"
 _NAME = re.compile(r"^[a-z][a-z0-9_.-]*$")
