@@ -40,7 +40,7 @@ MODEL_ROLES = ("embedding", "position_embedding", "final_norm", "final_norm_bias
 FAMILY_KEYS = {"name", "description", "architectures"}
 DIM_KEYS = {"key", "default"}
 MEGATRON_KEYS = {"extra_state_te", "extra_state_local"}
-VLLM_KEYS = {"attention_scales"}
+VLLM_KEYS = {"attention_scales", "tied_name"}
 MEGATRON_SPECS = ("te", "local")
 
 # The reference decoder's features (verification/forward/decoder.py implements each); a family's [decoder] table
@@ -200,6 +200,7 @@ class Family:
     extra_state: dict[str, tuple[str, ...]] = field(default_factory=dict)  # megatron spec -> templates
     source: str = ""
     vllm_scales: tuple[str, ...] = ()  # per-layer fp32 scalar names vLLM's state dict holds (value 1.0)
+    vllm_tied_name: str | None = None  # where vLLM keeps tied embeddings when its model has no lm_head module
     decoder: DecoderFeatures = DecoderFeatures()
     config: ConfigSpelling = ConfigSpelling()
     hf_ignore: tuple[str, ...] = ()  # HF tensor templates dropped on read (buffers old files saved)
@@ -400,7 +401,8 @@ def parse_family(data: dict, source: str) -> Family:
     return Family(name=fam["name"], description=fam.get("description", ""),
                   architectures=tuple(fam["architectures"]), dims=dims, weights=tuple(weights),
                   extra_state=extra_state, source=source, vllm_scales=vllm_scales, decoder=decoder,
-                  config=config, hf_ignore=tuple(hf_table.get("ignore", ())), moe=dict(moe))
+                  config=config, hf_ignore=tuple(hf_table.get("ignore", ())), moe=dict(moe),
+                  vllm_tied_name=vllm.get("tied_name"))
 
 
 def _parse_decoder(table: dict, source: str) -> DecoderFeatures:

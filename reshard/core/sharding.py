@@ -65,6 +65,31 @@ def megatron_gate_up_pieces(gate: CanonicalTensor, up: CanonicalTensor, rank: in
     return [Piece(gate.name, rank * n, (rank + 1) * n), Piece(up.name, rank * n, (rank + 1) * n)]
 
 
+def stage_weights(model: CanonicalModel, layers, first: bool, last: bool, tied_copy: bool):
+    """What one pipeline stage holds, in state-dict order: ``(name spec, data spec, global layer, local layer)``
+    for the first-stage weights (``first``), every per-layer weight of ``layers``, then the last-stage weights
+    (``last``); a tied output layer is the embedding's data under the head's name, and only when ``tied_copy``
+    (Megatron keeps the copy only on a last stage that is not also the first; TensorRT-LLM always stores it)."""
+    weights = model.family.weights
+    if first:
+        for spec in weights:
+            if spec.stage == "first":
+                yield spec, spec, None, None
+    for local, layer in enumerate(layers):
+        for spec in weights:
+            if spec.per_layer:
+                yield spec, spec, layer, local
+    if last:
+        for spec in weights:
+            if spec.stage != "last":
+                continue
+            if spec.tied_to and model.tied:
+                if tied_copy:
+                    yield spec, next(s for s in weights if s.hf == spec.tied_to), None, None
+            else:
+                yield spec, spec, None, None
+
+
 def stage_layers(num_layers: int, pp: int) -> list[range]:
     """Global layer indices held by each pipeline stage (even split)."""
     per = num_layers // pp

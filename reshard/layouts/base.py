@@ -4,6 +4,7 @@ specs, and small helpers (side files, shard packing, shape checks)."""
 from __future__ import annotations
 
 import importlib
+import json
 import os
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -81,6 +82,21 @@ class TargetSpec:
     tensors: list[StoredTensor]
     payload: Any = None
     metadata: dict | None = None
+
+
+def read_json_object(path: str, what: str) -> dict:
+    """The JSON object in file ``path`` (``what`` names the checkpoint kind that needs it in errors)."""
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{os.path.dirname(path)} has no {os.path.basename(path)}: {what} needs one") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: invalid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} holds {json.dumps(value)[:40]}, not a JSON object of model settings: "
+                              f"restore the model's {os.path.basename(path)}")
+    return value
 
 
 def stored_dtype(model: CanonicalModel, tensor: StoredTensor, opts: Options, default: str) -> str:

@@ -24,7 +24,7 @@ from reshard.io.safetensors_format import SafetensorsFile
 from reshard.io.tensorfile import TensorFile
 from reshard.io.torch_format import TorchFile
 from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, check_shape, find_side_files,
-                                  pack_by_size)
+                                  pack_by_size, read_json_object)
 from reshard.layouts.hf_config import read_meaning, write_config as write_hf_config
 from reshard.mapping import family_for_architecture
 
@@ -81,18 +81,7 @@ def check_index(path: str, paths: list[str], files: list) -> None:
 
 
 def read_config(path: str) -> dict:
-    cfg_path = os.path.join(path, "config.json")
-    try:
-        with open(cfg_path) as f:
-            config = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} has no config.json: an HF checkpoint needs one") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{cfg_path}: invalid JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{cfg_path} holds {json.dumps(config)[:40]}, not a JSON object of model settings: "
-                              "restore the model's config.json")
-    return config
+    return read_json_object(os.path.join(path, "config.json"), "an HF checkpoint")
 
 
 def check_unquantized(where: str, config: dict, files: list[TensorFile]) -> None:

@@ -22,7 +22,7 @@ from reshard.core.canonical import CanonicalModel, build_canonical, instance
 from reshard.core.model_config import ConfigLoss, ModelConfig
 from reshard.core.pieces import StoredTensor
 from reshard.core.sharding import (check_megatron_degrees, megatron_padded_vocab, megatron_qkv_pieces, pack_members,
-                                   rank_slice, stage_layers)
+                                   rank_slice, stage_layers, stage_weights)
 from reshard.errors import CheckpointError, PlanError
 from reshard.io import dtypes
 from reshard.io.partial import replace_with_text
@@ -93,24 +93,8 @@ def rank_tensors(model: CanonicalModel, tp: int, rank: int, layers: list[int], f
         name = template.format(layer=local) if local is not None else template
         out.append(rank_slice(name, spec, members, rank, tp, groups, padded_vocab, megatron_qkv_pieces))
 
-    if first:
-        for spec in family.weights:
-            if spec.stage == "first":
-                emit(spec, None, None)
-    for local, layer in enumerate(layers):
-        for spec in family.weights:
-            if spec.per_layer:
-                emit(spec, layer, local)
-    if last:
-        for spec in family.weights:
-            if spec.stage != "last":
-                continue
-            if spec.tied_to and model.tied:
-                if not first:  # tied embeddings with pp > 1: the last stage keeps a copy of the embedding
-                    emb_spec = next(s for s in family.weights if s.hf == spec.tied_to)
-                    emit(emb_spec, None, None, name_spec=spec)
-            else:
-                emit(spec, None, None)
+    for name_spec, spec, layer, local in stage_weights(model, layers, first, last, tied_copy=not first):
+        emit(spec, layer, local, name_spec)
     return out
 
 

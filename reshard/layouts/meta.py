@@ -23,7 +23,8 @@ from reshard.core.pieces import StoredTensor
 from reshard.core.sharding import even_pieces, pack_members, vocab_pieces
 from reshard.errors import CheckpointError, PlanError
 from reshard.io.torch_format import TensorSlot, TorchFile
-from reshard.layouts.base import Layout, Options, Source, TargetPlan, TargetSpec, check_shape, find_side_files
+from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, check_shape, find_side_files,
+                                  read_json_object)
 from reshard.layouts.hf_config import write_config
 from reshard.mapping import WeightSpec, family_for_architecture
 
@@ -160,13 +161,7 @@ def meaning_from_params(params: dict, architecture: str, where: str) -> ModelCon
 
 def open_source(path: str, opts: Options) -> Source:
     where = os.path.join(path, PARAMS)
-    try:
-        with open(where) as f:
-            params = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} has no {PARAMS}: a Meta checkpoint needs one") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{where}: invalid JSON ({exc})") from None
+    params = read_json_object(where, "a Meta checkpoint")
     architecture = opts.architecture or "LlamaForCausalLM"
     family = family_for_architecture(architecture, opts.mapping)
     meaning = meaning_from_params(params, architecture, where)

@@ -19,10 +19,12 @@ import re
 from reshard.core.canonical import CanonicalModel, build_canonical
 from reshard.core.model_config import ConfigLoss
 from reshard.core.pieces import StoredTensor
-from reshard.core.sharding import check_vllm_degrees, pack_members, rank_slice, stage_layers, vllm_qkv_pieces
+from reshard.core.sharding import (check_vllm_degrees, pack_members, rank_slice, stage_layers, stage_weights,
+                                   vllm_qkv_pieces)
 from reshard.errors import CheckpointError, PlanError
 from reshard.io.safetensors_format import SafetensorsFile
-from reshard.layouts.base import Layout, Options, Source, TargetPlan, TargetSpec, check_shape, find_side_files
+from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, check_shape, find_side_files,
+                                  read_json_object)
 from reshard.layouts.hf_config import read_meaning
 from reshard.layouts.trtllm_config import read_trtllm_config, trtllm_config
 from reshard.mapping import WeightSpec, family_for_architecture
@@ -54,7 +56,6 @@ def check_degrees(model: CanonicalModel, tp: int, pp: int) -> None:
 def rank_tensors(model: CanonicalModel, tp: int, tp_rank: int, layers: range, first: bool, last: bool,
                  padded: int) -> list[StoredTensor]:
     """Every tensor of one TensorRT-LLM rank (names local to its pipeline stage)."""
-    family = model.family
     groups = model.dims["ng"]
     out: list[StoredTensor] = []
 
@@ -68,22 +69,9 @@ def rank_tensors(model: CanonicalModel, tp: int, tp_rank: int, layers: range, fi
         else:
             out.append(rank_slice(name, spec, members, tp_rank, tp, groups, padded, vllm_qkv_pieces))
 
-    if first:
-        for spec in family.weights:
-            if spec.stage == "first":
-                emit(spec, None, None, whole=spec.split == "vocab")  # no parallel embedding: the whole table
-    for local, layer in enumerate(layers):
-        for spec in family.weights:
-            if spec.per_layer:
-                emit(spec, layer, local)
-    if last:
-        for spec in family.weights:
-            if spec.stage != "last":
-                continue
-            if spec.tied_to and model.tied:  # a tied head is stored anyway: the embedding's rows
-                emit(spec, None, None, data=next(s for s in family.weights if s.hf == spec.tied_to))
-            else:
-                emit(spec, None, None)
+    for name_spec, spec, layer, local in stage_weights(model, layers, first, last, tied_copy=True):
+        # no parallel embedding: the first stage holds the whole table
+        emit(name_spec, layer, local, whole=spec.stage == "first" and spec.split == "vocab", data=spec)
     return out
 
 
@@ -102,13 +90,7 @@ def _rank_files(path: str) -> dict[int, str]:
 
 def open_source(path: str, opts: Options) -> Source:
     config_path = os.path.join(path, CONFIG)
-    try:
-        with open(config_path) as f:
-            trt = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} has no {CONFIG}: a TensorRT-LLM checkpoint needs one") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{config_path}: invalid JSON ({exc})") from None
+    trt = read_json_object(config_path, "a TensorRT-LLM checkpoint")
     architecture = opts.architecture or trt.get("architecture")
     if not isinstance(architecture, str):
         raise CheckpointError(f"{config_path} has no 'architecture'; pass --architecture")

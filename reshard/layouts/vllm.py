@@ -38,8 +38,12 @@ _FILE = re.compile(r"^model-rank-(\d+)-part-(\d+)\.safetensors$")
 SCALE_DTYPE = "F32"
 
 
-def kept_tied_name(names: list[str]) -> str:
-    """vLLM's ``ShardedStateLoader._filter_subtensors`` keeps, of tensors sharing one storage, the smallest key."""
+def kept_tied_name(names: list[str], family=None) -> str:
+    """Where vLLM keeps tied embeddings: ``ShardedStateLoader._filter_subtensors`` keeps, of tensors sharing one
+    storage, the smallest key; a model without an ``lm_head`` module (vLLM 0.32's Gemma 2) has only the embedding,
+    which its mapping names (``[vllm] tied_name``)."""
+    if family is not None and family.vllm_tied_name:
+        return family.vllm_tied_name
     return min(names)
 
 
@@ -94,7 +98,7 @@ def rank_tensors(model: CanonicalModel, tp: int, rank: int, padded_vocab: int,
     for spec in family.weights:
         if spec.stage == "first":
             if model.tied and spec is emb_spec:
-                emit(spec, None, kept_tied_name([emb_spec.vllm_name, head_spec.vllm_name]))
+                emit(spec, None, kept_tied_name([emb_spec.vllm_name, head_spec.vllm_name], family))
             else:
                 emit(spec, None)
     for layer in range(model.num_layers):
@@ -216,7 +220,7 @@ def open_source(path: str, opts: Options) -> Source:
         raise CheckpointError(f"{path}: the files name {tp} ranks, which this model cannot have: {exc}") from None
 
     vocab_spec = next(s for s in family.weights if s.split == "vocab" and s.stage == "first")
-    vocab_name = kept_tied_name([emb_spec.vllm_name, head_spec.vllm_name]) if tied else vocab_spec.vllm_name
+    vocab_name = kept_tied_name([emb_spec.vllm_name, head_spec.vllm_name], family) if tied else vocab_spec.vllm_name
     loc = files[where[0][vocab_name]].tensors[vocab_name] if vocab_name in where[0] else None
     if loc is None:
         raise CheckpointError(f"{ranks[0][0]}: no '{vocab_name}' in rank 0")

@@ -10,7 +10,6 @@ which is what a vocab-parallel lookup computes. The process count must equal the
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
@@ -18,7 +17,7 @@ import torch
 from reshard.errors import CheckpointError, ReshardError
 from reshard.io.safetensors_format import SafetensorsFile
 from reshard.layouts import trtllm
-from reshard.layouts.base import Options
+from reshard.layouts.base import Options, read_json_object
 from reshard.layouts.hf_config import read_meaning
 from reshard.layouts.trtllm_config import read_trtllm_config
 from reshard.mapping import family_for_architecture
@@ -27,8 +26,7 @@ from reshard.verification.forward.rank_weights import (DecoderConfig, LayerWeigh
 
 
 def load_rank(path: str, rank: int, world: int, opts: Options) -> RankWeights:
-    with open(os.path.join(path, trtllm.CONFIG)) as f:
-        trt = json.load(f)
+    trt = read_json_object(os.path.join(path, trtllm.CONFIG), "a TensorRT-LLM checkpoint")
     mapping = trt.get("mapping") or {}
     tp, pp = int(mapping.get("tp_size", 1)), int(mapping.get("pp_size", 1))
     if world != tp:

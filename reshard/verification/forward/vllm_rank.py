@@ -87,7 +87,7 @@ def _read(path: str, files: list[SafetensorsFile], rank: int, world: int, opts: 
             weights.experts = _experts(expert_specs, i, where, meaning.experts, rank, world)
         layers.append(weights)
     if tied:
-        kept = vllm.kept_tied_name([emb_name, head_name])
+        kept = vllm.kept_tied_name([emb_name, head_name], family)
         if kept not in where:
             raise CheckpointError(f"{path}: rank {rank} holds neither '{emb_name}' nor '{head_name}'")
         embedding, lm_head = where[kept].read(kept), None
