@@ -71,7 +71,7 @@ def rank_tensors(model: CanonicalModel, tp: int, tp_rank: int, layers: range, fi
 
     for name_spec, spec, layer, local in stage_weights(model, layers, first, last, tied_copy=True):
         # no parallel embedding: the first stage holds the whole table
-        emit(name_spec, layer, local, whole=spec.stage == "first" and spec.split == "vocab", data=spec)
+        emit(name_spec, layer, local, whole=name_spec.stage == "first" and name_spec.split == "vocab", data=spec)
     return out
 
 

@@ -3,8 +3,8 @@
 The fields ``trtllm-build`` reads (``PretrainedConfig`` / ``LLaMAConfig`` ``to_dict``): ``architecture``,
 ``dtype``, the dims (``head_size``), ``hidden_act``, ``norm_epsilon``, ``position_embedding_type``
 (``rope_gpt_neox``: rotate-half), ``rotary_base`` and ``rotary_scaling``, ``max_position_embeddings``, the bias
-flags (Llama ``attn_bias`` switches q/k/v and the dense output together, ``mlp_bias``; Qwen2's ``qwen_type =
-qwen2`` means q/k/v biases only), ``tie_word_embeddings`` and ``mapping`` {world_size, tp_size, pp_size}. What
+flags (Llama ``attn_bias`` switches q/k/v and the dense output together, ``mlp_bias``; with Qwen2's ``qwen_type
+= qwen2`` ``attn_bias`` is the q/k/v biases, the dense output has none), ``tie_word_embeddings`` and ``mapping`` {world_size, tp_size, pp_size}. What
 this spelling cannot say (a sliding window, partial or interleaved rotary) is a loss, refused at plan time.
 """
 
@@ -36,8 +36,8 @@ def trtllm_config(m: ModelConfig, family: Family, dtype: str, tp: int, pp: int, 
         "quantization": {"quant_algo": None, "kv_cache_quant_algo": None},
     }
     qwen_type = QWEN_TYPES.get(m.architecture)
-    if qwen_type:
-        config["qwen_type"] = qwen_type
+    if qwen_type:  # models/qwen/model.py: Attention(bias=config.attn_bias, dense_bias=False)
+        config.update(qwen_type=qwen_type, attn_bias=m.qkv_bias)
         if not m.qkv_bias or m.o_bias:
             loss.cannot("qkv_bias", m.qkv_bias, f"TensorRT-LLM's {qwen_type} has q/k/v biases and no output bias")
     elif m.qkv_bias != m.o_bias:
