@@ -195,6 +195,20 @@ def megatron_qkv_global(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nh: i
                      dim=1).reshape((nh + 2 * ng) * d, *rest)
 
 
+def rank_cuts(tp: int, rank: int, padded_vocab: int):
+    """(column cut, row cut, vocab shard) of TP rank ``rank``: dim 0 / dim 1 in ``tp`` even parts, and the rows of
+    the vocab zero-padded to ``padded_vocab``."""
+    def col(w):
+        return chunk(w, tp, rank, 0)
+
+    def row(w):
+        return chunk(w, tp, rank, 1)
+
+    def vocab_shard(w):
+        return chunk(pad_rows(w, padded_vocab), tp, rank, 0)
+    return col, row, vocab_shard
+
+
 def megatron_rank(hf: dict[str, torch.Tensor], config: dict, tp: int, tp_rank: int, pp: int, pp_rank: int,
                   spec: str = "te") -> dict[str, torch.Tensor]:
     """What ``model`` of Megatron rank (tp_rank, pp_rank) must hold (``_extra_state`` keys left out)."""
@@ -204,14 +218,7 @@ def megatron_rank(hf: dict[str, torch.Tensor], config: dict, tp: int, tp_rank: i
     per_stage = n_layers // pp
     vp = megatron_padded_vocab(c.vocab, tp)
 
-    def col(w):
-        return chunk(w, tp, tp_rank, 0)
-
-    def row(w):
-        return chunk(w, tp, tp_rank, 1)
-
-    def vocab_shard(w):
-        return chunk(pad_rows(w, vp), tp, tp_rank, 0)
+    col, row, vocab_shard = rank_cuts(tp, tp_rank, vp)
 
     out: dict[str, torch.Tensor] = {}
     if pp_rank == 0:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from family_rules import (SCALES, chunk, megatron_padded_vocab, megatron_qkv_global, pad_rows,
+from family_rules import (SCALES, chunk, megatron_padded_vocab, megatron_qkv_global, pad_rows, rank_cuts,
                           vllm_padded_vocab)
 
 GEMMA_ARCHS = {"GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
@@ -134,14 +134,7 @@ def megatron_rank(hf: dict[str, torch.Tensor], config: dict, tp: int, tp_rank: i
     per_stage = n_layers // pp
     vp = megatron_padded_vocab(c.vocab, tp)
 
-    def col(w):
-        return chunk(w, tp, tp_rank, 0)
-
-    def row(w):
-        return chunk(w, tp, tp_rank, 1)
-
-    def vocab_shard(w):
-        return chunk(pad_rows(w, vp), tp, tp_rank, 0)
+    col, row, vocab_shard = rank_cuts(tp, tp_rank, vp)
 
     in_norm = "self_attention.linear_qkv.layer_norm_weight" if spec == "te" else "input_layernorm.weight"
     mlp_norm = "mlp.linear_fc1.layer_norm_weight" if spec == "te" else "pre_mlp_layernorm.weight"

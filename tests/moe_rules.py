@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from family_rules import (SCALES, chunk, megatron_padded_vocab, megatron_qkv_global, pad_rows,
+from family_rules import (SCALES, chunk, megatron_padded_vocab, megatron_qkv_global, pad_rows, rank_cuts,
                           vllm_padded_vocab)
 
 ARCH_FAMILY = {
@@ -268,14 +268,7 @@ def megatron_rank(hf: dict[str, torch.Tensor], config: dict, tp: int, tp_rank: i
     per_stage = len(c.layers) // pp
     vp = megatron_padded_vocab(c.vocab, tp)
 
-    def col(w):
-        return chunk(w, tp, tp_rank, 0)
-
-    def row(w):
-        return chunk(w, tp, tp_rank, 1)
-
-    def vocab_shard(w):
-        return chunk(pad_rows(w, vp), tp, tp_rank, 0)
+    col, row, vocab_shard = rank_cuts(tp, tp_rank, vp)
 
     out: dict[str, torch.Tensor] = {}
     if pp_rank == 0:

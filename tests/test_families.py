@@ -25,6 +25,7 @@ import torch
 
 from family_rules import (diff_states, dims, load_hf_dir, load_megatron_rank, load_vllm_rank, megatron_padded_vocab,
                           megatron_q_head_rows, megatron_rank, megatron_rank_path, vllm_rank)
+from family_cases import FamilyCase, families_fixture, is_extra_state
 from helpers import run_cli
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e .[test]")
@@ -49,75 +50,28 @@ TP, PP = 2, 2
 ATOL = 1e-5
 
 
-def not_extra_state(name: str) -> bool:
-    return "_extra_state" in name
-
 
 # ------------------------------------------------------------------------------------------ fixtures
 
-class Family:
-    """One tiny model saved to disk, and the outputs built from it on demand (each conversion at most once)."""
-
-    def __init__(self, name, root):
-        cls_name, settings = FAMILIES[name]
-        config = getattr(transformers, cls_name)(**settings)
-        torch.manual_seed(sum(map(ord, name)))
-        model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.05)
-        self.name, self.root, self.model = name, root, model
-        self.src = root / "hf"
-        model.save_pretrained(self.src)
-        self.hf, self.config = load_hf_dir(self.src)
-        assert self.config["architectures"] == [ARCH[name]]
-        self.outputs = {}
-
-    def convert(self, capsys, key, src, *args):
-        if key not in self.outputs:
-            dst = self.root / key
-            code, out, err = run_cli(capsys, "convert", src, dst, *map(str, args))
-            assert code == 0, f"{self.name}: reshard convert {src.name} -> {key} {' '.join(map(str, args))} " \
-                              f"exited {code}: {err.strip()[-2000:]}"
-            self.outputs[key] = dst
-        return self.outputs[key]
-
-    def megatron(self, capsys, tp=TP, pp=PP, spec="te"):
-        key = f"megatron_tp{tp}pp{pp}_{spec}"
-        return self.convert(capsys, key, self.src, "--to", "megatron", "--tp", tp, "--pp", pp,
-                            *(["--megatron-spec", "local"] if spec == "local" else []))
-
-    def vllm(self, capsys, tp=TP):
-        return self.convert(capsys, f"vllm_tp{tp}", self.src, "--to", "vllm", "--tp", tp)
-
-
-@pytest.fixture(scope="module")
-def families(tmp_path_factory):
-    made = {}
-
-    def get(name):
-        if name not in made:
-            made[name] = Family(name, tmp_path_factory.mktemp(name))
-        return made[name]
-    return get
+families = families_fixture(transformers, FAMILIES, ARCH)
 
 
 # ------------------------------------------------------------------------------------------ checks
 
-def check_megatron(fam: Family, root, tp, pp, spec="te"):
+def check_megatron(fam: FamilyCase, root, tp, pp, spec="te"):
     problems = []
     for p in range(pp):
         for t in range(tp):
             state = load_megatron_rank(megatron_rank_path(root, t, p, pp))
             want = megatron_rank(fam.hf, fam.config, tp, t, pp, p, spec)
-            problems += diff_states(state["model"], want, f"rank (tp {t}, pp {p})", ignore=not_extra_state)
-            extra = [k for k in state["model"] if not_extra_state(k)]
+            problems += diff_states(state["model"], want, f"rank (tp {t}, pp {p})", ignore=is_extra_state)
+            extra = [k for k in state["model"] if is_extra_state(k)]
             problems += [f"rank (tp {t}, pp {p}): {k} is not None" for k in extra if state["model"][k] is not None]
     assert not problems, f"{fam.name} megatron tp{tp} pp{pp} {spec}: {len(problems)} problem(s)\n" + \
         "\n".join(problems[:40])
 
 
-def check_vllm(fam: Family, folder, tp):
+def check_vllm(fam: FamilyCase, folder, tp):
     problems = []
     for r in range(tp):
         got = load_vllm_rank(folder, r)

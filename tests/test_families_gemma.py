@@ -31,6 +31,7 @@ from family_rules import (diff_states, load_hf_dir, load_megatron_rank, load_vll
                           megatron_rank_path, vllm_padded_vocab)
 from family_rules_gemma import (expected_megatron_args, gemma_dims, hf_names, megatron_q_head_rows, megatron_rank,
                                 swa_pattern_from_skip_freq, vllm_rank)
+from family_cases import FamilyCase, families_fixture, is_extra_state
 from helpers import run_cli
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e .[test]")
@@ -59,63 +60,15 @@ IDS = torch.tensor([[0, 1, 17, 1002, 500, 3, 3, 999, 42, 7, 11, 12],
                     [5, 1001, 2, 64, 63, 128, 256, 511, 512, 1000, 9, 8]])
 
 
-def is_extra_state(name: str) -> bool:
-    return "_extra_state" in name
-
 
 # ------------------------------------------------------------------------------------------ fixtures
 
-class Family:
-    """One tiny model saved to disk, and the outputs built from it on demand (each conversion at most once)."""
-
-    def __init__(self, name, root):
-        cls_name, settings = FAMILIES[name]
-        config = getattr(transformers, cls_name)(**settings)
-        config.architectures = [ARCH[name]]
-        torch.manual_seed(sum(map(ord, name)))
-        model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
-        assert type(model).__name__ == ARCH[name]
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.05)
-        self.name, self.root, self.model = name, root, model
-        self.src = root / "hf"
-        model.save_pretrained(self.src)
-        self.hf, self.config = load_hf_dir(self.src)
-        assert self.config["architectures"] == [ARCH[name]]
-        self.outputs = {}
-
-    def convert(self, capsys, key, src, *args):
-        if key not in self.outputs:
-            dst = self.root / key
-            code, out, err = run_cli(capsys, "convert", src, dst, *map(str, args))
-            assert code == 0, f"{self.name}: reshard convert {src.name} -> {key} {' '.join(map(str, args))} " \
-                              f"exited {code}: {err.strip()[-2000:]}"
-            self.outputs[key] = dst
-        return self.outputs[key]
-
-    def megatron(self, capsys, tp=TP, pp=PP, spec="te"):
-        return self.convert(capsys, f"megatron_tp{tp}pp{pp}_{spec}", self.src, "--to", "megatron", "--tp", tp,
-                            "--pp", pp, *(["--megatron-spec", "local"] if spec == "local" else []))
-
-    def vllm(self, capsys, tp=TP):
-        return self.convert(capsys, f"vllm_tp{tp}", self.src, "--to", "vllm", "--tp", tp)
-
-
-@pytest.fixture(scope="module")
-def families(tmp_path_factory):
-    made = {}
-
-    def get(name):
-        if name not in made:
-            made[name] = Family(name, tmp_path_factory.mktemp(name))
-        return made[name]
-    return get
+families = families_fixture(transformers, FAMILIES, ARCH)
 
 
 # ------------------------------------------------------------------------------------------ checks
 
-def check_megatron(fam: Family, root, tp, pp, spec="te"):
+def check_megatron(fam: FamilyCase, root, tp, pp, spec="te"):
     problems = []
     for p in range(pp):
         for t in range(tp):
@@ -128,7 +81,7 @@ def check_megatron(fam: Family, root, tp, pp, spec="te"):
         "\n".join(problems[:40])
 
 
-def check_vllm(fam: Family, folder, tp):
+def check_vllm(fam: FamilyCase, folder, tp):
     problems = []
     for r in range(tp):
         problems += diff_states(load_vllm_rank(folder, r), vllm_rank(fam.hf, fam.config, tp, r), f"rank {r}")

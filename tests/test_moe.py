@@ -256,12 +256,6 @@ def test_vllm_rank_files(families, name, tp, expert_parallel, capsys):
     check_vllm(fam, fam.vllm(capsys, tp, expert_parallel), tp, expert_parallel)
 
 
-def test_vllm_tp3_expert_parallel_skipped():
-    pytest.skip("tp 3 --expert-parallel: 8 attention heads do not split over 3 ranks in the shared tiny models "
-                "(the uneven expert split is covered by test_vllm_uneven_expert_parallel)")
-
-
-@pytest.mark.slow
 def test_vllm_uneven_expert_parallel(tmp_path, capsys):
     """4 experts over 3 ranks: the first E % 3 ranks one more, contiguous (moe.md 4.2: [0, 1], [2], [3]). A Qwen3-MoE
     with 6 heads over 3 KV heads and vocab 1100 (padded 1152 = 3 * 384) so tp 3 is otherwise valid."""

@@ -1,0 +1,67 @@
+"""One tiny transformers model per family saved to disk, and the outputs converted from it on demand (each
+conversion at most once per test module): shared by tests/test_families.py and tests/test_families_gemma.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from family_rules import load_hf_dir
+from helpers import run_cli
+
+
+def is_extra_state(name: str) -> bool:
+    return "_extra_state" in name
+
+
+class FamilyCase:
+    """Family ``name``: a model of ``cls_name(**settings)`` with seeded noise on every parameter, saved under
+    ``root/hf``; ``arch`` is the class transformers must build and save."""
+
+    def __init__(self, transformers, name, root, cls_name, settings, arch):
+        config = getattr(transformers, cls_name)(**settings)
+        config.architectures = [arch]
+        torch.manual_seed(sum(map(ord, name)))
+        model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+        assert type(model).__name__ == arch
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        self.name, self.root, self.model = name, root, model
+        self.src = root / "hf"
+        model.save_pretrained(self.src)
+        self.hf, self.config = load_hf_dir(self.src)
+        assert self.config["architectures"] == [arch]
+        self.outputs = {}
+
+    def convert(self, capsys, key, src, *args):
+        if key not in self.outputs:
+            dst = self.root / key
+            code, out, err = run_cli(capsys, "convert", src, dst, *map(str, args))
+            assert code == 0, f"{self.name}: reshard convert {src.name} -> {key} {' '.join(map(str, args))} " \
+                              f"exited {code}: {err.strip()[-2000:]}"
+            self.outputs[key] = dst
+        return self.outputs[key]
+
+    def megatron(self, capsys, tp=2, pp=2, spec="te"):
+        return self.convert(capsys, f"megatron_tp{tp}pp{pp}_{spec}", self.src, "--to", "megatron", "--tp", tp,
+                            "--pp", pp, *(["--megatron-spec", "local"] if spec == "local" else []))
+
+    def vllm(self, capsys, tp=2):
+        return self.convert(capsys, f"vllm_tp{tp}", self.src, "--to", "vllm", "--tp", tp)
+
+
+def families_fixture(transformers, families: dict, archs: dict):
+    """A module-scoped fixture: ``families(name)`` builds family ``name`` once (``families[name]`` = (config
+    class name, settings), ``archs[name]`` = the model class)."""
+
+    @pytest.fixture(scope="module")
+    def fixture(tmp_path_factory):
+        made = {}
+
+        def get(name):
+            if name not in made:
+                made[name] = FamilyCase(transformers, name, tmp_path_factory.mktemp(name), *families[name], archs[name])
+            return made[name]
+        return get
+    return fixture
