@@ -158,6 +158,10 @@ class WeightSpec:
     def per_layer(self) -> bool:
         return "{layer}" in self.hf
 
+    def on_layer(self, sparse: bool) -> bool:
+        """Whether a layer holds this weight (``sparse``: it is a Mixture-of-Experts layer)."""
+        return self.layers == "all" or sparse == (self.layers == "sparse")
+
     @property
     def per_expert(self) -> bool:
         """One tensor per routed expert (``{expert}`` in the name)."""

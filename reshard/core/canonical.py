@@ -73,7 +73,7 @@ class CanonicalModel:
 
     def holds_layer(self, spec: WeightSpec, layer: int) -> bool:
         """Whether ``layer`` has ``spec`` (sparse-only weights on MoE layers, dense-only ones elsewhere)."""
-        return spec.layers == "all" or (layer in self.sparse_layers) == (spec.layers == "sparse")
+        return spec.on_layer(layer in self.sparse_layers)
 
     def has_spec(self, spec: WeightSpec) -> bool:
         if not spec.per_layer:
@@ -117,8 +117,7 @@ def build_canonical(family: Family, config: dict, present_optional: set[str], ti
     experts = dims[family.moe["experts"]] if family.moe else 0
     for layer in range(dims["L"]):
         for spec in family.weights:
-            if not (spec.per_layer and wanted(spec)) or \
-                    (spec.layers != "all" and (layer in sparse) != (spec.layers == "sparse")):
+            if not (spec.per_layer and wanted(spec) and spec.on_layer(layer in sparse)):
                 continue
             for expert in range(experts) if spec.per_expert else [None]:
                 add(spec, layer, expert)

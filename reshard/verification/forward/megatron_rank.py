@@ -143,7 +143,7 @@ def _read(path: str, folder: str, expert_files: list[list[TorchFile]], args, ran
                 continue
             for i in range(_layer_count(f, chunk)):
                 g = len(layers)
-                held = [s for s in layer_specs if s.layers == "all" or (g in sparse_layers) == (s.layers == "sparse")]
+                held = [s for s in layer_specs if s.on_layer(g in sparse_layers)]
                 weights = LayerWeights(**{s.role: get(f, chunk, s, i, global_layer=g) for s in held})
                 if g in sparse_layers and rank < etp and legacy:
                     for e, ef in enumerate(stage[1:]):

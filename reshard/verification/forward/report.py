@@ -38,10 +38,12 @@ def tolerance(dtype_a: torch.dtype, dtype_b: torch.dtype, compute: torch.dtype, 
 
 
 BLOCK_TENSORS = {
-    "embedding": "embed_tokens (Megatron word_embeddings)",
-    "attention": "input_layernorm, q/k/v_proj, o_proj (Megatron linear_qkv, linear_proj; vLLM qkv_proj, o_proj)",
+    "embedding": "embed_tokens (Megatron word_embeddings; learned positions)",
+    "attention": "input_layernorm, q/k/v_proj (q/k norms), o_proj (Megatron linear_qkv, linear_proj; vLLM qkv_proj, "
+                 "o_proj)",
     "mlp": "post_attention_layernorm, gate/up_proj, down_proj (Megatron linear_fc1, linear_fc2; "
-           "vLLM gate_up_proj, down_proj)",
+           "vLLM gate_up_proj, down_proj); on a MoE layer the router and the experts (Megatron local_experts, vLLM "
+           "w13 / w2)",
     "head": "model.norm, lm_head (Megatron final_layernorm, output_layer)",
 }
 

@@ -81,7 +81,7 @@ def _read(path: str, files: list[SafetensorsFile], rank: int, world: int, opts: 
     expert_specs = [s for s in family.weights if s.per_expert]
     layers = []
     for i in range(config.layers):
-        held = [s for s in layer_specs if s.layers == "all" or (i in sparse_layers) == (s.layers == "sparse")]
+        held = [s for s in layer_specs if s.on_layer(i in sparse_layers)]
         weights = LayerWeights(**{s.role: get(s, i) for s in held})
         if i in sparse_layers:
             weights.experts = _experts(expert_specs, i, where, meaning.experts, rank, world)
