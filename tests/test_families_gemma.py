@@ -278,6 +278,16 @@ def test_verify_forward(families, name, layout, capsys):
 
 
 @pytest.mark.parametrize("name", ["gemma2", *[pytest.param(n, marks=pytest.mark.slow) for n in ("gemma", "gemma3")]])
+def test_verify_forward_at_four_ranks(families, name, capsys):
+    """vLLM at tp 4 (one KV head replicated on two ranks; 4 query heads, one per rank): verify --forward equal.
+    Megatron cannot take tp 4 with these 2 KV heads (refused at plan time)."""
+    fam = families(name)
+    code, r, err = forward(capsys, fam.src, fam.vllm(capsys, 4))
+    assert code == 0 and r is not None and r["ok"], f"exit {code}: {err.strip()[-2000:]}"
+    assert (r["b"]["layout"], r["b"]["tp"]) == ("vllm", 4) and r["max_abs"] <= ATOL
+
+
+@pytest.mark.parametrize("name", ["gemma2", *[pytest.param(n, marks=pytest.mark.slow) for n in ("gemma", "gemma3")]])
 def test_verify_forward_swapped_query_heads_fails(families, name, capsys, tmp_path):
     """Swap query heads 0 and 1 in linear_qkv of local layer 0 on rank (tp 1, pp 1), i.e. global layer L/2:
     verify --forward must exit 1 and name that layer's attention."""

@@ -161,10 +161,11 @@ def test_megatron_lm_folder_set_with_expert_tp_below_tp(models, capsys, tmp_path
     assert code == 2 and ("missing" in err or "incomplete" in err), err
 
 
-def test_forward_at_four_ranks_with_vllm_expert_parallel(models, capsys, tmp_path):
+@pytest.mark.parametrize("family", ["qwen2_moe", pytest.param("mixtral", marks=pytest.mark.slow)])
+def test_forward_at_four_ranks_with_vllm_expert_parallel(models, capsys, tmp_path, family):
     """verify --forward at nproc 4: vLLM tp 4 with --expert-parallel (one whole expert per rank) against the HF
     source; each rank computes only the expert it holds."""
-    src = models["qwen2_moe"]
+    src = models[family]
     assert run_cli(capsys, "convert", src, tmp_path / "v", "--to", "vllm", "--tp", "4", "--expert-parallel")[0] == 0
     code, out, err = run_cli(capsys, "verify", src, tmp_path / "v", "--forward")
     assert code == 0, out + err
