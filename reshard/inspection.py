@@ -27,8 +27,7 @@ def inspect(path: str, *, vocab_size: int | None = None, architecture: str | Non
             "layout": source.layout,
             "architecture": (model.config.get("architectures") or ["?"])[0],
             "family": model.family.name,
-            "tp": source.degrees["tp"],
-            "pp": source.degrees["pp"],
+            **source.degrees,  # tp, pp; ep and etp for a Megatron Mixture of Experts
             "dtype": dtype_counts.most_common(1)[0][0] if dtype_counts else None,
             "dtypes": dict(dtype_counts),
             "parameters": sum(math.prod(t.shape) for t in model.tensors.values()),
@@ -38,6 +37,7 @@ def inspect(path: str, *, vocab_size: int | None = None, architecture: str | Non
             "heads": model.dims["nh"],
             "kv_heads": model.dims["ng"],
             "vocab_size": model.vocab_size,
+            **({"experts": model.num_experts, "moe_layers": len(model.sparse_layers)} if model.num_experts else {}),
             "tied_embeddings": model.tied,
             "model_config": {k: v for k, v in model.meaning.as_dict().items() if v not in (None, False)},
             "bytes": sum(os.path.getsize(f.path) for f in source.files),

@@ -320,3 +320,23 @@ def test_query_scale_from_softmax_scale_rounds_to_gemmas_integers():
     for q in (24, 144, 168, 256, 1000):
         m = meaning_from_args(_gpt2_args(softmax_scale=q ** -0.5), VOCAB, None, "test")
         assert m.query_scale == float(q)
+
+
+@pytest.mark.parametrize("family, features", [
+    ("gemma2", ["final_softcap", "attn_softcap", "query_scale", "window_layers", "norm_offset", "embedding_scaled"]),
+    ("gemma3", ["query_scale", "rope_local_theta", "window_layers", "norm_offset", "embedding_scaled"]),
+])
+def test_each_gemma_feature_matters(saved, family, features):
+    """The decoder equals transformers with every feature on, and switching any one off moves the logits: none of
+    the equalities above holds by accident."""
+    import dataclasses
+
+    folder, model = saved[family]
+    weights = cast_weights(load_hf_rank(str(folder), 0, 1, Options()), torch.float32, "cpu")
+    with torch.no_grad():
+        want = model(TOKENS).logits
+    off = {"window_layers": (), "norm_offset": False, "embedding_scaled": False}
+    for feature in features:
+        changed = dataclasses.replace(weights, config=dataclasses.replace(weights.config, **{feature: off.get(feature)}))
+        got = forward(changed, TOKENS, TPGroup(), record=False).logits[..., :VOCAB]
+        assert (got - want).abs().max().item() > 1e-4, feature  # 10 x the equality tolerance
