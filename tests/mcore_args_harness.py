@@ -115,6 +115,27 @@ def args_getter(args: argparse.Namespace, dropped: set[str]):
     return get
 
 
+def gpt_model_from_args(gpt_model_class, config, get, layer_spec):
+    """megatron-core's GPTModel as Megatron-LM's model provider builds it from ``args`` (one pipeline stage, the
+    vocab-parallel logits gathered on every rank)."""
+    return gpt_model_class(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=get("padded_vocab_size"),
+        max_sequence_length=get("max_position_embeddings"),
+        pre_process=True,
+        post_process=True,
+        parallel_output=False,
+        share_embeddings_and_output_weights=not get("untie_embeddings_and_output_weights"),
+        position_embedding_type=get("position_embedding_type"),
+        rotary_percent=get("rotary_percent"),
+        rotary_base=get("rotary_base"),
+        rope_scaling=get("use_rope_scaling"),
+        rope_scaling_factor=get("rope_scaling_factor"),
+        seq_len_interpolation_factor=get("rotary_seq_len_interpolation_factor"),
+    )
+
+
 def config_from_args(get, **plumbing):
     """``TransformerConfig`` as Megatron-LM's ``core_transformer_config_from_args`` builds it for a dense GPT:
     every args field that is a TransformerConfig field, then layernorm_epsilon <- norm_epsilon,

@@ -47,7 +47,7 @@ os.environ["TORCHDYNAMO_DISABLE"] = "1"
 torch = prepare_cpu()
 import torch.nn.functional as F  # noqa: E402
 
-from mcore_args_harness import MEGATRON_LM_DEFAULTS, args_getter, config_from_args  # noqa: E402
+from mcore_args_harness import MEGATRON_LM_DEFAULTS, args_getter, config_from_args, gpt_model_from_args  # noqa: E402,E501
 
 MAKE_VOCAB_DIVISIBLE_BY = 128
 TRUE_VOCAB = 1003
@@ -212,24 +212,8 @@ def build_case(dist, case: str, seed: int, out_root: str, iteration: int | None)
         perform_initialization=True,
         init_method_std=get("init_method_std"),
     )
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=get("qk_layernorm"),
-                                                        normalization=get("normalization"),
-                                                        qk_l2_norm=get("qk_l2_norm")),
-        vocab_size=get("padded_vocab_size"),
-        max_sequence_length=get("max_position_embeddings"),
-        pre_process=True,
-        post_process=True,
-        parallel_output=False,  # gather the vocab-parallel logits on every rank
-        share_embeddings_and_output_weights=not get("untie_embeddings_and_output_weights"),
-        position_embedding_type=get("position_embedding_type"),
-        rotary_percent=get("rotary_percent"),
-        rotary_base=get("rotary_base"),
-        rope_scaling=get("use_rope_scaling"),
-        rope_scaling_factor=get("rope_scaling_factor"),
-        seq_len_interpolation_factor=get("rotary_seq_len_interpolation_factor"),
-    )
+    model = gpt_model_from_args(GPTModel, config, get, get_gpt_layer_local_spec(
+        qk_layernorm=get("qk_layernorm"), normalization=get("normalization"), qk_l2_norm=get("qk_l2_norm")))
     model.eval()
     if case == "gpt2":  # the settings that make it GPT-2 really are in the model megatron-core built
         assert model.embedding.position_embeddings.weight.shape == (MAX_POSITIONS, args.hidden_size)

@@ -55,7 +55,7 @@ from mcore_cpu import prepare_cpu  # noqa: E402  (loopback, one thread, torch.cu
 os.environ["TORCHDYNAMO_DISABLE"] = "1"  # megatron-core's torch.compile'd helpers run eagerly
 torch = prepare_cpu()
 
-from mcore_args_harness import MEGATRON_LM_DEFAULTS, args_getter, config_from_args  # noqa: E402
+from mcore_args_harness import MEGATRON_LM_DEFAULTS, args_getter, config_from_args, gpt_model_from_args  # noqa: E402,E501
 from mcore_family_harness import (  # noqa: E402
     BATCH, INIT_STD, MAKE_VOCAB_DIVISIBLE_BY, MAX_POSITIONS, NOISE_1D, OUTPUT_LAYER_SCALE, SEQ_LENGTH, TRUE_VOCAB,
     padded_vocab,
@@ -260,24 +260,8 @@ def build(dist, cli: argparse.Namespace) -> None:
         # (no Apex here) refuses it; it splits activations, not weights: plumbing, like the CPU initialisation.
         sequence_parallel=False,
     )
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_decoder_block_spec(config, use_transformer_engine=False,
-                                                          normalization=get("normalization"),
-                                                          qk_l2_norm=get("qk_l2_norm")),
-        vocab_size=get("padded_vocab_size"),
-        max_sequence_length=get("max_position_embeddings"),
-        pre_process=True,
-        post_process=True,
-        parallel_output=False,  # gather the vocab-parallel logits on every rank
-        share_embeddings_and_output_weights=not get("untie_embeddings_and_output_weights"),
-        position_embedding_type=get("position_embedding_type"),
-        rotary_percent=get("rotary_percent"),
-        rotary_base=get("rotary_base"),
-        rope_scaling=get("use_rope_scaling"),
-        rope_scaling_factor=get("rope_scaling_factor"),
-        seq_len_interpolation_factor=get("rotary_seq_len_interpolation_factor"),
-    )
+    model = gpt_model_from_args(GPTModel, config, get, get_gpt_decoder_block_spec(
+        config, use_transformer_engine=False, normalization=get("normalization"), qk_l2_norm=get("qk_l2_norm")))
     model.eval()
     per_rank = NUM_EXPERTS // cli.ep
     for layer in model.decoder.layers:  # the settings that make it Mixtral-like really are in the built model
