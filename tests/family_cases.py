@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from family_rules import load_hf_dir
+import json
+
+from family_rules import diff_states, load_hf_dir
 from helpers import run_cli
 
 
@@ -49,6 +51,34 @@ class FamilyCase:
 
     def vllm(self, capsys, tp=2):
         return self.convert(capsys, f"vllm_tp{tp}", self.src, "--to", "vllm", "--tp", tp)
+
+    def round_trip(self, capsys, tp, check_vllm):
+        """hf -> megatron (tp, pp 2) -> vllm tp -> hf, the vLLM ranks checked with ``check_vllm(case, folder,
+        tp)``; asserts the final HF tensors equal the source's byte for byte; returns (folder, its config)."""
+        v = self.convert(capsys, "vllm_from_megatron", self.megatron(capsys), "--to", "vllm", "--tp", tp)
+        check_vllm(self, v, tp)
+        back = self.convert(capsys, "hf_back", v, "--to", "hf")
+        got, config = load_hf_dir(back)
+        problems = diff_states(got, self.hf, "hf")
+        assert not problems, f"{self.name}: round trip\n" + "\n".join(problems[:40])
+        return back, config
+
+    def assert_same_logits(self, transformers, folder, ids, atol):
+        """transformers' fp32 logits of the model in ``folder`` equal the source model's."""
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        assert type(loaded).__name__ == type(self.model).__name__
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(ids).logits, self.model(ids).logits, atol=atol, rtol=0)
+
+
+def verify_forward(capsys, src, dst):
+    """``reshard verify --forward SRC DST --json``: (exit code, the JSON report or None, stderr)."""
+    code, out, err = run_cli(capsys, "verify", "--forward", src, dst, "--json")
+    try:
+        report = json.loads(out)
+    except ValueError:
+        report = None
+    return code, report, err
 
 
 def families_fixture(transformers, families: dict, archs: dict):

@@ -17,15 +17,14 @@ and the other broken copies are marked slow:  python -m pytest -q tests/test_fam
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
 import torch
 
-from family_rules import (diff_states, dims, load_hf_dir, load_megatron_rank, load_vllm_rank, megatron_padded_vocab,
+from family_rules import (diff_states, dims, load_megatron_rank, load_vllm_rank, megatron_padded_vocab,
                           megatron_q_head_rows, megatron_rank, megatron_rank_path, vllm_rank)
-from family_cases import FamilyCase, families_fixture, is_extra_state
+from family_cases import FamilyCase, families_fixture, is_extra_state, verify_forward
 from helpers import run_cli
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e .[test]")
@@ -204,33 +203,17 @@ def test_vllm_rank_files(families, name, capsys):
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_round_trip_megatron_vllm_hf(families, name, capsys):
     fam = families(name)
-    meg = fam.megatron(capsys)
-    v = fam.convert(capsys, "vllm_from_megatron", meg, "--to", "vllm", "--tp", TP)
-    check_vllm(fam, v, TP)
-    back = fam.convert(capsys, "hf_back", v, "--to", "hf")
-    got, config = load_hf_dir(back)
-    problems = diff_states(got, fam.hf, "hf")
-    assert not problems, f"{name}: round trip\n" + "\n".join(problems[:40])
+    back, config = fam.round_trip(capsys, TP, check_vllm)
     assert config["architectures"] == fam.config["architectures"]
     assert config["vocab_size"] == VOCAB
     assert bool(config.get("tie_word_embeddings")) == bool(fam.config.get("tie_word_embeddings"))
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(back, dtype=torch.float32).eval()
     ids = torch.tensor([[0, 1, 17, 1002, 500, 3, 3, 999, 42, 7], [5, 1001, 2, 64, 63, 128, 256, 511, 512, 1000]])
-    with torch.no_grad():
-        want = fam.model(ids).logits
-        logits = loaded(ids).logits
-    torch.testing.assert_close(logits, want, atol=ATOL, rtol=0)
+    fam.assert_same_logits(transformers, back, ids, ATOL)
 
 
 # ------------------------------------------------------------------------------------------ d. forward
 
-def forward(capsys, src, dst):
-    code, out, err = run_cli(capsys, "verify", "--forward", src, dst, "--json")
-    try:
-        report = json.loads(out)
-    except ValueError:
-        report = None
-    return code, report, err
+forward = verify_forward
 
 
 def assert_forward_ok(capsys, fam, dst, tp, layout):

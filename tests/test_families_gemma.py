@@ -21,18 +21,16 @@ The default run keeps one forward check per family and one broken copy; the rest
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
 import torch
 
-from family_rules import (diff_states, load_hf_dir, load_megatron_rank, load_vllm_rank, megatron_padded_vocab,
+from family_rules import (diff_states, load_megatron_rank, load_vllm_rank, megatron_padded_vocab,
                           megatron_rank_path, vllm_padded_vocab)
 from family_rules_gemma import (expected_megatron_args, gemma_dims, hf_names, megatron_q_head_rows, megatron_rank,
                                 swa_pattern_from_skip_freq, vllm_rank)
-from family_cases import FamilyCase, families_fixture, is_extra_state
-from helpers import run_cli
+from family_cases import FamilyCase, families_fixture, is_extra_state, verify_forward
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e .[test]")
 
@@ -229,32 +227,15 @@ def test_vllm_rank_files(families, name, capsys):
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_round_trip_megatron_vllm_hf(families, name, capsys):
     fam = families(name)
-    meg = fam.megatron(capsys)
-    v = fam.convert(capsys, "vllm_from_megatron", meg, "--to", "vllm", "--tp", TP)
-    check_vllm(fam, v, TP)
-    back = fam.convert(capsys, "hf_back", v, "--to", "hf")
-    got, config = load_hf_dir(back)
-    problems = diff_states(got, fam.hf, "hf")
-    assert not problems, f"{name}: round trip\n" + "\n".join(problems[:40])
+    back, config = fam.round_trip(capsys, TP, check_vllm)
     got_m, want_m = meaning(config), meaning(fam.config)
     assert got_m == want_m, {k: (got_m[k], want_m[k]) for k in MEANING if got_m[k] != want_m[k]}
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(back, dtype=torch.float32).eval()
-    assert type(loaded).__name__ == ARCH[name]
-    with torch.no_grad():
-        want = fam.model(IDS).logits
-        logits = loaded(IDS).logits
-    torch.testing.assert_close(logits, want, atol=ATOL, rtol=0)
+    fam.assert_same_logits(transformers, back, IDS, ATOL)
 
 
 # ------------------------------------------------------------------------------------------ d. forward
 
-def forward(capsys, src, dst):
-    code, out, err = run_cli(capsys, "verify", "--forward", src, dst, "--json")
-    try:
-        report = json.loads(out)
-    except ValueError:
-        report = None
-    return code, report, err
+forward = verify_forward
 
 
 FORWARD = [
