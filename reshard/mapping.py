@@ -29,7 +29,7 @@ TOP_KEYS = {"family", "dims", "hf", "moe", "megatron", "vllm", "decoder", "confi
 #: sparse (every ``sparse_step``-th, except ``dense_layers``; all when neither is set).
 MOE_KEYS = {"experts", "expert_ffn", "shared_ffn", "top_k", "renormalize", "sparse_step", "dense_layers"}
 LAYER_KINDS = ("all", "sparse", "dense")
-HF_KEYS = {"ignore"}
+HF_KEYS = {"ignore", "optional_prefix"}
 #: What a weight is to the forward verifier's decoder (verification/forward/rank_weights.py): per-layer roles
 #: are LayerWeights fields, the others RankWeights fields. A plain (ungated) MLP's first linear is ``up``.
 LAYER_ROLES = ("input_norm", "input_norm_bias", "q", "k", "v", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm",
@@ -208,6 +208,7 @@ class Family:
     decoder: DecoderFeatures = DecoderFeatures()
     config: ConfigSpelling = ConfigSpelling()
     hf_ignore: tuple[str, ...] = ()  # HF tensor templates dropped on read (buffers old files saved)
+    hf_optional_prefix: str = ""  # a name prefix old files omit (GPT-2's "transformer."): read either way
     moe: dict = field(default_factory=dict)  # the [moe] table (MOE_KEYS)
 
     def sparse_layers(self, config: dict, layers: int) -> tuple[int, ...]:
@@ -406,6 +407,7 @@ def parse_family(data: dict, source: str) -> Family:
                   architectures=tuple(fam["architectures"]), dims=dims, weights=tuple(weights),
                   extra_state=extra_state, source=source, vllm_scales=vllm_scales, decoder=decoder,
                   config=config, hf_ignore=tuple(hf_table.get("ignore", ())), moe=dict(moe),
+                  hf_optional_prefix=hf_table.get("optional_prefix", ""),
                   vllm_tied_name=vllm.get("tied_name"))
 
 

@@ -340,3 +340,20 @@ def test_each_gemma_feature_matters(saved, family, features):
         changed = dataclasses.replace(weights, config=dataclasses.replace(weights.config, **{feature: off.get(feature)}))
         got = forward(changed, TOKENS, TPGroup(), record=False).logits[..., :VOCAB]
         assert (got - want).abs().max().item() > 1e-4, feature  # 10 x the equality tolerance
+
+
+def test_gpt2_files_without_the_transformer_prefix(saved, capsys, tmp_path):
+    """The original gpt2 files name their tensors h.0.attn.c_attn.weight, wte.weight, ... (no ``transformer.``),
+    with the old mask buffers: read as the prefixed names (transformers loads both), written prefixed."""
+    folder, model = saved["gpt2"]
+    old = tmp_path / "old"
+    old.mkdir()
+    tensors = {k.removeprefix("transformer."): v for k, v in load_file(str(folder / "model.safetensors")).items()}
+    tensors["h.0.attn.bias"] = torch.tril(torch.ones(1, 1, 32, 32))
+    save_file(tensors, str(old / "model.safetensors"), metadata={"format": "pt"})
+    (old / "config.json").write_text((folder / "config.json").read_text())
+    assert run_cli(capsys, "verify", folder, old)[0] == 0  # the same model, whatever the names
+    assert run_cli(capsys, "convert", old, tmp_path / "m", "--to", "megatron", "--tp", "2")[0] == 0
+    assert run_cli(capsys, "convert", tmp_path / "m", tmp_path / "hf", "--to", "hf")[0] == 0
+    back = load_file(str(tmp_path / "hf/model.safetensors"))
+    assert set(back) == set(load_file(str(folder / "model.safetensors")))

@@ -150,6 +150,7 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
             where[name] = i
     check_index(path, paths, files)
     notes = []
+    file_names = _add_optional_prefix(family, where)
     fused = any(match_template(family, n, fused=True) is not None and match_template(family, n, stored=True) is None
                 for n in where)
     matched = {}
@@ -180,7 +181,9 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
         if name not in where:
             raise CheckpointError(f"{path}: tensor '{name}' is missing (the config has "
                                   f"{model.num_layers} layers; is the checkpoint complete?)")
-        loc = files[where[name]].tensors[name]
+        if name in file_names:  # stored without the optional prefix: read under the file's own name
+            tensor = replace(tensor, name=file_names[name])
+        loc = files[where[name]].tensors[tensor.name]
         check_shape(paths[where[name]], name, loc.shape, tensor.shape)
         for piece in tensor.pieces:
             model.dtypes[piece.canonical] = loc.dtype
@@ -189,12 +192,30 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
         spec = next(s for s in family.weights if s.hf == output_spec.tied_to)
         stored.append((where[output_spec.hf_name], model.tensors[spec.hf].whole(output_spec.hf_name,
                                                                                  output_spec.hf_transposed)))
-    extra = set(matched) - {t.name for _, t in stored}
+    inverse = {file: name for name, file in file_names.items()}
+    extra = set(matched) - {inverse.get(t.name, t.name) for _, t in stored}
     if extra:
         raise CheckpointError(f"{path}: tensor '{sorted(extra)[0]}' does not fit the config "
                               f"({model.num_layers} layers); the config does not match the weights")
     return Source(layout=NAME, root=path, model=model, files=files, stored=stored,
                   degrees={"tp": 1, "pp": 1}, info={"config": config, "notes": notes}, side_files=side_files)
+
+
+def _add_optional_prefix(family, where: dict[str, int]) -> dict[str, str]:
+    """Names an old file stores without the family's optional prefix (GPT-2 files without ``transformer.``) are
+    renamed in ``where`` to the prefixed form the mapping spells; returns prefixed name -> the file's name."""
+    prefix = family.hf_optional_prefix
+    renamed = {}
+    for name in list(where):
+        full = prefix + name
+        if not prefix or name.startswith(prefix) or full in where or match_template(family, name, stored=True):
+            continue
+        known = match_template(family, full, stored=True) is not None or \
+            any(template_layer(t, full) is not False for t in family.hf_ignore)
+        if known:
+            where[full] = where.pop(name)
+            renamed[full] = name
+    return renamed
 
 
 def hf_tensors(model: CanonicalModel, fused: bool = False) -> list[StoredTensor]:
