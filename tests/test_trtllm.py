@@ -325,3 +325,12 @@ def test_refuses_gpt2(tmp_path, capsys):
     assert code == 2, f"exit {code}: {(out + err).strip()[-2000:]}"
     assert not dst.exists()
     assert err.strip(), "the refusal should say why"
+
+
+def test_tp3_pads_lm_head_to_a_multiple_of_three(tmp_path, capsys):
+    """tp 3 with vocab 1003: TensorRT-LLM pads lm_head to 1005 rows (a multiple of tp, not vLLM's 64), 6 heads over
+    3 KV heads; the files match the rules and run (reshard once refused this with vLLM's vocab rule)."""
+    path = make_hf(str(tmp_path / "hf"), hidden=96, layers=2, heads=6, kv_heads=3, ffn=96, vocab=VOCAB)
+    src = Source(tmp_path, "llama_h6", path)
+    check_trtllm(src, src.trtllm(capsys, 3, 1), 3, 1)
+    assert run_cli(capsys, "verify", path, tmp_path / "trtllm_tp3pp1", "--forward")[0] == 0

@@ -151,21 +151,27 @@ def dense_mlp(model: CanonicalModel) -> bool:
     return any(s.role in ("gate", "up") and model.has_spec(s) for s in model.family.weights)
 
 
-def check_vllm_degrees(model: CanonicalModel, tp: int, expert_parallel: bool = False) -> None:
-    """Refuse a tensor_parallel_size vLLM cannot load this model at, before anything is written."""
+def check_replicating_degrees(model: CanonicalModel, tp: int, engine: str) -> None:
+    """Refuse a TP degree an inference engine that repeats KV heads when tp > KV heads (vLLM, TensorRT-LLM)
+    cannot run this model at: heads, KV heads and the dense FFN must split or (KV heads) replicate evenly."""
     d = model.dims
     if tp < 1:
         raise PlanError(f"tp must be >= 1 (got {tp})")
     if d["nh"] % tp:
-        raise PlanError(f"vLLM needs num_attention_heads % tp == 0, but {d['nh']} heads do not split over "
+        raise PlanError(f"{engine} needs num_attention_heads % tp == 0, but {d['nh']} heads do not split over "
                         f"tp={tp}; choose a tp that divides {d['nh']}")
     if tp >= d["ng"] and tp % d["ng"]:
-        raise PlanError(f"tp={tp} is more than the {d['ng']} KV heads but not a multiple of them: vLLM "
+        raise PlanError(f"tp={tp} is more than the {d['ng']} KV heads but not a multiple of them: {engine} "
                         f"replicates KV heads only when tp % num_key_value_heads == 0")
     if tp < d["ng"] and d["ng"] % tp:
         raise PlanError(f"{d['ng']} KV heads do not split over tp={tp}; choose a tp that divides {d['ng']}")
     if "F" in d and d["F"] % tp and dense_mlp(model):
         raise PlanError(f"cannot shard intermediate size {d['F']} over tp={tp}; choose a tp that divides it")
+
+
+def check_vllm_degrees(model: CanonicalModel, tp: int, expert_parallel: bool = False) -> None:
+    """Refuse a tensor_parallel_size vLLM cannot load this model at, before anything is written."""
+    check_replicating_degrees(model, tp, "vLLM")
     if model.num_experts:
         if expert_parallel and model.num_experts < tp:
             raise PlanError(f"--expert-parallel puts {model.num_experts} experts on {tp} ranks: some would hold none; "

@@ -19,8 +19,8 @@ import re
 from reshard.core.canonical import CanonicalModel, build_canonical
 from reshard.core.model_config import ConfigLoss
 from reshard.core.pieces import StoredTensor
-from reshard.core.sharding import (check_vllm_degrees, pack_members, rank_slice, stage_layers, stage_weights,
-                                   vllm_qkv_pieces)
+from reshard.core.sharding import (check_replicating_degrees, pack_members, rank_slice, stage_layers,
+                                   stage_weights, vllm_qkv_pieces)
 from reshard.errors import CheckpointError, PlanError
 from reshard.io.safetensors_format import SafetensorsFile
 from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, check_shape, find_side_files,
@@ -47,7 +47,7 @@ def check_degrees(model: CanonicalModel, tp: int, pp: int) -> None:
                         "the families whose mapping gives `trtllm = ...` names (Llama, Mistral, Qwen2)")
     if model.num_experts:
         raise PlanError("--to trtllm does not write Mixture-of-Experts models yet")
-    check_vllm_degrees(model, tp)  # same head / KV-repetition / FFN rules as vLLM's
+    check_replicating_degrees(model, tp, "TensorRT-LLM")  # heads split, KV heads repeated when tp > KV heads
     if pp < 1 or model.num_layers % pp:
         raise PlanError(f"{model.num_layers} layers do not split evenly over pp={pp}: TensorRT-LLM versions "
                         f"assign the remainder differently; choose a pp that divides {model.num_layers}")
