@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import json
+import shutil
 
-from family_rules import diff_states, load_hf_dir
+from family_rules import diff_states, load_hf_dir, load_megatron_rank, megatron_rank_path
 from helpers import run_cli
 
 
@@ -69,6 +70,23 @@ class FamilyCase:
         assert type(loaded).__name__ == type(self.model).__name__
         with torch.no_grad():
             torch.testing.assert_close(loaded(ids).logits, self.model(ids).logits, atol=atol, rtol=0)
+
+
+def assert_swapped_query_heads_fail(capsys, case: FamilyCase, tmp_path, rows: tuple, layer: int, pp: int = 2):
+    """Swap query-head rows ``rows`` (a, b) in linear_qkv of local layer 0 on Megatron rank (tp 1, pp 1), i.e.
+    global ``layer``: verify --forward must exit 1 and name that layer's attention."""
+    bad = tmp_path / "bad"
+    shutil.copytree(case.megatron(capsys), bad)
+    path = megatron_rank_path(bad, 1, 1, pp)
+    blob = load_megatron_rank(path)
+    a, b = rows
+    w = blob["model"]["decoder.layers.0.self_attention.linear_qkv.weight"]
+    w[a], w[b] = w[b].clone(), w[a].clone()
+    torch.save(blob, path)
+    code, r, err = verify_forward(capsys, case.src, bad)
+    assert code == 1 and r is not None, f"exit {code}: {err.strip()[-2000:]}"
+    assert not r["ok"] and r["max_abs"] > 1e-3
+    assert r["first_divergence"].startswith(f"layer {layer} attention"), r["first_divergence"]
 
 
 def verify_forward(capsys, src, dst):

@@ -21,7 +21,6 @@ The default run keeps one forward check per family and one broken copy; the rest
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
@@ -30,7 +29,8 @@ from family_rules import (diff_states, load_megatron_rank, load_vllm_rank, megat
                           megatron_rank_path, vllm_padded_vocab)
 from family_rules_gemma import (expected_megatron_args, gemma_dims, hf_names, megatron_q_head_rows, megatron_rank,
                                 swa_pattern_from_skip_freq, vllm_rank)
-from family_cases import FamilyCase, families_fixture, is_extra_state, verify_forward
+from family_cases import (FamilyCase, assert_swapped_query_heads_fail, families_fixture, is_extra_state,
+                          verify_forward)
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e .[test]")
 
@@ -273,17 +273,5 @@ def test_verify_forward_swapped_query_heads_fails(families, name, capsys, tmp_pa
     """Swap query heads 0 and 1 in linear_qkv of local layer 0 on rank (tp 1, pp 1), i.e. global layer L/2:
     verify --forward must exit 1 and name that layer's attention."""
     fam = families(name)
-    good = fam.megatron(capsys)
-    bad = tmp_path / "bad"
-    shutil.copytree(good, bad)
-    path = megatron_rank_path(bad, 1, 1, PP)
-    blob = load_megatron_rank(path)
-    a, b = megatron_q_head_rows(fam.config, TP)
-    w = blob["model"]["decoder.layers.0.self_attention.linear_qkv.weight"]
-    w[a], w[b] = w[b].clone(), w[a].clone()
-    torch.save(blob, path)
-    layer = gemma_dims(fam.config)[4] // PP
-    code, r, err = forward(capsys, fam.src, bad)
-    assert code == 1 and r is not None, f"exit {code}: {err.strip()[-2000:]}"
-    assert not r["ok"] and r["max_abs"] > 1e-3
-    assert r["first_divergence"].startswith(f"layer {layer} attention"), r["first_divergence"]
+    assert_swapped_query_heads_fail(capsys, fam, tmp_path, megatron_q_head_rows(fam.config, TP),
+                                    gemma_dims(fam.config)[4] // PP, PP)
