@@ -302,6 +302,16 @@ def load_megatron_rank(path) -> dict:
 
 # ------------------------------------------------------------------------------------------- vLLM
 
+def vllm_kv_rows(w: torch.Tensor, kv_heads: int, d: int, tp: int, r: int) -> torch.Tensor:
+    """vLLM rank ``r``'s K (or V) rows: ``kv_heads/tp`` contiguous heads, or when tp >= kv_heads the one head
+    ``r // (tp/kv_heads)``, replicated on neighbouring ranks."""
+    if tp >= kv_heads:
+        head = r // (tp // kv_heads)
+        return w[head * d:(head + 1) * d].clone()
+    per = kv_heads // tp
+    return w[r * per * d:(r + 1) * per * d].clone()
+
+
 def vllm_rank(hf: dict[str, torch.Tensor], config: dict, tp: int, r: int) -> dict[str, torch.Tensor]:
     """What vLLM sharded_state rank ``r`` of ``tp`` must hold (every part of that rank together)."""
     c = canonical(hf, config)
@@ -313,11 +323,7 @@ def vllm_rank(hf: dict[str, torch.Tensor], config: dict, tp: int, r: int) -> dic
         return chunk(w, tp, r, 0)
 
     def kv_part(w):
-        if tp >= c.ng:
-            head = r // (tp // c.ng)
-            return w[head * d:(head + 1) * d].clone()
-        per = c.ng // tp
-        return w[r * per * d:(r + 1) * per * d].clone()
+        return vllm_kv_rows(w, c.ng, d, tp, r)
 
     def qkv(q, k, v):
         return torch.cat([q_part(q), kv_part(k), kv_part(v)], dim=0)

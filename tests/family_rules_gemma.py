@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from family_rules import (SCALES, chunk, megatron_padded_vocab, megatron_qkv_global, pad_rows, rank_cuts,
-                          vllm_padded_vocab)
+                          vllm_kv_rows, vllm_padded_vocab)
 
 GEMMA_ARCHS = {"GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
 
@@ -208,11 +208,7 @@ def vllm_rank(hf: dict[str, torch.Tensor], config: dict, tp: int, r: int) -> dic
     d = c.d
 
     def kv_part(w):
-        if tp >= c.ng:  # one KV head per rank, replicated over tp/ng ranks
-            head = r // (tp // c.ng)
-            return w[head * d:(head + 1) * d].clone()
-        per = c.ng // tp
-        return w[r * per * d:(r + 1) * per * d].clone()
+        return vllm_kv_rows(w, c.ng, d, tp, r)
 
     def col(w):
         return chunk(w, tp, r, 0)

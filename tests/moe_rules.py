@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import torch
 
 from family_rules import (SCALES, chunk, megatron_padded_vocab, megatron_qkv_global, pad_rows, rank_cuts,
-                          vllm_padded_vocab)
+                          vllm_kv_rows, vllm_padded_vocab)
 
 ARCH_FAMILY = {
     "MixtralForCausalLM": "mixtral",
@@ -361,11 +361,7 @@ def vllm_rank(hf: dict[str, torch.Tensor], config: dict, tp: int, r: int,
         return chunk(w, tp, r, 1)
 
     def kv(w):
-        if tp >= c.ng:
-            head = r // (tp // c.ng)
-            return w[head * d:(head + 1) * d].clone()
-        per = c.ng // tp
-        return w[r * per * d:(r + 1) * per * d].clone()
+        return vllm_kv_rows(w, c.ng, d, tp, r)
 
     def vocab_shard(w):
         return chunk(pad_rows(w, vp), tp, r, 0)
