@@ -22,6 +22,7 @@ from reshard.core.model_config import ConfigLoss, ModelConfig
 from reshard.core.pieces import StoredTensor
 from reshard.core.sharding import even_pieces, pack_members, vocab_pieces
 from reshard.errors import CheckpointError, PlanError
+from reshard.io.partial import replace_with_text
 from reshard.io.torch_format import TensorSlot, TorchFile
 from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, check_shape, find_side_files,
                                   read_json_object)
@@ -238,9 +239,7 @@ class MetaLayout(Layout):
         return TargetPlan(specs, state=params, notes=loss.check())
 
     def finalize(self, out: str, source: Source, plan, state) -> None:
-        with open(os.path.join(out, PARAMS), "w") as f:  # written last: it marks the checkpoint complete
-            json.dump(state, f, indent=2)
-            f.write("\n")
+        replace_with_text(os.path.join(out, PARAMS), json.dumps(state, indent=2) + "\n")  # last: the marker
 
     def remote_files(self, names: list[str], read_text) -> list[str]:
         return sorted(n for n in names if _FILE.match(n))

@@ -22,6 +22,7 @@ from reshard.core.pieces import StoredTensor
 from reshard.core.sharding import (check_replicating_degrees, pack_members, rank_slice, stage_layers,
                                    stage_weights, vllm_qkv_pieces)
 from reshard.errors import CheckpointError, PlanError
+from reshard.io.partial import replace_with_text
 from reshard.io.safetensors_format import SafetensorsFile
 from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, check_shape, find_side_files,
                                   read_json_object)
@@ -75,10 +76,6 @@ def rank_tensors(model: CanonicalModel, tp: int, tp_rank: int, layers: range, fi
     return out
 
 
-def _stages(model: CanonicalModel, pp: int) -> list[range]:
-    return stage_layers(model.num_layers, pp)
-
-
 # ---------------------------------------------------------------------------------------------- reading
 
 def _rank_files(path: str) -> dict[int, str]:
@@ -116,7 +113,7 @@ def open_source(path: str, opts: Options) -> Source:
             from None
     padded = padded_vocab(model.vocab_size, tp)
     stored: list[tuple[int, StoredTensor]] = []
-    for p, layers in enumerate(_stages(model, pp)):
+    for p, layers in enumerate(stage_layers(model.num_layers, pp)):
         for t in range(tp):
             index = p * tp + t
             f = files[index]
@@ -145,7 +142,7 @@ def targets(model: CanonicalModel, opts: Options, dtype: str) -> list[TargetSpec
     check_degrees(model, opts.tp, opts.pp)
     padded = padded_vocab(model.vocab_size, opts.tp)
     specs = []
-    for p, layers in enumerate(_stages(model, opts.pp)):
+    for p, layers in enumerate(stage_layers(model.num_layers, opts.pp)):
         for t in range(opts.tp):
             tensors = rank_tensors(model, opts.tp, t, layers, p == 0, p == opts.pp - 1, padded)
             specs.append(TargetSpec(f"rank{p * opts.tp + t}.safetensors", "safetensors", tensors,
@@ -175,9 +172,7 @@ class TRTLLMLayout(Layout):
         return TargetPlan(specs, state=config, notes=loss.check())
 
     def finalize(self, out: str, source: Source, plan, state) -> None:
-        with open(os.path.join(out, CONFIG), "w") as f:  # written last: it marks the checkpoint complete
-            json.dump(state, f, indent=2)
-            f.write("\n")
+        replace_with_text(os.path.join(out, CONFIG), json.dumps(state, indent=2) + "\n")  # last: the marker
 
     def remote_files(self, names: list[str], read_text) -> list[str]:
         return sorted(n for n in names if _FILE.match(n))
