@@ -86,14 +86,20 @@ def load_rank(path: str, rank: int, world: int, opts: Options) -> RankWeights:
         return next((ranks[(t, p, e)] for t in range(rank % etp, tp, etp) if (t, p, e) in ranks), None)
 
     dense = [next(ranks[(rank, p, e)] for e in range(ep) if (rank, p, e) in ranks) for p in range(pp)]
+    opened: dict[str, TorchFile] = {}  # a file serves as dense and expert file: open (parse) it once
+
+    def open_once(file_path: str) -> TorchFile:
+        if file_path not in opened:
+            opened[file_path] = TorchFile(file_path)
+        return opened[file_path]
+
     # per stage: the rank's own file (everything but the routed experts), then one file per EP rank
-    expert_files = [[TorchFile(dense[p])] + [TorchFile(holder(p, e)) for e in range(ep)] for p in range(pp)]
+    expert_files = [[open_once(dense[p])] + [open_once(holder(p, e)) for e in range(ep)] for p in range(pp)]
     try:
         return _read(path, folder, expert_files, args, rank, world, opts)
     finally:
-        for stage in expert_files:
-            for f in stage:
-                f.close()
+        for f in opened.values():
+            f.close()
 
 
 def _read(path: str, folder: str, expert_files: list[list[TorchFile]], args, rank: int, world: int,
