@@ -6,6 +6,7 @@ Python API::
     reshard.convert("llama-hf", "llama-tp8", to="megatron", tp=8)
     report = reshard.verify("llama-hf", "llama-tp8")   # report.equal
     info = reshard.inspect("llama-tp8")
+    weights = reshard.load_rank("llama-tp8", to="vllm", tp=4, rank=3)  # rank 3's tensors, nothing written
 """
 
 from reshard.errors import CheckpointError, MappingError, PlanError, ReshardError
@@ -33,5 +34,12 @@ def inspect(path, **kwargs):
     return _inspect(path, **kwargs)
 
 
-__all__ = ["convert", "verify", "inspect", "ReshardError", "PlanError", "CheckpointError", "MappingError",
+def load_rank(src, to="vllm", **kwargs):
+    """See :func:`reshard.rank_view.load_rank`."""
+    from reshard.rank_view import load_rank as _load_rank
+
+    return _load_rank(src, to, **kwargs)
+
+
+__all__ = ["convert", "verify", "inspect", "load_rank", "ReshardError", "PlanError", "CheckpointError", "MappingError",
            "__version__"]

@@ -167,6 +167,10 @@ def convert(
             if result.download is not None:
                 _describe_download(result.download)
         return
+    from reshard.distributed import world_size_from_env
+
+    if world_size_from_env() > 1 and os.environ.get("RANK") != "0":
+        return  # under torchrun rank 0 reports the run and pushes
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
     if as_json:
@@ -387,6 +391,12 @@ def run() -> None:
     os._exit(code)
 
 
+def _prefix() -> str:
+    from reshard.distributed import log_prefix
+
+    return log_prefix()
+
+
 def _usage_error(exc) -> None:
     """A command-line usage error as one line naming the option and the fix, exit code 2 (help when asked)."""
     if type(exc).__name__ == "NoArgsIsHelpError":  # `reshard` or `reshard mappings` alone: the help text
@@ -395,7 +405,7 @@ def _usage_error(exc) -> None:
     ctx = getattr(exc, "ctx", None)
     where = ctx.command_path if ctx is not None else "reshard"
     message = " ".join(exc.format_message().split())
-    print(f"error: {message} (see '{where} --help')", file=sys.stderr)
+    print(f"{_prefix()}error: {message} (see '{where} --help')", file=sys.stderr)
     sys.exit(getattr(exc, "exit_code", 2) or 2)
 
 
@@ -408,13 +418,13 @@ def main() -> None:
     try:
         code = app(standalone_mode=False)  # click returns an Exit's code instead of raising it here
         if code == 130:  # typer turns Ctrl-C (and our SIGTERM handler) into exit code 130
-            print("error: interrupted; no output was published", file=sys.stderr)
+            print(f"{_prefix()}error: interrupted; no output was published", file=sys.stderr)
         if isinstance(code, int) and code:
             sys.exit(code)
     except ReshardError as exc:
         if os.environ.get("RESHARD_DEBUG") == "1":
             raise
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"{_prefix()}error: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
@@ -423,10 +433,10 @@ def main() -> None:
             raise
         from reshard.errors import os_error_message
 
-        print(f"error: {os_error_message(exc)}", file=sys.stderr)
+        print(f"{_prefix()}error: {os_error_message(exc)}", file=sys.stderr)
         sys.exit(3)
     except KeyboardInterrupt:
-        print("error: interrupted; no output was published", file=sys.stderr)
+        print(f"{_prefix()}error: interrupted; no output was published", file=sys.stderr)
         sys.exit(130)
     except typer.TyperException as exc:  # usage errors (bad option value, missing argument, unknown command)
         _usage_error(exc)
@@ -435,6 +445,6 @@ def main() -> None:
     except Exception as exc:  # noqa: BLE001
         if os.environ.get("RESHARD_DEBUG") == "1":
             raise
-        print(f"error: internal error: {type(exc).__name__}: {exc} (set RESHARD_DEBUG=1 for the traceback)",
+        print(f"{_prefix()}error: internal error: {type(exc).__name__}: {exc} (set RESHARD_DEBUG=1 for the traceback)",
               file=sys.stderr)
         sys.exit(1)

@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 from reshard.core.model_config import SEMANTIC_FIELDS
 from reshard.core.plan import CanonicalIndex, Plan, TargetFile, plan_tensor
-from reshard.errors import PlanError, ReshardError
-from reshard.execute import ensure_replicas_agree, execute
+from reshard.errors import OutputError, PlanError, ReshardError, os_error_message
+from reshard.distributed import ProgressRelay, World, log_prefix, world_size_from_env
+from reshard.execute import ensure_replicas_agree, execute, partition, run_units
 from reshard.io import dtypes
 from reshard.hub import open_source
 from reshard.layouts.base import Options, Source, stored_dtype
@@ -51,7 +53,8 @@ def make_plan(source: Source, to: str, opts: Options) -> tuple[Plan, object]:
         tensors = []
         for stored in spec.tensors:
             tensors.append(plan_tensor(index, stored, stored_dtype(model, stored, opts, dtype)))
-        files.append(TargetFile(spec.path, spec.format, tensors, payload=spec.payload, metadata=spec.metadata))
+        files.append(TargetFile(spec.path, spec.format, tensors, payload=spec.payload, metadata=spec.metadata,
+                                rank=spec.rank))
     notes = list(source.info.get("notes", ())) + target.notes
     dropped = source.info.get("dropped")
     if dropped:
@@ -63,7 +66,7 @@ def make_plan(source: Source, to: str, opts: Options) -> tuple[Plan, object]:
 
 
 def _warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr)
+    print(f"{log_prefix()}warning: {message}", file=sys.stderr)
 
 
 def write_side_files(source: Source, staging: str, plan: Plan, state: object) -> None:
@@ -92,7 +95,7 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
             max_shard_size: int = 5 * 10**9, vocab_size: int | None = None, vocab_divisor: int | None = None,
             architecture: str | None = None, mapping: str | None = None, allow_replica_mismatch: bool = False,
             progress: bool = False, workers: int | None = 1, allow_lossy_config: tuple[str, ...] = (),
-            allow_cast_overflow: bool = False) -> ConvertResult:
+            allow_cast_overflow: bool = False, distributed: bool | None = None) -> ConvertResult:
     """Convert checkpoint ``src`` to layout ``to`` at degrees ``tp`` x ``pp`` in folder ``dst`` (a Megatron
     Mixture of Experts also at expert-parallel ``ep`` and expert-tensor-parallel ``etp``, default ``tp``; a vLLM
     one with ``expert_parallel``: whole experts split over the ranks).
@@ -101,7 +104,9 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
     ``workers`` > 1 splits the target files over that many processes; the output bytes are the same. ``None``
     chooses (:func:`auto_workers`), as the command line does. ``allow_lossy_config`` names canonical config fields
     the target may drop (else a field it cannot express is refused); ``allow_cast_overflow`` lets a ``dtype``
-    cast turn finite values into inf (else refused).
+    cast turn finite values into inf (else refused). ``distributed``: split the files over the torchrun world
+    this process belongs to (:mod:`reshard.distributed`); ``None`` does so when torchrun started 2 or more
+    processes (``WORLD_SIZE``), ignoring ``workers``.
     """
     unknown = sorted(set(allow_lossy_config) - set(SEMANTIC_FIELDS))
     if unknown:
@@ -113,22 +118,89 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
                    max_shard_size=max_shard_size, vocab_size=vocab_size, vocab_divisor=vocab_divisor,
                    architecture=architecture, mapping=mapping, allow_replica_mismatch=allow_replica_mismatch,
                    allow_lossy_config=tuple(allow_lossy_config))
+    world = None if dry_run or not distributed_run(distributed) else World.join()
+    if world is not None:
+        try:
+            plan = convert_in_world(world, src, to, opts, dst, overwrite, progress, allow_cast_overflow)
+        finally:
+            world.close()
+        return ConvertResult(plan, dst, True, plan.notes)
     with open_source(src, opts, need_weights=not dry_run) as source:
         plan, state = make_plan(source, to, opts)
         plan.allow_cast_overflow = allow_cast_overflow
         if dry_run:
             return ConvertResult(plan, None, False, plan.notes, source.info.get("download"))
-        check_destination(source.root, dst, overwrite)
-        ensure_replicas_agree(plan, source.files, opts.allow_replica_mismatch, _warn)
-        with staged_output(source.root, dst, overwrite) as staging:  # lock, stage, publish by rename (staging.py)
-            execute(plan, source.files, staging, progress=progress,
-                    workers=auto_workers(plan) if workers is None else workers)
-            write_side_files(source, staging, plan, state)
-            if "hub" in source.info:  # provenance for `reshard push`
-                from reshard.hub.manifest import write_manifest
-
-                write_manifest(staging, {"source": source.info["hub"]})
+        convert_here(source, plan, state, dst, overwrite, progress, workers, opts)
     return ConvertResult(plan, dst, True, plan.notes)
+
+
+def distributed_run(choice: bool | None) -> bool:
+    """Whether to convert over the torchrun world: ``choice``, else when torchrun started 2 or more processes."""
+    if choice is not None:
+        return choice
+    return world_size_from_env() > 1
+
+
+def convert_here(source: Source, plan: Plan, state, dst: str, overwrite: bool, progress: bool,
+                 workers: int | None, opts: Options) -> None:
+    """Check, stage, write (in this process or ``workers`` forked ones) and publish."""
+    check_destination(source.root, dst, overwrite)
+    ensure_replicas_agree(plan, source.files, opts.allow_replica_mismatch, _warn)
+    with staged_output(source.root, dst, overwrite) as staging:  # lock, stage, publish by rename (staging.py)
+        execute(plan, source.files, staging, progress=progress,
+                workers=auto_workers(plan) if workers is None else workers)
+        finish_output(source, staging, plan, state)
+
+
+def finish_output(source: Source, staging: str, plan: Plan, state) -> None:
+    """The side files, the target layout's records and the Hub provenance, into the finished staging folder."""
+    write_side_files(source, staging, plan, state)
+    if "hub" in source.info:  # provenance for `reshard push`
+        from reshard.hub.manifest import write_manifest
+
+        write_manifest(staging, {"source": source.info["hub"]})
+
+
+def convert_in_world(world: World, src: str, to: str, opts: Options, dst: str, overwrite: bool,
+                     progress: bool, allow_cast_overflow: bool) -> Plan:
+    """One rank's part of a distributed conversion (see :mod:`reshard.distributed`): open and plan, agree on rank
+    0's staging folder, write this rank's share of the files, agree, and rank 0 finishes and publishes. An error
+    anywhere, opening the source included, is agreed on, so no rank waits for one that gave up."""
+    from tqdm import tqdm
+
+    leader = world.rank == 0
+    source = plan = state = None
+    with ExitStack() as stack:
+        def ready() -> str:
+            nonlocal source, plan, state
+            source = stack.enter_context(open_source(src, opts))
+            plan, state = make_plan(source, to, opts)
+            plan.allow_cast_overflow = allow_cast_overflow
+            if not leader:
+                return ""
+            check_destination(source.root, dst, overwrite)
+            ensure_replicas_agree(plan, source.files, opts.allow_replica_mismatch, _warn)
+            return stack.enter_context(staged_output(source.root, dst, overwrite))
+
+        staging = world.step(ready)[0].text
+
+        def write() -> None:
+            shares = partition(plan, source.files, world.size)
+            share = shares[world.rank] if world.rank < len(shares) else []
+            with tqdm(total=plan.nbytes, unit="B", unit_scale=True, unit_divisor=1024, desc="converting",
+                      disable=not (progress and leader), leave=False) as bar:
+                relay = ProgressRelay(world, bar if leader else None)
+                try:
+                    run_units(plan, source.files, staging, share, relay)
+                except OSError as exc:  # as staged_output reports it in a single process
+                    raise OutputError(os_error_message(exc, f"converting {src} into {dst}")) from exc
+                finally:
+                    relay.close()
+
+        world.step(write)
+        world.step(lambda: finish_output(source, staging, plan, state) if leader else None)
+        world.step(stack.close if leader else lambda: None)  # rank 0 publishes; every rank learns whether it did
+    return plan
 
 
 __all__ = ["convert", "make_plan", "ConvertResult", "ReshardError"]

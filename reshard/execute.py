@@ -431,19 +431,27 @@ def execute(plan: Plan, files: list[TensorFile], out_dir: str, progress: bool = 
     many processes (see :mod:`reshard.workers`). The bytes written do not depend on ``workers``."""
     from tqdm import tqdm
 
-    groups = lockstep_groups(plan.files, largest_tensor(plan, files), files)
     if workers > 1:
         from reshard.workers import run_in_workers
 
-        shares = assign(_split_for_workers(groups, workers), plan.files, workers)
+        shares = partition(plan, files, workers)
         if len(shares) > 1:
             run_in_workers(shares, lambda share, report: run_units(plan, files, out_dir, share, report),
                            files, plan.nbytes, progress)
             return
         groups = shares[0] if shares else []
+    else:
+        groups = lockstep_groups(plan.files, largest_tensor(plan, files), files)
     with tqdm(total=plan.nbytes, unit="B", unit_scale=True, unit_divisor=1024, desc="converting",
               disable=not progress, leave=False) as bar:
         run_units(plan, files, out_dir, groups, bar.update)
+
+
+def partition(plan: Plan, files: list[TensorFile], parts: int) -> list[list[list[int]]]:
+    """The target files split into at most ``parts`` shares of lockstep units, balanced by bytes; deterministic,
+    so every process of a distributed run computes the same split (``--workers`` and torchrun)."""
+    groups = lockstep_groups(plan.files, largest_tensor(plan, files), files)
+    return assign(_split_for_workers(groups, parts), plan.files, parts)
 
 
 def ensure_replicas_agree(plan: Plan, files: list[TensorFile], allow_mismatch: bool, warn) -> None:

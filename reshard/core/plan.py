@@ -71,6 +71,7 @@ class TargetFile:
     tensors: list[TargetTensor]
     payload: Any = None  # torch files: the object to pickle, with TensorSlot placeholders
     metadata: dict | None = None  # safetensors files: header metadata
+    rank: dict[str, int] | None = None  # the parallel rank ({"tp", "pp", "ep"}) whose file it is; None: all
 
     @property
     def nbytes(self) -> int:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from reshard.io import dtypes
 
 _BLOCK_BYTES = 32 << 20  # scratch size for strided (column-range) reads
+_MIN_ROW_PIECE = 4 << 10  # a narrower column slice is read as whole rows (one call per row would cost more)
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,8 @@ class TensorFile:
         return raw.view(dtypes.to_torch(loc.dtype))
 
     def _read_columns(self, loc: TensorLocation, start: int, length: int):
-        """Read ``[:, start:start+length, ...]``: whole-row blocks through a bounded scratch buffer."""
+        """Read ``[:, start:start+length, ...]``: one positioned read per row for half a row or less (pieces of at
+        least ``_MIN_ROW_PIECE`` bytes), else whole-row blocks through a bounded scratch buffer."""
         import torch
 
         rows, cols = loc.shape[0], loc.shape[1]
@@ -114,13 +116,13 @@ class TensorFile:
         out = torch.empty((rows, length, *loc.shape[2:]), dtype=dtype)
         row_bytes = cols * inner * size
         piece_bytes = length * inner * size
-        if piece_bytes * 8 >= row_bytes or piece_bytes < 64 << 10:
+        if piece_bytes * 2 > row_bytes or piece_bytes < _MIN_ROW_PIECE:
             block = max(1, _BLOCK_BYTES // max(row_bytes, 1))
             for r0 in range(0, rows, block):
                 n = min(block, rows - r0)
                 chunk = self._read_rows(loc, cols * inner, r0, n).view(n, cols, *loc.shape[2:])
                 out[r0:r0 + n] = chunk[:, start:start + length]
-        else:  # a narrow slice of very wide rows: one read per row, no over-read
+        else:  # half a row or less: one read per row, no over-read (a rank reads its share, not the tensor)
             flat = out.view(rows, -1)
             base = loc.offset + start * inner * size
             for r in range(rows):

@@ -82,6 +82,7 @@ class TargetSpec:
     tensors: list[StoredTensor]
     payload: Any = None
     metadata: dict | None = None
+    rank: dict[str, int] | None = None  # the parallel rank the file belongs to ({"tp", "pp", "ep"}), None: all
 
 
 def read_json_object(path: str, what: str) -> dict:
@@ -175,6 +176,7 @@ class Layout:
     specificity: ClassVar[int] = 0  # which of several matching layouts detection picks (hf 0, others above)
     writes: ClassVar[bool] = True  # False: a read-only layout (not a --to choice)
     rank_loader: ClassVar[str | None] = None  # "module:function(path, rank, world, opts) -> RankWeights"
+    rank_view_of: ClassVar[str | None] = None  # a layout whose ranks load what another's do (load_rank)
     completion_markers: ClassVar[tuple[str, ...]] = ()  # a complete output has one of these files (push)
     remote_headers: ClassVar[bool] = False  # open_headers works: plans from remote safetensors headers
 

@@ -548,7 +548,7 @@ def targets(model: CanonicalModel, opts: Options, source: Source, dtype: str
             payload = {"args": args, "checkpoint_version": 3.0,
                        "iteration": 0 if iteration == "release" else int(iteration), "model": state}
             specs.append(TargetSpec(f"{folder}/{rank_dir(t, p, opts.pp, e, ep)}/{RANK_FILE}", "torch", tensors,
-                                    payload=payload))
+                                    payload=payload, rank={"tp": t, "pp": p, "ep": e}))
     return specs, iteration, run.notes
 
 

@@ -235,7 +235,7 @@ class MetaLayout(Layout):
         for r in range(opts.tp):
             tensors = rank_tensors(model, opts.tp, r)
             payload = {t.name: TensorSlot(t.name, "", ()) for t in tensors}
-            specs.append(TargetSpec(file_name(r), "torch", tensors, payload=payload))
+            specs.append(TargetSpec(file_name(r), "torch", tensors, payload=payload, rank={"tp": r}))
         return TargetPlan(specs, state=params, notes=loss.check())
 
     def finalize(self, out: str, source: Source, plan, state) -> None:

@@ -334,6 +334,7 @@ class TorchDistLayout(Layout):
     specificity = 20  # its root also has the tracker the torch-format layout looks for
     writes = True
     rank_loader = "reshard.verification.forward.sliced_rank:load_rank"
+    rank_view_of = "megatron"  # a rank loads the same module tensors whichever format Megatron saved
     completion_markers = (megatron.TRACKER,)
 
     def detect(self, names) -> bool:

@@ -146,7 +146,7 @@ def targets(model: CanonicalModel, opts: Options, dtype: str) -> list[TargetSpec
         for t in range(opts.tp):
             tensors = rank_tensors(model, opts.tp, t, layers, p == 0, p == opts.pp - 1, padded)
             specs.append(TargetSpec(f"rank{p * opts.tp + t}.safetensors", "safetensors", tensors,
-                                    metadata={"format": "pt"}))
+                                    metadata={"format": "pt"}, rank={"tp": t, "pp": p}))
     return specs
 
 

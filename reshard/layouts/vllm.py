@@ -284,7 +284,7 @@ def targets(model: CanonicalModel, opts: Options, dtype: str) -> tuple[list[Targ
             metadata = {"format": "pt", "reshard_layout": NAME, "tensor_parallel_size": str(opts.tp),
                         "rank": str(rank), **({"expert_parallel": "true"} if opts.expert_parallel else {})}
             specs.append(TargetSpec(PATTERN.format(rank=rank, part=part), "safetensors", tensors,
-                                    metadata=metadata))
+                                    metadata=metadata, rank={"tp": rank}))
     return specs, padded
 
 

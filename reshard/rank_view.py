@@ -1,0 +1,77 @@
+"""In-memory rank views: the tensors one parallel rank's file(s) would hold in a target layout, built straight from
+a source checkpoint without writing anything.
+
+``load_rank(src, to="vllm", tp=4, rank=3)`` plans the conversion exactly as ``convert`` does (same planner, same
+target names, padding, packing and dtype), keeps the target files that belong to the rank, and assembles each of
+their tensors from positioned reads of only the source byte ranges it needs (:func:`reshard.execute.assemble`).
+Memory is the rank's tensors plus one source slice at a time: a column (dim 1) slice of a row-parallel weight is
+read row by row, never as the whole tensor.
+"""
+
+from __future__ import annotations
+
+from reshard.errors import PlanError
+from reshard.io import dtypes
+from reshard.layouts.base import Options
+
+RANK_KEYS = ("tp", "pp", "ep")
+
+
+def _dtype_name(dtype) -> str | None:
+    """A user dtype (``"bf16"``, a safetensors name such as ``"BF16"``, or a ``torch.dtype``) as a safetensors name."""
+    if dtype is None or isinstance(dtype, str) and dtypes.is_known(dtype):
+        return dtype
+    if isinstance(dtype, str):
+        return dtypes.parse_user_dtype(dtype)
+    return dtypes.from_torch(dtype)
+
+
+def _check_rank(what: str, rank: int, degree: int) -> None:
+    if degree < 1:
+        raise PlanError(f"{what} degree must be at least 1 (got {degree})")
+    if not 0 <= rank < degree:
+        raise PlanError(f"{what} rank {rank} is outside 0..{degree - 1} for degree {degree}")
+
+
+def rank_files(plan, to: str, wanted: dict[str, int]):
+    """The plan's target files that rank ``wanted`` ({"tp", "pp", "ep"}) writes; a layout without ranks (HF)
+    has one rank, which holds every file."""
+    files = [f for f in plan.files if f.rank is None or all(f.rank.get(k, 0) == v for k, v in wanted.items())]
+    if any(f.rank is None for f in plan.files) and any(wanted.values()):
+        raise PlanError(f"{to} files hold the whole model, not per-rank slices: load_rank(to='{to}') takes "
+                        "tp=1, pp=1")
+    return files
+
+
+def load_rank(src: str, to: str = "vllm", *, tp: int = 1, pp: int = 1, rank: int = 0, pp_rank: int = 0,
+              ep: int = 1, ep_rank: int = 0, etp: int | None = None, expert_parallel: bool = False,
+              dtype=None, device="cpu", allow_cast_overflow: bool = False, **options) -> dict:
+    """The tensors tensor-parallel rank ``rank`` (pipeline stage ``pp_rank``, expert-parallel rank ``ep_rank``)
+    of layout ``to`` at degrees ``tp`` x ``pp`` (x ``ep``) holds, by the names its file(s) use, as
+    ``convert(src, ..., to=to, tp=tp, pp=pp)`` would write them, bit for bit; nothing is written.
+
+    ``src``: any checkpoint reshard reads (a folder or ``hf://ORG/NAME``). ``dtype``: cast to ``"bf16"``,
+    ``"fp16"``, ``"fp32"`` or a ``torch.dtype`` (default: keep the source's). ``device``: where the tensors are
+    placed. Other keyword ``options`` are :class:`reshard.layouts.base.Options` fields (``vocab_size``,
+    ``megatron_spec``, ``architecture``, ...). A ``torch_dist`` rank holds what a ``megatron`` (torch format) rank
+    does: the same module tensors, by their state-dict names.
+    """
+    from reshard.conversion import make_plan
+    from reshard.execute import assemble
+    from reshard.hub import open_source
+    from reshard.layouts.registry import get_layout
+
+    _check_rank("tensor-parallel", rank, tp)
+    _check_rank("pipeline-parallel", pp_rank, pp)
+    _check_rank("expert-parallel", ep_rank, ep)
+    layout = get_layout(to)
+    view = layout.rank_view_of or to
+    opts = Options(tp=tp, pp=pp, ep=ep, etp=etp, expert_parallel=expert_parallel, dtype=_dtype_name(dtype),
+                   **options)
+    with open_source(src, opts) as source:
+        plan, _ = make_plan(source, view, opts)
+        tensors = {}
+        for target in rank_files(plan, to, {"tp": rank, "pp": pp_rank, "ep": ep_rank}):
+            for tensor in target.tensors:
+                tensors[tensor.name] = assemble(tensor, source.files, allow_overflow=allow_cast_overflow).to(device)
+    return tensors
