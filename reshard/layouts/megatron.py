@@ -29,6 +29,7 @@ from reshard.io.partial import replace_with_text
 from reshard.io.readahead import read_heads_in_background
 from reshard.io.torch_format import MegatronEnum, TensorSlot, TorchFile, torch_dtype_global
 from reshard.layouts.base import Layout, Options, Source, TargetPlan, TargetSpec, check_shape, find_side_files
+from reshard.layouts.hf import write_config
 from reshard.layouts.hf_config import read_meaning, write_config as write_hf_config
 from reshard.layouts.megatron_args import RECORD_ONLY, args_from_meaning, meaning_from_args
 from reshard.mapping import Family, WeightSpec, family_for_architecture
@@ -579,8 +580,12 @@ def check_expert_degrees(model: CanonicalModel, opts: Options) -> None:
         raise PlanError(f"shared-expert intermediate size {shared} does not split over tp={opts.tp}")
 
 
-def finalize(out: str, iteration: str) -> None:
-    """Write the tracker file last: its presence marks the checkpoint complete."""
+def finalize(out: str, iteration: str, hf_config: dict | None) -> None:
+    """Write ``config.json`` (the Hugging Face config the args record, so that tools which take a model folder
+    with a config, such as vLLM with ``load_format="reshard"``, can open the output), then the tracker file last:
+    its presence marks the checkpoint complete."""
+    if hf_config:
+        write_config(out, hf_config)
     replace_with_text(os.path.join(out, TRACKER), f"{iteration}\n" if iteration != "release" else "release")
 
 
@@ -608,7 +613,7 @@ class MegatronLayout(Layout):
         return TargetPlan(specs, state=iteration, notes=notes)
 
     def finalize(self, out: str, source: Source, plan, state) -> None:
-        finalize(out, state)
+        finalize(out, state, plan.files[0].payload["args"].hf_config if plan.files else None)
 
     def remote_files(self, names: list[str], read_text) -> list[str]:
         """The tracker and the rank files of the iteration it names (else of the only iteration present)."""

@@ -323,7 +323,7 @@ def _finalize(out: str, plan, state) -> None:
     replace_with_text(os.path.join(folder, CONFIG), json.dumps(
         {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
          "common_backend_version": 1}))
-    megatron.finalize(out, state["iteration"])
+    megatron.finalize(out, state["iteration"], state["args"].hf_config)
 
 
 class TorchDistLayout(Layout):
