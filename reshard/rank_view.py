@@ -4,8 +4,10 @@ a source checkpoint without writing anything.
 ``load_rank(src, to="vllm", tp=4, rank=3)`` plans the conversion exactly as ``convert`` does (same planner, same
 target names, padding, packing and dtype), keeps the target files that belong to the rank, and assembles each of
 their tensors from positioned reads of only the source byte ranges it needs (:func:`reshard.execute.assemble`).
-Memory is the rank's tensors plus one source slice at a time: a column (dim 1) slice of a row-parallel weight is
-read row by row, never as the whole tensor.
+Memory is the rank's tensors plus one source slice at a time. A column (dim 1) slice of a row-parallel weight is
+read row by row when each row's piece is at least 4 KiB (narrower pieces are read as whole rows, in bounded
+blocks: one call per tiny piece would cost more than the bytes), so the bytes read stay close to the rank's
+share.
 """
 
 from __future__ import annotations
@@ -33,14 +35,21 @@ def _check_rank(what: str, rank: int, degree: int) -> None:
         raise PlanError(f"{what} rank {rank} is outside 0..{degree - 1} for degree {degree}")
 
 
-def rank_files(plan, to: str, wanted: dict[str, int]):
-    """The plan's target files that rank ``wanted`` ({"tp", "pp", "ep"}) writes; a layout without ranks (HF)
-    has one rank, which holds every file."""
-    files = [f for f in plan.files if f.rank is None or all(f.rank.get(k, 0) == v for k, v in wanted.items())]
-    if any(f.rank is None for f in plan.files) and any(wanted.values()):
-        raise PlanError(f"{to} files hold the whole model, not per-rank slices: load_rank(to='{to}') takes "
-                        "tp=1, pp=1")
-    return files
+def rank_files(plan, to: str, wanted: dict[str, int], degrees: dict[str, int]):
+    """The plan's target files that rank ``wanted`` ({"tp", "pp", "ep"}) writes. A layout without ranks (HF) has
+    one, which holds every file; a degree above 1 the layout's files do not carry (``ep`` for vLLM, whose expert
+    parallelism is ``expert_parallel``) is refused rather than answered with an empty view."""
+    if any(f.rank is None for f in plan.files):
+        if any(d > 1 for d in degrees.values()):
+            raise PlanError(f"{to} files hold the whole model, not per-rank slices: load_rank(to='{to}') takes "
+                            "tp=1, pp=1, ep=1")
+        return list(plan.files)
+    carried = {k for f in plan.files for k in f.rank}
+    for key, degree in degrees.items():
+        if degree > 1 and key not in carried:
+            hint = " (vLLM splits experts with expert_parallel=True over the tp ranks)" if key == "ep" else ""
+            raise PlanError(f"{to} files have no {key} ranks: load_rank(to='{to}') takes {key}=1{hint}")
+    return [f for f in plan.files if all(f.rank.get(k, 0) == v for k, v in wanted.items())]
 
 
 def load_rank(src: str, to: str = "vllm", *, tp: int = 1, pp: int = 1, rank: int = 0, pp_rank: int = 0,
@@ -71,7 +80,7 @@ def load_rank(src: str, to: str = "vllm", *, tp: int = 1, pp: int = 1, rank: int
     with open_source(src, opts) as source:
         plan, _ = make_plan(source, view, opts)
         tensors = {}
-        for target in rank_files(plan, to, {"tp": rank, "pp": pp_rank, "ep": ep_rank}):
+        for target in rank_files(plan, to, {"tp": rank, "pp": pp_rank, "ep": ep_rank}, {"tp": tp, "pp": pp, "ep": ep}):
             for tensor in target.tensors:
                 tensors[tensor.name] = assemble(tensor, source.files, allow_overflow=allow_cast_overflow).to(device)
     return tensors
