@@ -72,12 +72,13 @@ from bench_ops import (  # noqa: E402,F401 - REPO_ROOT, SRC_DIR, OPS: re-exporte
     OPS,
     REPO_ROOT,
     SRC_DIR,
+    add_torchrun_op,
     build_cmd,
     child_env,
     default_reshard,
     probe_converter,
 )
-from bench_report import flatness, plot, render_markdown, summarize  # noqa: E402
+from bench_report import flatness, plot, render_markdown, summarize, torchrun_ratios  # noqa: E402
 from bench_timing import CACHE_MODES, log_tail, make_cold, run_child  # noqa: E402
 
 BENCH_VERSION = 1
@@ -104,6 +105,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ops", nargs="+", choices=list(OPS), default=None, metavar="OP",
                     help="operations to run (default: all for the model; MoE ones only for mixtral): " + ", ".join(OPS))
     ap.add_argument("--workers", type=int, default=None, help="pass --workers N to reshard convert (only when given)")
+    ap.add_argument("--torchrun", type=int, default=None, metavar="N",
+                    help="also time each conversion under `torchrun --standalone --nproc-per-node N` (op name "
+                         "OP@torchrunN) and report its time over the 1-process run's (--workers defaults to 1)")
     ap.add_argument("--keep", action="store_true", help="keep the outputs of the last repeat under OUT/outputs")
     ap.add_argument("--plot", action="store_true", help="write OUT/bench.png (needs matplotlib)")
     ap.add_argument("--cache-dir", type=Path, default=None, help="where generated sources are cached (default: OUT/sources)")
@@ -126,6 +130,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.ops is None:
         args.ops = ["cp", *MOE_OPS] if args.model == "mixtral" else [op for op in OPS if op not in MOE_OPS]
     args.ops = [op for op in OPS if op in set(args.ops)]  # canonical order: cp, hf_to_megatron_tp8, ...
+    if args.torchrun is not None:
+        if args.torchrun < 2:
+            ap.error("--torchrun N needs N >= 2 processes")
+        if args.workers is None:
+            args.workers = 1  # the plain runs are the 1-process reference the torchrun runs are compared with
+        args.ops = [name for op in args.ops for name in ([op, add_torchrun_op(op, args.torchrun)]
+                                                          if op in CONVERTER_OPS else [op])]
     return args
 
 
@@ -162,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "argv": sys.argv if argv is None else ["bench.py", *argv],
         "args": {"sizes": args.sizes, "repeat": args.repeat, "ops": args.ops, "workers": args.workers,
+                 "torchrun": args.torchrun,
                  "keep": args.keep, "shard_gib": args.shard_gib, "timeout": args.timeout},
         "environment": {
             "cpus": os.cpu_count(),
@@ -181,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         result["summary"] = summarize(result["runs"], result["sizes_info"])
         result["flatness"] = flatness(result["summary"])
+        result["torchrun"] = torchrun_ratios(result["summary"])
         tmp = out / "bench.json.tmp"
         tmp.write_text(json.dumps(result, indent=1) + "\n")
         os.replace(tmp, out / "bench.json")

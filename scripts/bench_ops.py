@@ -65,7 +65,28 @@ def default_reshard() -> list[str]:
     return [sys.executable, "-m", "reshard"]
 
 
+TORCHRUN = "@torchrun"
+
+
+def add_torchrun_op(op: str, processes: int) -> str:
+    """Register ``OP@torchrunN``: conversion ``op`` run by ``torchrun --standalone --nproc-per-node N``."""
+    name = f"{op}{TORCHRUN}{processes}"
+    OPS[name] = OPS[op]
+    return name
+
+
+def torchrun_base(op: str) -> tuple[str, int] | None:
+    """(conversion, processes) of an ``OP@torchrunN`` name, else None."""
+    base, sep, n = op.partition(TORCHRUN)
+    return (base, int(n)) if sep else None
+
+
 def build_cmd(op: str, src: Path, dst: Path, workers: int | None, reshard: list[str] | None = None) -> list[str]:
+    distributed = torchrun_base(op)
+    if distributed is not None:  # the module form: torchrun starts `python -m reshard` itself
+        base, n = distributed
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), "-m",
+                "reshard", "convert", str(src), str(dst), *OPS[base][1], "--overwrite"]
     if op == "cp":
         return ["cp", "-r", str(src), str(dst)]
     if op == "naive":

@@ -102,6 +102,23 @@ def flatness(summary: list[dict]) -> list[dict]:
     return out
 
 
+def torchrun_ratios(summary: list[dict]) -> list[dict]:
+    """For each ``OP@torchrunN`` row: its median time over the 1-process ``OP`` median at the same size."""
+    from bench_ops import torchrun_base
+
+    plain = {(r["size"], r["op"]): r for r in summary if r.get("ok_runs")}
+    out = []
+    for row in summary:
+        base = torchrun_base(row["op"])
+        if base is None or not row.get("ok_runs") or (row["size"], base[0]) not in plain:
+            continue
+        one = plain[(row["size"], base[0])]
+        out.append({"size": row["size"], "op": base[0], "processes": base[1], "median_s": row["median_s"],
+                    "one_process_median_s": one["median_s"], "ratio": row["median_s"] / one["median_s"],
+                    "peak_rss_mib": row["peak_rss_mib"]})
+    return out
+
+
 def _fmt_s(x: float) -> str:
     return f"{x:.3f}" if x < 10 else f"{x:.1f}"
 
@@ -171,6 +188,12 @@ def render_markdown(result: dict[str, Any]) -> str:
         lines += [f"- {f['op']}: {f['from_gib']:g} -> {f['to_gib']:g} GiB: x{f['rss_growth']:.2f} "
                   f"({'flat' if f['flat'] else 'grows'}; largest tensor x{f['largest_tensor_growth']:.2f})"
                   for f in flat]
+    spread = torchrun_ratios(result["summary"])
+    if spread:
+        lines += ["", "torchrun on this machine (`--standalone`, N processes, the filesystem as the data path) over "
+                  "the same conversion in 1 process (`--workers 1`), ratio of medians (< 1: faster):", ""]
+        lines += [f"- {t['size']} GiB {t['op']}: {t['processes']} processes {_fmt_s(t['median_s'])} s / 1 process "
+                  f"{_fmt_s(t['one_process_median_s'])} s = x{t['ratio']:.2f}" for t in spread]
     lines += [
         "",
         "Peak RSS is `ru_maxrss` of the child from `os.wait4` (the max over the child and the descendants it "

@@ -45,7 +45,7 @@ def summary_row(data: dict, op: str) -> dict:
 
 
 def md_rows(md: str, op: str) -> list[str]:
-    return [ln for ln in md.splitlines() if ln.startswith(f"| {SIZE} | {op}")]
+    return [ln for ln in md.splitlines() if ln.startswith((f"| {SIZE} | {op} |", f"| {SIZE} | {op} ("))]
 
 
 def assert_ok(data: dict, md: str, op: str) -> dict:
@@ -274,3 +274,20 @@ def test_bench_converter_ops(tmp_path):
             assert row["ratio_to_cp"] > 0 and row["ratio_kind"] == "median of paired runs"
     assert_paired(data, ["hf_to_megatron_tp8", "megatron_tp8_to_tp4"])
     assert not (tmp_path / "work").exists()
+
+
+def test_bench_torchrun_rows(tmp_path):
+    """--torchrun 2: each conversion also runs under torchrun (2 processes), its row is reported and timed against
+    the 1-process run (--workers 1), and its output is a complete conversion like the 1-process one's."""
+    data, md = run_bench(tmp_path, "--ops", "cp", "hf_to_megatron_tp8", "--torchrun", "2", "--keep", timeout=600)
+    assert data["args"]["workers"] == 1 and data["args"]["torchrun"] == 2
+    assert_ok(data, md, "hf_to_megatron_tp8")
+    assert_ok(data, md, "hf_to_megatron_tp8@torchrun2")
+    run = next(r for r in data["runs"] if r["op"] == "hf_to_megatron_tp8@torchrun2")
+    assert run["cmd"][1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    plain = next(r for r in data["runs"] if r["op"] == "hf_to_megatron_tp8")
+    assert plain["cmd"][-2:] == ["--workers", "1"]
+    [ratio] = data["torchrun"]
+    assert ratio["op"] == "hf_to_megatron_tp8" and ratio["processes"] == 2
+    assert math.isclose(ratio["ratio"], ratio["median_s"] / ratio["one_process_median_s"])
+    assert f"{SIZE} GiB hf_to_megatron_tp8: 2 processes" in md
