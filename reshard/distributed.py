@@ -188,7 +188,7 @@ class ProgressRelay:
 
     def __init__(self, world: World, bar):
         self.world, self.bar = world, bar
-        self.pending, self.last = 0, time.monotonic()
+        self.pending, self.last, self.shown = 0, time.monotonic(), 0
         self.lock = threading.Lock()
         self.stopped = threading.Event()
         self.poller = None
@@ -215,14 +215,19 @@ class ProgressRelay:
             raise RankFailed(failure)
 
     def _poll(self) -> None:
-        shown = 0
         while not self.stopped.wait(self.FLUSH_S):
-            try:
-                total = self.world.store.add(self.world.bytes_key, 0)
-            except RuntimeError:
+            if not self._show():
                 return
-            self.bar.update(total - shown)
-            shown = total
+
+    def _show(self) -> bool:
+        """Move rank 0's bar to the world's total; False when the store is gone."""
+        try:
+            total = self.world.store.add(self.world.bytes_key, 0)
+        except RuntimeError:
+            return False
+        self.bar.update(total - self.shown)
+        self.shown = total
+        return True
 
     def close(self) -> None:
         with self.lock:
@@ -232,3 +237,4 @@ class ProgressRelay:
         self.stopped.set()
         if self.poller is not None:
             self.poller.join()
+            self._show()
