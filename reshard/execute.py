@@ -100,7 +100,7 @@ def read_op(op: ReadOp, axis: int, files: list[TensorFile]):
         block = files[op.source].read(op.tensor, 0, op.src_block, 1)[0]
         data = block.narrow(op.source_axis(axis) - 1, op.src_start, op.length)
         return data.t() if op.transposed else data
-    data = files[op.source].read(op.tensor, op.source_axis(axis), op.src_start, op.length)
+    data = files[op.source].read(op.tensor, op.source_axis(axis), op.src_start, op.length, op.rows)
     return data.t() if op.transposed else data
 
 

@@ -31,6 +31,7 @@ class ReadOp:
     src_block: int | None = None  # a stacked source tensor: the block (dim 0 index) read from
     dst_block: int | None = None  # a stacked target tensor: the block written to
     interleave: int = 0  # RoPE row order: +d reorders interleaved source heads to halves, -d halves to interleaved
+    rows: tuple[int, int] | None = None  # an op along axis >= 1 restricted to source rows [start, stop) of dim 0
 
     def source_axis(self, target_axis: int) -> int:
         """The source tensor's axis the op reads along (within its block when stacked)."""

@@ -287,11 +287,22 @@ class DistcpWriter(PartialFile):
     def write(self, name: str, tensor) -> None:
         self.write_bytes(name, memoryview(tensor.contiguous().reshape(-1).view(dtypes.to_torch("U8")).numpy()))
 
-    def write_bytes(self, name: str, data: memoryview) -> None:
-        data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
-        records, start = self._begin(name, data.nbytes)
-        records.record("data/0", data.nbytes, crc32(data), page_phase=0)
+    def _start_tensor(self, name: str, total: int, whole) -> None:
+        """The chunk's archive up to its data record's header (its CRC patched at the end unless whole)."""
+        records, start = self._begin(name, total)
+        crc = None if whole is None else crc32(whole)
+        self._open = (name, records, start, crc, records.record("data/0", total, crc, page_phase=0))
+        self._crc_blocks = 0
+
+    def _write_part(self, data: memoryview) -> None:
+        if self._open[3] is None:
+            self._crc_blocks = crc32(data, self._crc_blocks)
         self._file.write(data)
+
+    def _end_tensor(self) -> None:
+        name, records, start, crc, crc_at = self._open
+        if crc is None:
+            records.patch_crc(crc_at, self._crc_blocks)
         self._end(name, records, start)
 
     def write_ranges(self, name: str, ranges) -> None:

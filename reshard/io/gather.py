@@ -4,7 +4,8 @@ A target tensor is seen as ``(outer, n, unit)``: ``outer`` = the product of the 
 ``n`` = the axis length, ``unit`` = bytes of the dims after it. A read op copies ``length`` indices along the
 axis; when ``outer == 1`` (split on dim 0) or the op spans whole rows of both tensors, the source bytes are
 contiguous and are read straight into the buffer with ``os.preadv``. Otherwise (a column slice of a row-parallel
-weight) every op on the same source tensor is served from one pass over it: blocks of whole rows are mapped
+weight) every op on the same source tensor (and the same rows of it, for a row block: ``ReadOp.rows``) is served
+from one pass over them: blocks of whole rows are mapped
 (:mod:`reshard.io.mapped`, at most ``BLOCK_BYTES`` at a time) and each op's columns are copied out with numpy.
 """
 
@@ -28,6 +29,16 @@ def split_at_axis(shape: tuple[int, ...], axis: int, itemsize: int) -> tuple[int
     if not shape:
         return 1, 1, itemsize
     return math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:]) * itemsize
+
+
+def source_outer(shape: tuple[int, ...], axis: int, op: ReadOp) -> tuple[int, int]:
+    """The ``outer`` index range (see :func:`split_at_axis`) of the source that ``op`` reads: all of it, or the
+    part under its rows of dim 0 (:attr:`ReadOp.rows`, a row block of an op along a later axis)."""
+    outer = math.prod(shape[:axis]) if shape else 1
+    if op.rows is None:
+        return 0, outer
+    per_row = outer // shape[0] if shape and shape[0] else 0
+    return op.rows[0] * per_row, op.rows[1] * per_row
 
 
 def _units(array: np.ndarray, unit: int) -> np.ndarray:
@@ -71,15 +82,16 @@ class Gatherer:
             for op in tensor.reads:
                 loc = self.files[op.source].tensors[op.tensor]
                 s_outer, s_n, s_unit = split_at_axis(loc.shape, tensor.axis, size)
+                first = source_outer(loc.shape, tensor.axis, op)[0]
                 whole_rows = op.length == s_n == n
                 if outer == 1 or whole_rows:
                     begin = op.dst_start * unit if outer == 1 else 0
-                    src = loc.offset + (op.src_start * s_unit if outer == 1 else 0)
+                    src = loc.offset + first * s_n * s_unit + (op.src_start * s_unit if outer == 1 else 0)
                     read_into(self.files[op.source].fd, memoryview(dest[begin:begin + op.length * unit * outer]),
                               src, self.files[op.source].path)
                 else:
-                    columns.setdefault((op.source, op.tensor), []).append((op, tensor, dest))
-        for (source, name), ops in columns.items():
+                    columns.setdefault((op.source, op.tensor, op.rows), []).append((op, tensor, dest))
+        for (source, name, _), ops in columns.items():
             self._scatter_columns(source, name, ops)
 
     @staticmethod
@@ -102,11 +114,12 @@ class Gatherer:
         for op, tensor, dest in ops:
             t_outer, t_n, t_unit = split_at_axis(tensor.shape, axis, dtypes.itemsize(tensor.dtype))
             targets.append((op, _units(dest.reshape(t_outer, t_n, t_unit), unit)))
-        for r0 in range(0, rows, block):
-            count = min(block, rows - r0)
+        lo, hi = source_outer(loc.shape, axis, ops[0][0])
+        for r0 in range(lo, hi, block):
+            count = min(block, hi - r0)
             with mapped(file.fd, loc.offset + r0 * row_bytes, count * row_bytes) as window:
                 src3 = _units(window.reshape(count, n, unit), unit)
                 for op, dest3 in targets:
-                    dest3[r0:r0 + count, op.dst_start:op.dst_start + op.length] = \
+                    dest3[r0 - lo:r0 - lo + count, op.dst_start:op.dst_start + op.length] = \
                         src3[:, op.src_start:op.src_start + op.length]
                 del src3

@@ -29,6 +29,31 @@ class PartialFile:
             writeback.start_writeback(self._file.fileno(), self._written_back, end - self._written_back)
             self._written_back = end
 
+    def write_block(self, name: str, data: memoryview, total: int, first: bool, last: bool) -> None:
+        """Write the next tensor, ``total`` bytes, in consecutive blocks: ``first`` opens it (checks the name and
+        size, writes its header), ``last`` closes it. One block that is both is the whole tensor."""
+        data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+        if first:
+            self._start_tensor(name, total, data if last else None)
+        self._write_part(data)
+        if last:
+            self._end_tensor()
+        self.tensor_written()
+
+    def write_bytes(self, name: str, data: memoryview) -> None:
+        """Write the next tensor straight from ``data`` (its bytes, row-major)."""
+        self.write_block(name, data, data.nbytes, True, True)
+
+    def _start_tensor(self, name: str, total: int, whole: memoryview | None) -> None:
+        """Check and open the next tensor; ``whole`` is all of its bytes when it comes in one block."""
+        raise NotImplementedError
+
+    def _write_part(self, data: memoryview) -> None:
+        self._file.write(data)
+
+    def _end_tensor(self) -> None:
+        raise NotImplementedError
+
     def publish(self) -> None:
         self._file.flush()
         os.fsync(self._file.fileno())

@@ -32,6 +32,10 @@ def source_extents(tensor: TargetTensor, files: list[TensorFile]) -> list[tuple[
             if outer == 1:
                 extents.append((file.fd, loc.offset + op.src_start * unit, op.length * unit))
                 continue
+            if op.rows is not None:  # a row block of a column slice: the rows it spans
+                row = loc.nbytes // loc.shape[0]
+                extents.append((file.fd, loc.offset + op.rows[0] * row, (op.rows[1] - op.rows[0]) * row))
+                continue
         extents.append((file.fd, loc.offset, loc.nbytes))
     return extents
 

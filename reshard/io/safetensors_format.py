@@ -168,15 +168,13 @@ class SafetensorsWriter(PartialFile):
             raise AssertionError(f"writer expected {exp_name} {exp_dtype}{list(exp_shape)}, got {name} "
                                  f"{dtype}{list(shape)}")
 
-    def write_bytes(self, name: str, data: memoryview) -> None:
-        """Write the next tensor straight from ``data`` (its bytes, row-major)."""
+    def _start_tensor(self, name: str, total: int, whole) -> None:
         exp_name, _, _, nbytes = self._expected[self._next]
-        if name != exp_name or data.nbytes != nbytes:
-            raise AssertionError(f"writer expected {exp_name} ({nbytes} bytes), got {name} ({data.nbytes} bytes)")
-        if nbytes:
-            self._file.write(data)
+        if name != exp_name or total != nbytes:
+            raise AssertionError(f"writer expected {exp_name} ({nbytes} bytes), got {name} ({total} bytes)")
+
+    def _end_tensor(self) -> None:
         self._next += 1
-        self.tensor_written()
 
     def write_ranges(self, name: str, ranges) -> None:
         """Write the next tensor by copying source byte ranges file to file (:mod:`reshard.io.copy_ranges`)."""

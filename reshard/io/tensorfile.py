@@ -80,8 +80,10 @@ class TensorFile:
     def __exit__(self, *exc):
         self.close()
 
-    def read(self, name: str, axis: int = 0, start: int = 0, length: int | None = None):
-        """Return ``tensor[start:start+length]`` along ``axis`` (0 or 1) as a new contiguous tensor."""
+    def read(self, name: str, axis: int = 0, start: int = 0, length: int | None = None,
+             rows: tuple[int, int] | None = None):
+        """Return ``tensor[start:start+length]`` along ``axis`` (0 or 1) as a new contiguous tensor; for
+        ``axis`` 1, ``rows`` limits it to rows ``[rows[0], rows[1])`` of dim 0."""
         loc = self.tensors[name]
         shape = loc.shape
         if not shape:
@@ -89,11 +91,12 @@ class TensorFile:
         if length is None:
             length = shape[axis] - start
         if loc.strides is not None:
-            return self._read_strided(loc, axis, start, length)
+            whole = self._read_strided(loc, axis, start, length)
+            return whole[rows[0]:rows[1]].contiguous() if rows else whole
         if axis == 0:
             row = math.prod(shape[1:])
             return self._read_rows(loc, row, start, length).view(length, *shape[1:])
-        return self._read_columns(loc, start, length)
+        return self._read_columns(loc, start, length, *(rows or (0, shape[0])))
 
     def _read_rows(self, loc: TensorLocation, row_numel: int, start: int, count: int):
         import torch
@@ -104,12 +107,12 @@ class TensorFile:
             _read_exact(self.fd, raw, loc.offset + start * row_numel * size, self.path)
         return raw.view(dtypes.to_torch(loc.dtype))
 
-    def _read_columns(self, loc: TensorLocation, start: int, length: int):
-        """Read ``[:, start:start+length, ...]``: one positioned read per row for half a row or less (pieces of at
+    def _read_columns(self, loc: TensorLocation, start: int, length: int, first: int, stop: int):
+        """Read ``[first:stop, start:start+length, ...]``: one positioned read per row for half a row or less (pieces of at
         least ``_MIN_ROW_PIECE`` bytes), else whole-row blocks through a bounded scratch buffer."""
         import torch
 
-        rows, cols = loc.shape[0], loc.shape[1]
+        rows, cols = stop - first, loc.shape[1]
         inner = math.prod(loc.shape[2:])
         size = dtypes.itemsize(loc.dtype)
         dtype = dtypes.to_torch(loc.dtype)
@@ -120,11 +123,11 @@ class TensorFile:
             block = max(1, _BLOCK_BYTES // max(row_bytes, 1))
             for r0 in range(0, rows, block):
                 n = min(block, rows - r0)
-                chunk = self._read_rows(loc, cols * inner, r0, n).view(n, cols, *loc.shape[2:])
+                chunk = self._read_rows(loc, cols * inner, first + r0, n).view(n, cols, *loc.shape[2:])
                 out[r0:r0 + n] = chunk[:, start:start + length]
         else:  # half a row or less: one read per row, no over-read (a rank reads its share, not the tensor)
             flat = out.view(rows, -1)
-            base = loc.offset + start * inner * size
+            base = loc.offset + first * row_bytes + start * inner * size
             for r in range(rows):
                 _read_exact(self.fd, flat[r].view(torch.uint8), base + r * row_bytes, self.path)
         return out

@@ -16,6 +16,7 @@ import collections
 import gc
 import hashlib
 import io
+import os
 import pickle
 import re
 import struct
@@ -252,11 +253,13 @@ class ZipRecords:
         self.base = file.tell()
         self.entries: list[tuple[str, int, int, int]] = []  # name, header offset, size, crc
 
-    def record(self, name: str, size: int, crc: int, page_phase: int | None = None) -> None:
+    def record(self, name: str, size: int, crc: int | None, page_phase: int | None = None) -> int:
         """Write a record's local header (CRC known up front: no seeking back into written data). The data is
         64-byte aligned as torch aligns it; a tensor record starts at ``page_phase`` within a page (0 unless
         given one that keeps the 64-byte alignment), so in-kernel copies from its source run page-aligned.
-        (Alignment is computed on file offsets: archives start 64-byte aligned.)"""
+        (Alignment is computed on file offsets: archives start 64-byte aligned.) ``crc`` None: not known yet
+        (the data comes in blocks); :meth:`patch_crc` writes it once the data is complete. Returns the file
+        offset of the header's CRC field."""
         full = (self.prefix + name).encode()
         position = self.file.tell()
         zip64 = size >= _ZIP64_LIMIT
@@ -268,10 +271,20 @@ class ZipRecords:
             pad = ((page_phase if page_phase % _ALIGN == 0 else 0) - used) % PAGE
         extra += struct.pack("<HH", 0x4246, pad) + b"Z" * pad
         field = 0xFFFFFFFF if zip64 else size
-        crc &= 0xFFFFFFFF
+        crc = (crc or 0) & 0xFFFFFFFF
         self.file.write(struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 0, 0, 0, 0x21,
                                     crc, field, field, len(full), len(extra)) + full + extra)
         self.entries.append((name, position - self.base, size, crc))
+        return position + 14  # signature, version, flags, method, time and date come before the CRC
+
+    def patch_crc(self, where: int, crc: int) -> None:
+        """Set the CRC of the last record (its header's field at file offset ``where``, and its directory entry)
+        once its data, written in blocks, is complete. The file must be a real file (a ``fileno``)."""
+        crc &= 0xFFFFFFFF
+        self.file.flush()
+        os.pwrite(self.file.fileno(), struct.pack("<I", crc), where)
+        name, offset, size, _ = self.entries[-1]
+        self.entries[-1] = (name, offset, size, crc)
 
     def add(self, name: str, data: bytes) -> None:
         self.record(name, len(data), crc32(data))
@@ -383,18 +396,26 @@ class TorchZipWriter(PartialFile):
             raise AssertionError(f"writer expected {expected} {slot.dtype}{list(slot.shape)}, got {name} "
                                  f"{dtype}{list(shape)}")
 
-    def write_bytes(self, name: str, data: memoryview) -> None:
-        """Write the next storage record straight from ``data`` (the tensor's bytes, row-major)."""
+    def _start_tensor(self, name: str, total: int, whole) -> None:
+        """The next storage record's header: with its CRC when the data comes whole, else patched at the end."""
         expected = self._order[self._next]
         slot = self._slots[expected]
         nbytes = dtypes.itemsize(slot.dtype) * _numel(slot.shape)
-        if name != expected or data.nbytes != nbytes:
-            raise AssertionError(f"writer expected {expected} ({nbytes} bytes), got {name} ({data.nbytes} bytes)")
-        data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
-        self._records.record(f"data/{self._next}", nbytes, crc32(data), page_phase=0)
+        if name != expected or total != nbytes:
+            raise AssertionError(f"writer expected {expected} ({nbytes} bytes), got {name} ({total} bytes)")
+        self._crc = None if whole is None else crc32(whole)
+        self._crc_at = self._records.record(f"data/{self._next}", nbytes, self._crc, page_phase=0)
+        self._crc_blocks = 0
+
+    def _write_part(self, data: memoryview) -> None:
+        if self._crc is None:
+            self._crc_blocks = crc32(data, self._crc_blocks)
         self._file.write(data)
+
+    def _end_tensor(self) -> None:
+        if self._crc is None:
+            self._records.patch_crc(self._crc_at, self._crc_blocks)
         self._next += 1
-        self.tensor_written()
 
     def write_ranges(self, name: str, ranges) -> None:
         """Write the next storage record by copying source byte ranges file to file; ``ranges.crc`` is its CRC-32
