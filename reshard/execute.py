@@ -1,13 +1,15 @@
 """Runs a plan: assembles target tensors from positioned source reads and streams them to their files.
 
-Target files with the same tensor names (the TP ranks of one pipeline stage) are written in lockstep: step k
-fills the k-th tensor of every file of the group, so a source tensor they share (a row-parallel weight split on
-dim 1) is read once for all of them. A tensor made of contiguous source byte runs is copied file to file
-(:mod:`reshard.io.copy_ranges`; a zip record's CRC is first computed through a map of the source). The others
-are gathered into one of two reusable step buffers while the writer threads write the previous step from the
-other one (no per-tensor allocation). Two writer threads share the files of a group, each file written by one of
-them, so the kernel's copies use two cores; a read-ahead thread keeps the disk busy (:mod:`reshard.io.readahead`).
-Peak memory is two steps (about two full tensors) plus bounded map windows, whatever the model or file size.
+Target files with the same tensor names (the TP ranks of one pipeline stage) are written in lockstep: the steps
+of tensor index k fill the k-th tensor of every file of the group, so a source tensor they share (a row-parallel
+weight split on dim 1) is read once for all of them. A tensor made of contiguous source byte runs is copied file
+to file (:mod:`reshard.io.copy_ranges`; a zip record's CRC is first computed through a map of the source). The
+others go through memory in row blocks of at most ``STEP_BYTES`` per step (:mod:`reshard.core.blocks`),
+gathered into one of two reusable step buffers while the writer threads write the previous step from the other
+one; the writers take a tensor block by block (a zip record's CRC-32 accumulated over its blocks). Two writer
+threads share the files of a group, each file written by one of them, so the kernel's copies use two cores; a
+read-ahead thread keeps the disk busy (:mod:`reshard.io.readahead`). Peak memory is two step buffers plus
+bounded map windows, whatever the model, file or tensor size.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from reshard.core.blocks import row_blocks
 from reshard.core.plan import Plan, ReadOp, ReplicaCheck, TargetFile, TargetTensor
 from reshard.errors import CheckpointError
 from reshard.io import dtypes
@@ -267,7 +270,7 @@ class _Release:
 
 @dataclass
 class _Job:
-    writes: list  # (writer, name, memoryview or copy_ranges.Ranges)
+    writes: list  # (writer, name, copy_ranges.Ranges) or (writer, name, memoryview, total, first, last)
     release: _Release | None
     finish: list  # writers to finish after the writes
     done_bytes: int
@@ -293,11 +296,11 @@ class _WriterThread(threading.Thread):
                 return
             try:
                 if self.error is None:
-                    for writer, name, view in job.writes:
+                    for writer, name, view, *block in job.writes:
                         if isinstance(view, Ranges):
                             writer.write_ranges(name, view)
                         else:
-                            writer.write_bytes(name, view)
+                            writer.write_block(name, view, *block)
                     for writer in job.finish:
                         writer.finish()
                     if job.done_bytes:
@@ -307,6 +310,52 @@ class _WriterThread(threading.Thread):
             finally:
                 if job.release is not None:
                     job.release.done()
+
+
+#: Bytes one step buffers (the blocks of the files written in lockstep); two such buffers ping-pong. A tensor
+#: larger than its file's share of a step is streamed in row blocks (:mod:`reshard.core.blocks`).
+STEP_BYTES = 64 << 20
+
+
+@dataclass
+class _Write:
+    """One file's part of a step: a tensor copied file to file (``ranges``) or one row block of it (``block``)."""
+
+    file: int  # index of the file in its lockstep unit
+    tensor: TargetTensor
+    ranges: Ranges | None
+    block: TargetTensor | None
+    first: bool
+    last: bool
+
+
+def unit_steps(targets: list[TargetFile], files: list[TensorFile], budget: int) -> list[list[_Write]]:
+    """The steps that write ``targets`` in lockstep: for each tensor index k, its tensor in every file, either
+    copied file to file (in the first step of k) or, when it goes through memory, cut into row blocks of at most
+    the file's share of ``budget``; step b of k holds block b of every file that has one. Files with equal
+    shapes (the TP ranks of a stage) get the same rows in the same step, so a source row block they all read a
+    column slice of is read once."""
+    share = max(1, budget // max(1, len(targets)))
+    steps = []
+    for k in range(len(targets[0].tensors) if targets else 0):
+        per_file = []
+        for target in targets:
+            tensor = target.tensors[k]
+            ranges = as_ranges(tensor, files)
+            per_file.append((tensor, ranges, None if ranges is not None else row_blocks(tensor, share)))
+        for b in range(max(1 if blocks is None else len(blocks) for _, _, blocks in per_file)):
+            step = []
+            for j, (tensor, ranges, blocks) in enumerate(per_file):
+                if ranges is not None and b == 0:
+                    step.append(_Write(j, tensor, ranges, None, True, True))
+                elif blocks is not None and b < len(blocks):
+                    step.append(_Write(j, tensor, None, blocks[b], b == 0, b == len(blocks) - 1))
+            steps.append(step)
+    return steps
+
+
+def _buffered(step: list[_Write]) -> int:
+    return sum(_aligned(w.block.nbytes) for w in step if w.block is not None)
 
 
 class _Run:
@@ -328,17 +377,17 @@ class _Run:
         self.open: list = []
 
     def run(self, units: list[list[int]]) -> None:
-        size = max((step_size([self.targets[i] for i in unit], self.files) for unit in units), default=0)
+        plans = [(unit, unit_steps([self.targets[i] for i in unit], self.files, STEP_BYTES)) for unit in units]
+        size = max((_buffered(step) for _, steps in plans for step in steps), default=0)
         for _ in range(2):
             self.free.put(np.empty(size, np.uint8))
         for lane in self.lanes:
             lane.start()
-        self.read_ahead = ReadAhead([[e for i in unit for e in source_extents(self.targets[i].tensors[k], self.files)]
-                                     for unit in units for k in range(len(self.targets[unit[0]].tensors))],
-                                    read_ahead_window())
+        self.read_ahead = ReadAhead([[e for w in step for e in source_extents(w.block or w.tensor, self.files)]
+                                     for _, steps in plans for step in steps], read_ahead_window())
         try:
-            for unit in units:
-                self._unit(unit)
+            for unit, steps in plans:
+                self._unit(unit, steps)
             self._drain()
             self._raise_writer_error()  # the last jobs (a file's finish: fsync, rename) ran after the loop
         except BaseException:
@@ -381,35 +430,35 @@ class _Run:
             if lane.error is not None:
                 raise lane.error
 
-    def _unit(self, unit: list[int]) -> None:
+    def _unit(self, unit: list[int], steps: list[list[_Write]]) -> None:
         targets = [self.targets[i] for i in unit]
         writers = []
         for t in targets:
             writers.append(open_writer(t, self.out_dir, self.files))
             self.open.append(writers[-1])
         lanes = len(self.lanes)
-        for k in range(len(targets[0].tensors)):
+        for step in steps:
             buffer = self._take_buffer()
             items, pos = [], 0
             writes: list[list] = [[] for _ in range(lanes)]
             done = [0] * lanes
-            for j, (target, writer) in enumerate(zip(targets, writers)):
-                tensor = target.tensors[k]
-                done[j % lanes] += tensor.nbytes
-                ranges = as_ranges(tensor, self.files)
-                if ranges is not None:  # copied file to file; a zip record's CRC is read through a map first
-                    if not isinstance(writer, SafetensorsWriter):
-                        ranges = ranges.checksummed(crc32)
-                    writes[j % lanes].append((writer, tensor.name, ranges))
+            for w in step:
+                writer, lane = writers[w.file], w.file % lanes
+                if w.ranges is not None:  # copied file to file; a zip record's CRC is read through a map first
+                    ranges = w.ranges if isinstance(writer, SafetensorsWriter) else w.ranges.checksummed(crc32)
+                    writes[lane].append((writer, w.tensor.name, ranges))
+                    done[lane] += w.tensor.nbytes
                     continue
-                dest = buffer[pos:pos + tensor.nbytes]
-                pos += _aligned(tensor.nbytes)
-                if direct(tensor, self.files):
-                    items.append((tensor, dest))
+                block = w.block
+                dest = buffer[pos:pos + block.nbytes]
+                pos += _aligned(block.nbytes)
+                if direct(block, self.files):
+                    items.append((block, dest))
                 else:
-                    data = assemble(tensor, self.files, allow_overflow=self.allow_overflow)
+                    data = assemble(block, self.files, allow_overflow=self.allow_overflow)
                     dest[:] = data.contiguous().reshape(-1).view(dtypes.to_torch("U8")).numpy()
-                writes[j % lanes].append((writer, tensor.name, memoryview(dest)))
+                writes[lane].append((writer, w.tensor.name, memoryview(dest), w.tensor.nbytes, w.first, w.last))
+                done[lane] += block.nbytes
             self.gather.fill(items)
             release = _Release(buffer, self.free, lanes)
             for lane, lane_writes, lane_done in zip(self.lanes, writes, done):

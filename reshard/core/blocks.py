@@ -4,7 +4,8 @@ The executor streams a tensor that does not fit its step budget block by block: 
 For a tensor split on dim 0 (row-parallel reads, qkv / gate_up packs, vocab padding) a block keeps the parts of
 the read ops that fall in its rows; for a tensor split on a later axis (a column slice of a row-parallel weight,
 or a gather of such slices) every op spans all rows, and a block restricts each op to the same source rows
-(:attr:`ReadOp.rows`). Ops that reorder (a transpose, a stacked block, a RoPE row order) keep their tensor whole.
+(:attr:`ReadOp.rows`). Ops that reorder (a transpose, a stacked block, a RoPE row order) and splits past dim 1
+keep their tensor whole.
 Pure index arithmetic: no I/O.
 """
 
@@ -18,7 +19,8 @@ from reshard.core.plan import ReadOp, TargetTensor
 
 def splittable(tensor: TargetTensor) -> bool:
     """Whether ``tensor`` can be cut into row blocks (it has rows, and no op reorders its bytes)."""
-    return len(tensor.shape) >= 1 and tensor.shape[0] > 1 and not any(op.reordered or op.rows for op in tensor.reads)
+    return (len(tensor.shape) >= 1 and tensor.shape[0] > 1 and tensor.axis <= 1
+            and not any(op.reordered or op.rows for op in tensor.reads))
 
 
 def row_blocks(tensor: TargetTensor, budget: int) -> list[TargetTensor]:
