@@ -70,12 +70,15 @@ from bench_ops import (  # noqa: E402,F401 - REPO_ROOT, SRC_DIR, OPS: re-exporte
     DERIVED_SOURCES,
     MOE_OPS,
     OPS,
+    REFERENCES,
+    WIDE_OPS,
     REPO_ROOT,
     SRC_DIR,
     add_torchrun_op,
     build_cmd,
     child_env,
     default_reshard,
+    parallel_streams,
     probe_converter,
 )
 from bench_report import flatness, plot, render_markdown, summarize, torchrun_ratios  # noqa: E402
@@ -128,7 +131,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--sizes must be positive")
     args.sizes = list({fmt_size(s): s for s in args.sizes}.values())
     if args.ops is None:
-        args.ops = ["cp", *MOE_OPS] if args.model == "mixtral" else [op for op in OPS if op not in MOE_OPS]
+        if args.model == "mixtral":
+            args.ops = [*REFERENCES, *MOE_OPS]
+        elif args.model == "wide":
+            args.ops = [*REFERENCES, *WIDE_OPS]
+        else:
+            args.ops = [op for op in OPS if op not in MOE_OPS]
     args.ops = [op for op in OPS if op in set(args.ops)]  # canonical order: cp, hf_to_megatron_tp8, ...
     if args.torchrun is not None:
         if args.torchrun < 2:
@@ -181,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             "python": platform.python_version(),
             "torch": torch_version,
             "platform": platform.platform(),
+            "copy_streams": parallel_streams(),
         },
         "cache_mode": args.cache,
         "baselines": {},
@@ -271,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
 
             def timed(op: str, rep: int, op_src: Path, src_b: int, paired_with: str | None = None) -> dict[str, Any]:
                 """One cold run of ``op`` on ``op_src`` (its output deleted unless kept)."""
-                kind = next((k for k, folder in derived.items() if folder == op_src), "hf")  # cp runs on any
+                kind = next((k for k, folder in derived.items() if folder == op_src), "hf")  # copies run on any
                 run: dict[str, Any] = {"size": key, "size_gib": size, "op": op, "repeat": rep, "source_kind": kind}
                 if paired_with:
                     run["paired_with"] = paired_with
@@ -290,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                 if ok:
                     run["status"] = "ok"
                     run["output_bytes"] = dir_bytes(dst)
-                    if op != "cp":
+                    if op not in REFERENCES:
                         run["output_largest_tensor"] = largest_tensor_in_dir(dst)
                 else:
                     run["status"] = "timeout" if r["timed_out"] else "failed"
@@ -309,12 +318,14 @@ def main(argv: list[str] | None = None) -> int:
                     rmtree(dst)
                 return run
 
-            # With cp among the ops, every other op is timed next to its own cp of the same source (cp first on
-            # even repeats, second on odd ones): the disk's speed drifts, and a ratio of neighbours cancels it.
-            paired = "cp" in args.ops and len(args.ops) > 1
+            # With cp (and pcp, the same bytes in parallel streams) among the ops, every other op is timed next to
+            # its own copies of the same source (copies first on even repeats, after it on odd ones): the disk's
+            # speed drifts, and a ratio of neighbours cancels it.
+            refs = [r for r in REFERENCES if r in args.ops]
+            paired = bool(refs) and any(op not in refs for op in args.ops)
             for rep in range(args.repeat):
                 for op in args.ops:
-                    if paired and op == "cp":
+                    if paired and op in refs:
                         continue
                     why = op_unavailable(op)
                     op_src, err = (None, why) if why else source_for(op)
@@ -322,16 +333,17 @@ def main(argv: list[str] | None = None) -> int:
                         result["runs"].append({"size": key, "size_gib": size, "op": op, "repeat": rep, "status": err})
                         continue
                     src_b = src_bytes if op_src == src else dir_bytes(op_src)
-                    cp_first = rep % 2 == 0
-                    cp_run = timed("cp", rep, op_src, src_b, paired_with=op) if paired and cp_first else None
+                    copies_first = rep % 2 == 0
+                    ref_runs = {r: timed(r, rep, op_src, src_b, paired_with=op) for r in refs} \
+                        if paired and copies_first else {}
                     run = timed(op, rep, op_src, src_b)
-                    if paired and not cp_first:
-                        cp_run = timed("cp", rep, op_src, src_b, paired_with=op)
-                    if cp_run is not None:
-                        result["runs"].append(cp_run)
-                        if cp_run["status"] == "ok" and run["status"] == "ok":
-                            run["paired_cp_s"] = cp_run["wall_s"]
-                            run["ratio_to_paired_cp"] = run["wall_s"] / cp_run["wall_s"]
+                    if paired and not copies_first:
+                        ref_runs = {r: timed(r, rep, op_src, src_b, paired_with=op) for r in refs}
+                    for ref, ref_run in ref_runs.items():
+                        result["runs"].append(ref_run)
+                        if ref_run["status"] == "ok" and run["status"] == "ok":
+                            run[f"paired_{ref}_s"] = ref_run["wall_s"]
+                            run[f"ratio_to_paired_{ref}"] = run["wall_s"] / ref_run["wall_s"]
                     result["runs"].append(run)
                     save()
             for kind, folder in derived.items():

@@ -25,7 +25,8 @@ GENERATOR_VERSION = 1
 
 HIDDEN_CANDIDATES = (8192, 4096, 2048, 1024, 512, 256, 128, 64)
 NUM_KV_HEADS = 8
-MODELS = ("llama", "mixtral")
+MODELS = ("llama", "mixtral", "wide")
+WIDE_HIDDEN = 4096  # the "wide" model: one layer whose MLP weights are the largest tensors (1 GiB each at --sizes 3.57)
 MIXTRAL_EXPERTS = 8  # Mixtral 8x7B: 8 experts, top-2, every layer sparse
 
 
@@ -103,6 +104,8 @@ def choose_shapes(size_gib: float, model: str = "llama") -> dict[str, Any]:
     if not size_gib > 0:
         raise ValueError(f"size must be positive, got {size_gib}")
     target_params = size_gib * GIB / 2
+    if model == "wide":
+        return wide_shapes(target_params)
     mlps = MIXTRAL_EXPERTS if model == "mixtral" else 1
     for hidden in HIDDEN_CANDIDATES:
         base = param_count(model_shapes(hidden, 0, model))
@@ -120,6 +123,18 @@ def choose_shapes(size_gib: float, model: str = "llama") -> dict[str, Any]:
             shapes["intermediate_size"] = int(inter)
             return shapes
     raise AssertionError("unreachable")
+
+
+def wide_shapes(target_params: float) -> dict[str, Any]:
+    """Hidden 4096, 1 layer, the FFN width (a multiple of 1024, at least 4 x hidden) that brings the model to
+    ``target_params``: at 3.57 GiB the FFN is 131072 and gate / up / down are 1 GiB each in bf16, the tensors
+    that decide a converter's memory when it holds whole tensors."""
+    shapes = model_shapes(WIDE_HIDDEN, 1, "wide")
+    mlp = 3 * WIDE_HIDDEN * shapes["intermediate_size"]
+    rest = param_count(shapes) - mlp
+    inter = round((target_params - rest) / (3 * WIDE_HIDDEN) / 1024) * 1024
+    shapes["intermediate_size"] = int(max(4 * WIDE_HIDDEN, inter))
+    return shapes
 
 
 def hf_config(shapes: dict[str, Any]) -> dict[str, Any]:

@@ -30,6 +30,12 @@ OPS: dict[str, tuple[str, list[str] | None]] = {
     "torch_dist_to_hf": ("torch_dist", ["--to", "hf"]),
     "hf_to_megatron_tp2_ep4": ("hf", ["--to", "megatron", "--tp", "2", "--ep", "4"]),
     "megatron_tp2_ep4_to_hf": ("megatron_tp2_ep4", ["--to", "hf"]),
+    "megatron_tp8_to_vllm_tp2": ("megatron_tp8", ["--to", "vllm", "--tp", "2"]),
+    "hf_to_trtllm_tp8": ("hf", ["--to", "trtllm", "--tp", "8"]),
+    "trtllm_tp8_to_hf": ("trtllm_tp8", ["--to", "hf"]),
+    "hf_to_meta_tp1": ("hf", ["--to", "meta", "--tp", "1"]),  # Meta pads nothing: the odd vocab needs tp 1
+    "meta_tp1_to_hf": ("meta_tp1", ["--to", "hf"]),
+    "pcp": ("hf", None),
     "naive": ("hf", None),
 }
 #: operations for Mixture-of-Experts sources only (the default for --model mixtral, with cp)
@@ -37,7 +43,12 @@ MOE_OPS = ("hf_to_megatron_tp2_ep4", "megatron_tp2_ep4_to_hf")
 #: source kinds other than the generated HF checkpoint -> the op whose output is that source (run untimed first
 #: when the op itself is not among those timed)
 DERIVED_SOURCES = {"megatron_tp8": "hf_to_megatron_tp8", "torch_dist": "hf_to_torch_dist",
-                   "megatron_tp2_ep4": "hf_to_megatron_tp2_ep4"}
+                   "megatron_tp2_ep4": "hf_to_megatron_tp2_ep4", "trtllm_tp8": "hf_to_trtllm_tp8",
+                   "meta_tp1": "hf_to_meta_tp1"}
+#: the copy references each conversion is timed next to: one `cp -r`, and the same bytes in N parallel streams
+REFERENCES = ("cp", "pcp")
+#: the default operations of the "wide" model (1 layer, 1 GiB MLP weights)
+WIDE_OPS = ("hf_to_megatron_tp8", "megatron_tp8_to_hf", "megatron_tp8_to_vllm_tp2", "hf_to_megatron_tp1")
 CONVERTER_OPS = [name for name, (_, args) in OPS.items() if args is not None]
 MEGATRON_TP8_ARGS = OPS["hf_to_megatron_tp8"][1]
 
@@ -52,6 +63,55 @@ for shard in sorted(glob.glob(os.path.join(src, "*.safetensors"))):
     state.update(load_file(shard))
 torch.save(state, os.path.join(dst, "model.pt"))
 """
+
+
+# The same bytes as `cp -r SRC DST`, copied by N streams at once (N = cores by default): the files are laid end to
+# end, cut into N equal byte ranges, and each thread copies its range with copy_file_range (the GIL is released
+# in the call). "The copy limit" of this disk, rather than of one cp process.
+PCP_CODE = r"""
+import os, sys, threading
+src, dst, streams = sys.argv[1], sys.argv[2], int(sys.argv[3])
+files = []
+for folder, _, names in os.walk(src):
+    out = os.path.join(dst, os.path.relpath(folder, src))
+    os.makedirs(out, exist_ok=True)
+    for name in sorted(names):
+        files.append((os.path.join(folder, name), os.path.join(out, name), os.path.getsize(os.path.join(folder, name))))
+for _, target, size in files:
+    with open(target, "wb") as f:
+        f.truncate(size)
+total = sum(size for _, _, size in files)
+errors = []
+def stream(lo, hi):
+    try:
+        copy(lo, hi)
+    except OSError as exc:
+        errors.append(exc)
+def copy(lo, hi):
+    start = 0
+    for source, target, size in files:
+        a, b = max(lo, start), min(hi, start + size)
+        if a < b:
+            fi, fo = os.open(source, os.O_RDONLY), os.open(target, os.O_WRONLY)
+            offset, left = a - start, b - a
+            while left:
+                n = os.copy_file_range(fi, fo, min(left, 1 << 30), offset, offset)
+                if n <= 0:
+                    raise OSError("copy_file_range copied nothing")
+                offset, left = offset + n, left - n
+            os.close(fi); os.close(fo)
+        start += size
+threads = [threading.Thread(target=stream, args=(i * total // streams, (i + 1) * total // streams))
+           for i in range(streams)]
+for t in threads: t.start()
+for t in threads: t.join()
+if errors:
+    sys.exit(f"pcp: {errors[0]}")
+"""
+
+
+def parallel_streams() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def child_env() -> dict[str, str]:
@@ -89,6 +149,8 @@ def build_cmd(op: str, src: Path, dst: Path, workers: int | None, reshard: list[
                 "reshard", "convert", str(src), str(dst), *OPS[base][1], "--overwrite"]
     if op == "cp":
         return ["cp", "-r", str(src), str(dst)]
+    if op == "pcp":
+        return [sys.executable, "-c", PCP_CODE, str(src), str(dst), str(parallel_streams())]
     if op == "naive":
         return [sys.executable, "-c", NAIVE_CODE, str(src), str(dst)]
     cmd = [*(reshard or default_reshard()), "convert", str(src), str(dst), *OPS[op][1], "--overwrite"]

@@ -154,7 +154,8 @@ def test_mixtral_shapes(gib):
     assert not any("mlp." in name for name in specs)
     config = bench.source_plan(gib, 2 << 30, "mixtral")["config"]
     assert config["architectures"] == ["MixtralForCausalLM"] and config["num_local_experts"] == 8
-    assert bench.parse_args(["--model", "mixtral"]).ops == ["cp", "hf_to_megatron_tp2_ep4", "megatron_tp2_ep4_to_hf"]
+    assert bench.parse_args(["--model", "mixtral"]).ops == ["cp", "hf_to_megatron_tp2_ep4", "megatron_tp2_ep4_to_hf",
+                                                           "pcp"]
     assert "hf_to_megatron_tp2_ep4" not in bench.parse_args([]).ops
 
 
@@ -291,3 +292,38 @@ def test_bench_torchrun_rows(tmp_path):
     assert ratio["op"] == "hf_to_megatron_tp8" and ratio["processes"] == 2
     assert math.isclose(ratio["ratio"], ratio["median_s"] / ratio["one_process_median_s"])
     assert f"{SIZE} GiB hf_to_megatron_tp8: 2 processes" in md
+
+
+def test_wide_shapes():
+    """--model wide: hidden 4096, 1 layer, and at 3.57 GiB MLP weights of FFN 131072 (1 GiB each in bf16), the
+    largest tensors (at 3.57 GiB); its default ops are the four the issue names, next to cp and pcp."""
+    bench = load_bench()
+    shapes = bench.choose_shapes(3.57, "wide")
+    assert (shapes["hidden_size"], shapes["num_hidden_layers"], shapes["intermediate_size"]) == (4096, 1, 131072)
+    specs = dict(bench.tensor_specs(shapes))
+    largest = max(specs.items(), key=lambda kv: math.prod(kv[1]))
+    assert largest[0].endswith(("gate_proj.weight", "up_proj.weight", "down_proj.weight"))
+    assert math.prod(largest[1]) * 2 == 1 << 30
+    assert bench.parse_args(["--model", "wide"]).ops == ["cp", "hf_to_megatron_tp8", "megatron_tp8_to_hf",
+                                                        "hf_to_megatron_tp1", "megatron_tp8_to_vllm_tp2", "pcp"]
+
+
+def test_parallel_copy_reference(tmp_path):
+    """pcp copies the same bytes as cp -r (every file identical), in N parallel streams, and each conversion gets
+    a paired ratio to it and a plain ratio of medians to cp."""
+    import filecmp
+
+    data, md = run_bench(tmp_path, "--ops", "cp", "pcp", "hf_to_megatron_tp8", "--keep", timeout=600)
+    assert data["environment"]["copy_streams"] >= 1
+    run = next(r for r in data["runs"] if r["op"] == "pcp")
+    assert run["status"] == "ok" and run["cmd"][-1] == str(data["environment"]["copy_streams"])
+    row = assert_ok(data, md, "hf_to_megatron_tp8")
+    assert row["ratio_to_pcp"] > 0 and row["ratio_of_medians"] > 0
+    assert math.isclose(row["ratio_of_medians"], row["median_s"] / row["paired_cp_median_s"])
+    src = Path(data["sizes_info"][SIZE]["source_dir"])
+    copy = tmp_path / "pcp-copy"
+    bench = load_bench()
+    subprocess.run(bench.build_cmd("pcp", src, copy, None), check=True, timeout=120)
+    names = sorted(p.name for p in src.iterdir())
+    assert names == sorted(p.name for p in copy.iterdir())
+    assert all(filecmp.cmp(src / n, copy / n, shallow=False) for n in names)
