@@ -49,13 +49,12 @@ def test_workers_give_identical_bytes(hf_source, tmp_path):
 
 
 def test_worker_failure_fails_the_run(hf_source, tmp_path, monkeypatch):
-    from reshard.io import safetensors_format, torch_format
+    from reshard.io.partial import PartialFile
 
-    def broken(self, name, data):
+    def broken(self, name, data, total, first, last):
         raise OSError(28, "No space left on device", self.partial)
 
-    monkeypatch.setattr(torch_format.TorchZipWriter, "write_bytes", broken)
-    monkeypatch.setattr(safetensors_format.SafetensorsWriter, "write_bytes", broken)
+    monkeypatch.setattr(PartialFile, "write_block", broken)  # every writer's path for tensors through memory
     out = tmp_path / "out"
     with pytest.raises(OutputError, match=r"No space left on device \[ENOSPC\]") as info:
         reshard.convert(hf_source, str(out), to="megatron", tp=2, pp=2, workers=2)
