@@ -99,11 +99,11 @@ def read_op(op: ReadOp, axis: int, files: list[TensorFile]):
     source's other axis and is transposed; a RoPE reorder permutes rows inside each head)."""
     if op.interleave:
         return rope_rows(read_op(replace(op, interleave=0), axis, files), op.interleave)
-    if op.src_block is not None:  # one block of a stacked source, then the slice within it
-        block = files[op.source].read(op.tensor, 0, op.src_block, 1)[0]
-        data = block.narrow(op.source_axis(axis) - 1, op.src_start, op.length)
-        return data.t() if op.transposed else data
-    data = files[op.source].read(op.tensor, op.source_axis(axis), op.src_start, op.length, op.rows)
+    if op.src_block is not None:  # the slice within one block of a stacked source (rows: of that block)
+        data = files[op.source].read_block(op.tensor, op.src_block, op.source_axis(axis) - 1, op.src_start,
+                                           op.length, op.rows)
+    else:
+        data = files[op.source].read(op.tensor, op.source_axis(axis), op.src_start, op.length, op.rows)
     return data.t() if op.transposed else data
 
 

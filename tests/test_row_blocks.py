@@ -36,6 +36,22 @@ from reshard.layouts.base import Options
 LLAMA = dict(hidden=256, heads=8, kv_heads=4, ffn=512, vocab=500, layers=2)
 
 
+def gpt2(path) -> str:
+    """A position-coded GPT-2 (Conv1D weights stored ``[in, out]``, fused c_attn, biases, learned positions),
+    written by transformers and then re-coded tensor by tensor."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from checkpoints import position_coded
+
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=8, n_positions=32, n_inner=128, vocab_size=200)
+    transformers.GPT2LMHeadModel(config).save_pretrained(path)
+    file = os.path.join(path, "model.safetensors")
+    stored = load_file(file)
+    save_file(position_coded({n: tuple(t.shape) for n, t in stored.items()}), file, metadata={"format": "pt"})
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     from test_load_rank import mixtral
@@ -44,13 +60,18 @@ def sources(tmp_path_factory):
     hf = make_hf(root / "hf", **LLAMA)
     tied = make_hf(root / "tied", tie_word_embeddings=True, **LLAMA)
     moe = mixtral(root / "mixtral")
+    made = {"hf": hf, "tied": tied, "mixtral": moe, "gpt2": gpt2(root / "gpt2")}
     execute.STEP_BYTES, saved = 1 << 40, execute.STEP_BYTES
     try:
-        reshard.convert(hf, str(root / "megatron"), to="megatron", tp=2, pp=2)
-        reshard.convert(hf, str(root / "vllm"), to="vllm", tp=4)
+        for name, src, kw in [("megatron", hf, dict(to="megatron", tp=2, pp=2)), ("vllm", hf, dict(to="vllm", tp=4)),
+                              ("meta", hf, dict(to="meta", tp=2)), ("mixtral_vllm", moe, dict(to="vllm", tp=2)),
+                              ("mixtral_vllm_ep", moe, dict(to="vllm", tp=2, expert_parallel=True)),
+                              ("gpt2_megatron", made["gpt2"], dict(to="megatron", tp=2))]:
+            reshard.convert(src, str(root / name), **kw)
+            made[name] = str(root / name)
     finally:
         execute.STEP_BYTES = saved
-    return {"hf": hf, "tied": tied, "mixtral": moe, "megatron": str(root / "megatron"), "vllm": str(root / "vllm")}
+    return made
 
 
 def _bytes(tensor: torch.Tensor) -> bytes:
@@ -65,7 +86,10 @@ def _gathered(tensor, files) -> bytes:
 
 PLANS = [("hf", "megatron", dict(tp=4)), ("hf", "vllm", dict(tp=2)), ("megatron", "hf", {}),
          ("vllm", "megatron", dict(tp=2, pp=2)), ("mixtral", "megatron", dict(tp=2, ep=2)),
-         ("mixtral", "vllm", dict(tp=2)), ("hf", "megatron", dict(tp=2, dtype="BF16"))]
+         ("mixtral", "vllm", dict(tp=2)), ("hf", "megatron", dict(tp=2, dtype="BF16")),
+         ("hf", "meta", dict(tp=2)), ("meta", "hf", {}), ("meta", "vllm", dict(tp=4)),
+         ("mixtral_vllm", "megatron", dict(tp=2, ep=2)), ("mixtral_vllm", "vllm", dict(tp=4)),
+         ("mixtral_vllm_ep", "hf", {}), ("gpt2", "megatron", dict(tp=2)), ("gpt2_megatron", "hf", {})]
 
 
 @pytest.mark.parametrize("src,to,kw", PLANS, ids=[f"{s}-{t}-{'-'.join(map(str, k.values()))}" for s, t, k in PLANS])
@@ -80,7 +104,9 @@ def test_a_block_is_those_rows_of_the_tensor(sources, src, to, kw):
                     continue
                 whole = execute.assemble(tensor, source.files)
                 rows = tensor.shape[0]
+                head = max((abs(op.interleave) for op in tensor.reads), default=0) or 1  # blocks hold whole heads
                 for r0, r1 in {(0, 1), (1, rows // 2 + 1), (rows // 3, rows - 1), (rows - 1, rows)}:
+                    r0, r1 = r0 // head * head, -(-r1 // head) * head
                     if not r0 < r1:
                         continue
                     part = block(tensor, r0, r1)
@@ -113,6 +139,9 @@ CONVERSIONS = [
     ("megatron", "hf", {}), ("megatron", "megatron", dict(tp=4)), ("vllm", "hf", {}),
     ("vllm", "megatron", dict(tp=1)), ("mixtral", "megatron", dict(tp=2, ep=2)),
     ("mixtral", "vllm", dict(tp=2)), ("mixtral", "hf", dict(dtype="bf16")),
+    ("meta", "hf", {}), ("meta", "megatron", dict(tp=2)), ("mixtral_vllm", "megatron", dict(tp=2, ep=2)),
+    ("mixtral_vllm", "vllm", dict(tp=4)), ("mixtral_vllm_ep", "hf", {}), ("mixtral_vllm", "hf", dict(dtype="bf16")),
+    ("gpt2", "megatron", dict(tp=2)), ("gpt2_megatron", "hf", {}), ("gpt2", "vllm", dict(tp=2)),
 ]
 
 
@@ -184,3 +213,48 @@ def test_the_step_buffer_is_bounded_by_the_budget_not_the_tensor(tmp_path):
                 assert biggest >= largest
             else:
                 assert biggest <= budget + 16384 * 4 + 64
+
+
+def _transposed_along_a_later_axis(tensor) -> bool:
+    return tensor.axis >= 1 and any(op.transposed for op in tensor.reads)
+
+
+@pytest.mark.parametrize("src,to,kw", PLANS, ids=[f"{s}-{t}-{'-'.join(map(str, k.values()))}" for s, t, k in PLANS])
+def test_every_tensor_streams_in_bounded_blocks(sources, src, to, kw):
+    """Every target tensor of the plan, cut for a budget of a quarter of its bytes, is those blocks in order
+    (the torch reader, position-coded sources), each within the budget (or one head of rows, for Meta's
+    interleaved wq / wk). Stacked experts are cut into whole experts, or rows of one expert; only a tensor
+    read transposed along its dim 1 (GPT-2's Conv1D row-parallel weights) stays whole."""
+    opts = Options(**kw)
+    kinds = set()
+    with open_checkpoint(sources[src], opts) as source:
+        plan, _ = make_plan(source, to, opts)
+        for target in plan.files:
+            for tensor in target.tensors:
+                if tensor.nbytes < 1024 or tensor.fill is not None:
+                    continue
+                budget = tensor.nbytes // 4
+                blocks = row_blocks(tensor, budget)
+                if len(blocks) == 1:
+                    assert _transposed_along_a_later_axis(tensor), (target.path, tensor.name)
+                    kinds.add("whole")
+                    continue
+                head = max(abs(op.interleave) for op in tensor.reads) if tensor.reads else 0
+                one_head = head * tensor.nbytes // tensor.shape[0] if head else 0
+                assert all(b.nbytes <= max(budget, one_head) for b in blocks), (target.path, tensor.name)
+                joined = b"".join(_bytes(execute.assemble(b, source.files)) for b in blocks)
+                assert joined == _bytes(execute.assemble(tensor, source.files)), (target.path, tensor.name)
+                ops = [op for op in tensor.reads]
+                kinds.update(k for k, hit in [("interleave", any(op.interleave for op in ops)),
+                                              ("transposed", any(op.transposed for op in ops)),
+                                              ("stacked source", any(op.src_block is not None for op in ops)),
+                                              ("stacked target", any(op.dst_block is not None for op in ops)),
+                                              ("within one expert", any(b.shape[0] == 1 and tensor.shape[0] > 1
+                                                                        and len(b.shape) == 3 for b in blocks))]
+                             if hit)
+    expected = {"meta-hf": {"interleave"}, "hf-meta": {"interleave"}, "gpt2-megatron": {"transposed", "whole"},
+                "gpt2_megatron-hf": {"transposed", "whole"},
+                "mixtral-vllm": {"stacked target", "within one expert"},
+                "mixtral_vllm-megatron": {"stacked source"}, "mixtral_vllm_ep-hf": {"stacked source"},
+                "mixtral_vllm-vllm": {"stacked source", "stacked target", "within one expert"}}
+    assert expected.get(f"{src}-{to}", set()) <= kinds

@@ -15,20 +15,24 @@ import threading
 from reshard.core.plan import TargetTensor
 from reshard.io import dtypes
 from reshard.io.gather import split_at_axis
-from reshard.io.tensorfile import TensorFile
+from reshard.io.tensorfile import TensorFile, block_location
 
 _SUPPORTED = hasattr(os, "posix_fadvise") and hasattr(os, "POSIX_FADV_WILLNEED")
 
 
 def source_extents(tensor: TargetTensor, files: list[TensorFile]) -> list[tuple[int, int, int]]:
     """``(fd, offset, length)`` of the source bytes ``tensor`` reads: the rows of a slice along the first
-    non-trivial axis, else the whole source tensor (a column slice touches every row)."""
+    non-trivial axis (within its block, for a block of a stacked source), else the whole source tensor (or block)
+    that a column slice touches."""
     extents = []
     for op in tensor.reads:
         file = files[op.source]
         loc = file.tensors[op.tensor]
-        if loc.shape and loc.strides is None and tensor.axis < len(loc.shape) and not (op.transposed or op.blocked):  # a RoPE reorder reads the same rows
-            outer, _, unit = split_at_axis(loc.shape, tensor.axis, dtypes.itemsize(loc.dtype))
+        axis = op.source_axis(tensor.axis)
+        if op.src_block is not None:
+            loc, axis = block_location(loc, op.src_block) or loc, axis - 1
+        if loc.shape and loc.strides is None and axis < len(loc.shape):  # a RoPE reorder reads the same rows
+            outer, _, unit = split_at_axis(loc.shape, axis, dtypes.itemsize(loc.dtype))
             if outer == 1:
                 extents.append((file.fd, loc.offset + op.src_start * unit, op.length * unit))
                 continue

@@ -53,6 +53,15 @@ def read_into(fd: int, view: memoryview, offset: int, path: str) -> None:
         done += got
 
 
+def block_location(loc: TensorLocation, index: int) -> TensorLocation | None:
+    """Where block ``index`` (along dim 0) of a contiguous tensor lies, as a tensor of its own; None when the
+    tensor is strided."""
+    if loc.strides is not None:
+        return None
+    inner = loc.shape[1:]
+    return TensorLocation(loc.dtype, inner, loc.offset + index * math.prod(inner) * dtypes.itemsize(loc.dtype))
+
+
 class TensorFile:
     """A read-only tensor file (safetensors or torch zip) indexed by tensor name."""
 
@@ -84,7 +93,19 @@ class TensorFile:
              rows: tuple[int, int] | None = None):
         """Return ``tensor[start:start+length]`` along ``axis`` (0 or 1) as a new contiguous tensor; for
         ``axis`` 1, ``rows`` limits it to rows ``[rows[0], rows[1])`` of dim 0."""
-        loc = self.tensors[name]
+        return self._read(self.tensors[name], axis, start, length, rows)
+
+    def read_block(self, name: str, index: int, axis: int = 0, start: int = 0, length: int | None = None,
+                   rows: tuple[int, int] | None = None):
+        """:meth:`read` of block ``index`` (along dim 0) of a stacked tensor, reading only that block's bytes."""
+        loc = block_location(self.tensors[name], index)
+        if loc is None:  # a strided view: read the tensor, then index
+            data = self.read(name, 0, index, 1)[0]
+            data = data[rows[0]:rows[1]] if rows else data
+            return data.narrow(axis, start, data.shape[axis] - start if length is None else length).contiguous()
+        return self._read(loc, axis, start, length, rows)
+
+    def _read(self, loc: TensorLocation, axis: int, start: int, length: int | None, rows: tuple[int, int] | None):
         shape = loc.shape
         if not shape:
             return self._read_rows(loc, 1, 0, 1).reshape(())
