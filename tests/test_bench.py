@@ -277,6 +277,7 @@ def test_bench_converter_ops(tmp_path):
     assert not (tmp_path / "work").exists()
 
 
+@pytest.mark.slow
 def test_bench_torchrun_rows(tmp_path):
     """--torchrun 2: each conversion also runs under torchrun (2 processes), its row is reported and timed against
     the 1-process run (--workers 1), and its output is a complete conversion like the 1-process one's."""

@@ -149,7 +149,8 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+#: pp2_tied saves with megatron-core again (about 40 s of the default suite): it runs with ``-m slow``.
+@pytest.fixture(scope="module", params=["tp2_qkvbias", pytest.param("pp2_tied", marks=pytest.mark.slow)])
 def case(request, tmp_path_factory):
     cfg = CASES[request.param]
     return cfg, mcore_dist_checkpoint(tmp_path_factory, **cfg)

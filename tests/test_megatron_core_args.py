@@ -101,6 +101,7 @@ def test_llama3_rope_other_parameters_refused(tmp_path):
     assert not (tmp_path / "megatron").exists()
 
 
+@pytest.mark.slow
 def test_mistral_window(tmp_path):
     model = tiny_model("MistralConfig", num_key_value_heads=2, sliding_window=4, head_dim=8)
     ids = random_ids()
@@ -122,6 +123,7 @@ def test_llama_attention_bias_only_refused(tmp_path):
     assert not (tmp_path / "megatron").exists()
 
 
+@pytest.mark.slow
 def test_llama_all_biases(tmp_path):
     model = tiny_model("LlamaConfig", num_key_value_heads=2, attention_bias=True, mlp_bias=True)
     args = convert_and_compare(model, random_ids(), tmp_path)

@@ -88,7 +88,7 @@ def test_megatron_format_only_with_megatron(tmp_path):
     assert proc.returncode == 2 and "--megatron-format applies to --to megatron" in proc.stderr
 
 
-@pytest.mark.parametrize("load_tp", [1, 2])
+@pytest.mark.parametrize("load_tp", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_megatron_core_loads_the_output_strictly(load_tp, tmp_path_factory):
     from helpers import tiny_transformers_model
 

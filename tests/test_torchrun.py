@@ -30,6 +30,12 @@ TARGETS = {"megatron-tp4": ["--to", "megatron", "--tp", "4"], "vllm-tp2": ["--to
 TIMEOUT = 240
 
 
+def targets(default: str) -> list:
+    """Every target, ``default`` in the default suite and the others with ``-m slow`` (each torchrun run starts
+    2 or 3 interpreters that import torch: about 7 s here)."""
+    return [t if t == default else pytest.param(t, marks=pytest.mark.slow) for t in sorted(TARGETS)]
+
+
 @pytest.fixture(scope="module")
 def src(tmp_path_factory):
     # 4 layers, about 10 MiB: several target files for every target (hf in 3 MB shards), so both ranks get some.
@@ -133,7 +139,7 @@ def assert_same_tree(got, want) -> None:
             assert filecmp.cmp(os.path.join(got, rel), os.path.join(want, rel), shallow=False), rel
 
 
-@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("target", targets("megatron-tp4"))
 def test_standalone_two_processes_match_one(src, single, tmp_path, tag, target):
     dst = tmp_path / "out"
     run = _standalone(src, dst, TARGETS[target], tag)
@@ -143,7 +149,7 @@ def test_standalone_two_processes_match_one(src, single, tmp_path, tag, target):
     assert run.stdout.count(f"wrote {dst}") == 1  # rank 0 reports, once
 
 
-@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("target", targets("vllm-tp2"))
 def test_two_nodes_match_one(src, single, tmp_path, tag, target):
     dst = tmp_path / "out"
     runs = _two_nodes(src, dst, TARGETS[target], tag)
