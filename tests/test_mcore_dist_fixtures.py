@@ -358,6 +358,7 @@ def test_megatron_core_loads_it_back_at_tp1(case, tmp_path):
 CROSS = {"tp2_qkvbias": (1, 2), "pp2_tied": (2, 1)}
 
 
+@pytest.mark.slow
 def test_megatron_core_loads_it_back_crosswise_with_ids(case, tmp_path):
     """The same round trip at the other TP x PP of CROSS, with the ids passed by ``--ids`` (the way a folder
     without reference.pt, such as one reshard writes, is checked)."""
