@@ -244,7 +244,7 @@ def test_every_tensor_streams_in_bounded_blocks(sources, src, to, kw):
                 assert all(b.nbytes <= max(budget, one_head) for b in blocks), (target.path, tensor.name)
                 joined = b"".join(_bytes(execute.assemble(b, source.files)) for b in blocks)
                 assert joined == _bytes(execute.assemble(tensor, source.files)), (target.path, tensor.name)
-                ops = [op for op in tensor.reads]
+                ops = tensor.reads
                 kinds.update(k for k, hit in [("interleave", any(op.interleave for op in ops)),
                                               ("transposed", any(op.transposed for op in ops)),
                                               ("stacked source", any(op.src_block is not None for op in ops)),

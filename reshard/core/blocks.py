@@ -9,8 +9,9 @@ The executor streams a tensor that does not fit its step budget block by block, 
   ``[r0, r1)``, every op restricted to the same source rows (:attr:`ReadOp.rows`);
 - a stacked target (vLLM's ``[E, rows, cols]`` experts, every op writing one block ``dst_block``): whole blocks
   ``[e0, e1)`` when one block fits, else each block in rows of its own (its dim 0), cut as above.
-Ops that transpose or reorder along a later axis keep their tensor whole (a GPT-2 Conv1D row-parallel weight,
-Megatron's legacy GroupedMLP view), as does a split past dim 2.
+A tensor read transposed along its dim 1 stays whole (GPT-2's row-parallel Conv1D weights, a ``down_proj`` expert
+of Megatron's legacy GroupedMLP view), as does a split past dim 1 (past dim 2 for a
+stacked target, which is then cut in whole experts only).
 Pure index arithmetic: no I/O.
 """
 
