@@ -258,3 +258,32 @@ def test_every_tensor_streams_in_bounded_blocks(sources, src, to, kw):
                 "mixtral_vllm-megatron": {"stacked source"}, "mixtral_vllm_ep-hf": {"stacked source"},
                 "mixtral_vllm-vllm": {"stacked source", "stacked target", "within one expert"}}
     assert expected.get(f"{src}-{to}", set()) <= kinds
+
+
+HALVED = [("hf", "megatron", dict(tp=1)), ("megatron", "hf", {}), ("hf", "torch_dist", dict(tp=2)),
+          ("mixtral", "vllm", dict(tp=2)), ("hf", "hf", dict(dtype="bf16")), ("meta", "megatron", dict(tp=2))]
+
+
+@pytest.mark.parametrize("src,to,kw", HALVED, ids=[f"{s}-{t}-{'-'.join(map(str, k.values()))}" for s, t, k in HALVED])
+def test_output_bytes_do_not_depend_on_writing_in_halves(sources, tmp_path, monkeypatch, src, to, kw):
+    """A long run (a copied tensor, a block through memory) is written by two threads at once, each half at
+    its own offset; forced on every run of 128 bytes or more (halves meeting on 64-byte boundaries), the trees
+    are byte-identical to writing each run whole, and halves were written."""
+    from reshard.io import halves
+
+    calls = []
+    original = halves.both
+    monkeypatch.setattr(halves, "both", lambda first, second: (calls.append(1), original(first, second)))
+    import reshard.io.copy_ranges as copy_ranges
+    monkeypatch.setattr(copy_ranges, "both", halves.both)
+    outputs = {}
+    for split in (1 << 40, 1):
+        monkeypatch.setattr(halves, "SPLIT_BYTES", split)
+        monkeypatch.setattr(halves, "CUT_ALIGN", 64 if split == 1 else 1 << 20)
+        calls.clear()
+        outputs[split] = tmp_path / f"split-{split}"
+        reshard.convert(sources[src], str(outputs[split]), to=to, workers=1, **kw)
+        assert bool(calls) == (split == 1)
+    whole, halved = outputs[1 << 40], outputs[1]
+    assert _tree(whole) == _tree(halved)
+    assert [f for f in _tree(whole) if not filecmp.cmp(whole / f, halved / f, shallow=False)] == []

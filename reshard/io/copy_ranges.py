@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from reshard.core.plan import TargetTensor
 from reshard.io import dtypes
 from reshard.io.gather import direct, split_at_axis
+from reshard.io.halves import both, midpoint
 from reshard.io.mapped import crc32_of_range
 from reshard.io.partial import PAGE
 from reshard.io.tensorfile import TensorFile
@@ -96,11 +97,38 @@ def data_phase(tensors: list[TargetTensor], files: list[TensorFile]) -> int | No
 
 
 def copy_into(file, ranges: Ranges, path: str) -> None:
-    """Append ``ranges`` to the open binary ``file`` (a buffered writer), then leave its position after them."""
+    """Append ``ranges`` to the open binary ``file`` (a buffered writer), then leave its position after them; a
+    long tensor is copied in two halves at once (:mod:`reshard.io.halves`)."""
     file.flush()
     out = file.fileno()
     pos = file.tell()
-    for fd, offset, length in ranges.parts:
+    cut = midpoint(ranges.nbytes)
+    if cut:
+        first, second = split_parts(ranges.parts, cut)
+        both(lambda: _copy_parts(first, out, pos, path), lambda: _copy_parts(second, out, pos + cut, path))
+    else:
+        _copy_parts(ranges.parts, out, pos, path)
+    file.seek(pos + ranges.nbytes)
+
+
+def split_parts(parts, cut: int) -> tuple[list, list]:
+    """``parts`` (``(fd, offset, length)`` runs) as the runs of their first ``cut`` bytes and of the rest."""
+    first, second, pos = [], [], 0
+    for fd, offset, length in parts:
+        if pos + length <= cut:
+            first.append((fd, offset, length))
+        elif pos >= cut:
+            second.append((fd, offset, length))
+        else:
+            head = cut - pos
+            first.append((fd, offset, head))
+            second.append((fd, offset + head if fd is not None else 0, length - head))
+        pos += length
+    return first, second
+
+
+def _copy_parts(parts, out: int, pos: int, path: str) -> None:
+    for fd, offset, length in parts:
         if fd is None:
             while length:
                 n = os.pwrite(out, _ZEROS[:min(length, len(_ZEROS))], pos)
@@ -109,7 +137,6 @@ def copy_into(file, ranges: Ranges, path: str) -> None:
         while length:
             n = _copy(fd, out, length, offset, pos, path)
             offset, pos, length = offset + n, pos + n, length - n
-    file.seek(pos)
 
 
 def _copy(fd: int, out: int, length: int, offset: int, pos: int, path: str) -> int:
