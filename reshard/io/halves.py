@@ -50,11 +50,3 @@ def pwrite_all(fd: int, data: memoryview, pos: int) -> None:
     while done < len(data):
         done += os.pwrite(fd, data[done:], pos + done)
 
-
-def write_at(fd: int, data: memoryview, pos: int) -> None:
-    """Write ``data`` at ``pos``, in two halves at once when it is long."""
-    cut = midpoint(len(data))
-    if not cut:
-        pwrite_all(fd, data, pos)
-        return
-    both(lambda: pwrite_all(fd, data[:cut], pos), lambda: pwrite_all(fd, data[cut:], pos + cut))

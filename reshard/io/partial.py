@@ -53,12 +53,14 @@ class PartialFile:
 
     def append(self, data: memoryview) -> None:
         """Write ``data`` at the end of what the file holds (a long block by two threads: :mod:`halves`)."""
-        if not halves.midpoint(len(data)):
+        cut = halves.midpoint(len(data))
+        if not cut:
             self._file.write(data)
             return
         self._file.flush()
-        pos = self._file.tell()
-        halves.write_at(self._file.fileno(), data, pos)
+        fd, pos = self._file.fileno(), self._file.tell()
+        halves.both(lambda: halves.pwrite_all(fd, data[:cut], pos),
+                    lambda: halves.pwrite_all(fd, data[cut:], pos + cut))
         self._file.seek(pos + len(data))
 
     def _end_tensor(self) -> None:
