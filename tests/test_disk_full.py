@@ -47,22 +47,6 @@ def test_file_size_limit_in_a_subprocess(src, tmp_path, limit):
     assert snapshot(src) == before
 
 
-def test_file_size_limit_while_writing_in_halves(src, tmp_path):
-    """Every run written by two threads (:mod:`reshard.io.halves` forced down to 128-byte runs): the helper
-    thread's EFBIG ends the run just as the writer's own would."""
-    dst = tmp_path / "out" / "meg"
-    code = ("import sys; from reshard.io import halves; halves.SPLIT_BYTES = 1; halves.CUT_ALIGN = 64; "
-            "from reshard.cli import run; sys.argv = ['reshard', *sys.argv[1:]]; run()")
-    proc = subprocess.run([sys.executable, "-c", code, "convert", src, dst, "--to", "megatron", "--tp", "1"],
-                          capture_output=True, text=True, env={**os.environ, "RESHARD_DEBUG": "0"},
-                          preexec_fn=_file_size_limit(1536 << 10), timeout=300)
-    assert proc.returncode == 3, (proc.returncode, proc.stderr)
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "[EFBIG]" in lines[0] and "Traceback" not in proc.stderr, proc.stderr
-    assert not dst.exists()
-    assert leftovers(tmp_path) == []
-
-
 class _FillingFile:
     """A real file whose writes fail with ENOSPC once ``budget`` bytes have been written."""
 

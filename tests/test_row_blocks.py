@@ -25,6 +25,7 @@ import torch
 
 import reshard
 import reshard.execute as execute
+import reshard.io.copy_ranges as copy_ranges_module
 from checkpoints import make_hf
 from reshard.conversion import make_plan
 from reshard.core.blocks import block, row_blocks, splittable
@@ -152,8 +153,12 @@ def _tree(folder) -> list[str]:
 @pytest.mark.parametrize("src,to,kw", CONVERSIONS,
                          ids=[f"{s}-{t}-{'-'.join(map(str, k.values()))}" for s, t, k in CONVERSIONS])
 def test_output_bytes_do_not_depend_on_the_block_size(sources, tmp_path, monkeypatch, src, to, kw):
+    """Where every buffered tensor of a conversion is copied file to file instead (``copy_ranges``), the pair is
+    run again with those copies turned off, so that the blocks are streamed (the writers align copied records
+    differently, so each pair is compared within itself)."""
     split = []
     original = PartialFile.write_block
+    copy_ranges = execute.as_ranges
 
     def spy(self, name, data, total, first, last):
         if not (first and last):
@@ -161,19 +166,66 @@ def test_output_bytes_do_not_depend_on_the_block_size(sources, tmp_path, monkeyp
         return original(self, name, data, total, first, last)
 
     monkeypatch.setattr(PartialFile, "write_block", spy)
-    outputs = {}
-    for step in (1 << 40, 4096):
-        monkeypatch.setattr(execute, "STEP_BYTES", step)
-        split.clear()
-        outputs[step] = tmp_path / f"step-{step}"
-        reshard.convert(sources[src], str(outputs[step]), to=to, workers=1, **kw)
-        if step == 1 << 40:
-            assert split == []  # unbounded: every tensor in one block, the unchunked path
+    for ranges in (True, False):
+        for module in (execute, copy_ranges_module):
+            monkeypatch.setattr(module, "as_ranges", copy_ranges if ranges else lambda tensor, files: None)
+        outputs = {}
+        for step in (1 << 40, 4096):
+            monkeypatch.setattr(execute, "STEP_BYTES", step)
+            split.clear()
+            outputs[step] = tmp_path / f"step-{step}-{ranges}"
+            reshard.convert(sources[src], str(outputs[step]), to=to, workers=1, **kw)
+            if step == 1 << 40:
+                assert split == []  # unbounded: every tensor in one block, the unchunked path
+        whole, blocked = outputs[1 << 40], outputs[4096]
+        assert _tree(whole) == _tree(blocked)
+        different = [f for f in _tree(whole) if not filecmp.cmp(whole / f, blocked / f, shallow=False)]
+        assert different == []
+        if split:
+            break
     assert split, "the 4 KiB step streamed no tensor in blocks"
-    whole, blocked = outputs[1 << 40], outputs[4096]
-    assert _tree(whole) == _tree(blocked)
-    different = [f for f in _tree(whole) if not filecmp.cmp(whole / f, blocked / f, shallow=False)]
-    assert different == []
+
+
+REORDERING = [("hf", "meta", dict(tp=2)), ("meta", "hf", {}), ("meta", "vllm", dict(tp=4)),
+              ("mixtral", "vllm", dict(tp=2)), ("mixtral_vllm", "megatron", dict(tp=2, ep=2)),
+              ("mixtral_vllm", "vllm", dict(tp=4)), ("mixtral_vllm_ep", "hf", {})]
+
+
+def test_the_byte_gatherer_builds_reordering_reads(sources):
+    """Interleaved-RoPE row orders (Meta's wq / wk) and blocks of stacked tensors (vLLM's experts, read or
+    written) are byte moves: the torch-free gatherer builds every such tensor, whole and in row blocks, and its
+    bytes equal the torch reader's."""
+    kinds = {"interleave": 0, "src_block": 0, "dst_block": 0}
+    for src, to, kw in REORDERING:
+        opts = Options(**kw)
+        with open_checkpoint(sources[src], opts) as source:
+            plan, _ = make_plan(source, to, opts)
+            for target in plan.files:
+                for tensor in target.tensors:
+                    found = [k for k in kinds if any(getattr(op, k) not in (None, 0) for op in tensor.reads)]
+                    if not found:
+                        continue
+                    assert direct(tensor, source.files), (src, to, tensor.name)
+                    pieces = [tensor] + row_blocks(tensor, max(1, tensor.nbytes // 3))
+                    for piece in pieces:
+                        want = _bytes(execute.assemble(piece, source.files))
+                        assert _gathered(piece, source.files) == want, (src, to, tensor.name, piece.shape)
+                    for k in found:
+                        kinds[k] += 1
+    assert all(kinds.values()), kinds
+
+
+def test_reordering_conversions_do_not_import_torch(sources, tmp_path):
+    """HF -> Meta (RoPE rows reordered) and Mixtral HF -> vLLM (experts stacked) run without torch (torch's
+    import is seconds of a conversion's time)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, reshard; reshard.convert(sys.argv[1], sys.argv[3], to='meta', tp=2); "
+            "reshard.convert(sys.argv[2], sys.argv[4], to='vllm', tp=2); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, sources["hf"], sources["mixtral"], str(tmp_path / "meta"),
+                          str(tmp_path / "vllm")], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 def test_blocked_zip_records_have_their_crc(sources, tmp_path, monkeypatch):
@@ -258,32 +310,3 @@ def test_every_tensor_streams_in_bounded_blocks(sources, src, to, kw):
                 "mixtral_vllm-megatron": {"stacked source"}, "mixtral_vllm_ep-hf": {"stacked source"},
                 "mixtral_vllm-vllm": {"stacked source", "stacked target", "within one expert"}}
     assert expected.get(f"{src}-{to}", set()) <= kinds
-
-
-HALVED = [("hf", "megatron", dict(tp=1)), ("megatron", "hf", {}), ("hf", "torch_dist", dict(tp=2)),
-          ("mixtral", "vllm", dict(tp=2)), ("hf", "hf", dict(dtype="bf16")), ("meta", "megatron", dict(tp=2))]
-
-
-@pytest.mark.parametrize("src,to,kw", HALVED, ids=[f"{s}-{t}-{'-'.join(map(str, k.values()))}" for s, t, k in HALVED])
-def test_output_bytes_do_not_depend_on_writing_in_halves(sources, tmp_path, monkeypatch, src, to, kw):
-    """A long run (a copied tensor, a block through memory) is written by two threads at once, each half at
-    its own offset; forced on every run of 128 bytes or more (halves meeting on 64-byte boundaries), the trees
-    are byte-identical to writing each run whole, and halves were written."""
-    from reshard.io import halves
-
-    calls = []
-    original = halves.both
-    monkeypatch.setattr(halves, "both", lambda first, second: (calls.append(1), original(first, second)))
-    import reshard.io.copy_ranges as copy_ranges
-    monkeypatch.setattr(copy_ranges, "both", halves.both)
-    outputs = {}
-    for split in (1 << 40, 1):
-        monkeypatch.setattr(halves, "SPLIT_BYTES", split)
-        monkeypatch.setattr(halves, "CUT_ALIGN", 64 if split == 1 else 1 << 20)
-        calls.clear()
-        outputs[split] = tmp_path / f"split-{split}"
-        reshard.convert(sources[src], str(outputs[split]), to=to, workers=1, **kw)
-        assert bool(calls) == (split == 1)
-    whole, halved = outputs[1 << 40], outputs[1]
-    assert _tree(whole) == _tree(halved)
-    assert [f for f in _tree(whole) if not filecmp.cmp(whole / f, halved / f, shallow=False)] == []

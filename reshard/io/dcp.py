@@ -297,7 +297,7 @@ class DistcpWriter(PartialFile):
     def _write_part(self, data: memoryview) -> None:
         if self._open[3] is None:
             self._crc_blocks = crc32(data, self._crc_blocks)
-        self.append(data)
+        self._file.write(data)
 
     def _end_tensor(self) -> None:
         name, records, start, crc, crc_at = self._open

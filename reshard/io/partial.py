@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from reshard.io import halves, writeback
+from reshard.io import writeback
 from reshard.pause_points import pause_point
 
 #: Page size the writers align copied tensor data to: in-kernel copies run about twice as fast when source and
@@ -49,19 +49,7 @@ class PartialFile:
         raise NotImplementedError
 
     def _write_part(self, data: memoryview) -> None:
-        self.append(data)
-
-    def append(self, data: memoryview) -> None:
-        """Write ``data`` at the end of what the file holds (a long block by two threads: :mod:`halves`)."""
-        cut = halves.midpoint(len(data))
-        if not cut:
-            self._file.write(data)
-            return
-        self._file.flush()
-        fd, pos = self._file.fileno(), self._file.tell()
-        halves.both(lambda: halves.pwrite_all(fd, data[:cut], pos),
-                    lambda: halves.pwrite_all(fd, data[cut:], pos + cut))
-        self._file.seek(pos + len(data))
+        self._file.write(data)
 
     def _end_tensor(self) -> None:
         raise NotImplementedError

@@ -410,7 +410,7 @@ class TorchZipWriter(PartialFile):
     def _write_part(self, data: memoryview) -> None:
         if self._crc is None:
             self._crc_blocks = crc32(data, self._crc_blocks)
-        self.append(data)
+        self._file.write(data)
 
     def _end_tensor(self) -> None:
         if self._crc is None:
