@@ -175,14 +175,14 @@ def render_markdown(result: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "| size GiB | operation | median s | min–max s | × cp (min–max) | × cp, medians | × pcp | GiB/s | "
+        "| size GiB | operation | median s | min–max s | × cp (min–max) | × cp, medians | × pcp | GiB/s | out / in | "
         "peak RSS MiB | RSS / largest tensor | ≤ 512 MiB |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
     ]
     for row in sorted(result["summary"], key=lambda r: (r["size_gib"], list(OPS).index(r["op"]))):
         size = row["size"]
         if row["ok_runs"] == 0:
-            lines.append(f"| {size} | {row['op']} | {row['status']} | | | | | | | | |")
+            lines.append(f"| {size} | {row['op']} | {row['status']} | | | | | | | | | |")
             continue
         ratio = f"{row['ratio_to_cp']:.2f}" if row["ratio_to_cp"] is not None else "n/a"
         if row.get("ratio_min") is not None and row["ratio_max"] != row["ratio_min"]:
@@ -194,9 +194,10 @@ def render_markdown(result: dict[str, Any]) -> str:
         op = row["op"] if row["status"] == "ok" else f"{row['op']} ({row['status']})"
         medians = f"{row['ratio_of_medians']:.2f}" if row.get("ratio_of_medians") is not None else ""
         pcp = f"{row['ratio_to_pcp']:.2f}" if row.get("ratio_to_pcp") is not None else ""
+        written = f"{row['output_bytes'] / row['source_bytes']:.2f}" if row.get("output_bytes") and row["source_bytes"] else ""
         lines.append(
             f"| {size} | {op} | {_fmt_s(row['median_s'])} | {_fmt_s(row['min_s'])}–{_fmt_s(row['max_s'])} | {ratio} | "
-            f"{medians} | {pcp} | {row['gib_per_s']:.3g} | {row['peak_rss_mib']:.0f} | {per} | "
+            f"{medians} | {pcp} | {row['gib_per_s']:.3g} | {written} | {row['peak_rss_mib']:.0f} | {per} | "
             f"{'yes' if row['within_rss_bound'] else 'NO'} |"
         )
     flat = flatness(result["summary"])
@@ -216,7 +217,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         "Peak RSS is `ru_maxrss` of the child from `os.wait4` (the max over the child and the descendants it "
         "reaped, not a sum; it includes file-backed pages such as mmapped safetensors) taken over all repeats. "
         "RSS / largest tensor divides it by the largest source tensor; `(out …)` gives the largest tensor found in the "
-        "output when it differs. GiB/s is source bytes (the Megatron TP8 checkpoint for `megatron_tp8_*`) / median time. "
+        "output when it differs. GiB/s is source bytes (the Megatron TP8 checkpoint for `megatron_tp8_*`) / median time; out / in is bytes "
+        "written over bytes read (TensorRT-LLM's default layout repeats the embedding on every rank). "
         "bench.json also has sampled whole-process-tree RSS and anonymous RSS.",
         "",
     ]

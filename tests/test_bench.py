@@ -174,6 +174,11 @@ def test_bench_cp_and_naive(tmp_path):
     assert data["sizes_info"][SIZE]["largest_tensor"]["name"] == "model.embed_tokens.weight"
     assert not (tmp_path / "work").exists()  # outputs deleted
     assert "| size GiB | operation | median s |" in md
+    header = next(ln for ln in md.splitlines() if ln.startswith("| size GiB |"))
+    column = [c.strip() for c in header.strip("|").split("|")].index("out / in")
+    written = {op: float(md_rows(md, op)[0].strip("|").split("|")[column]) for op in ("cp", "naive")}
+    assert written["cp"] == 1.0  # cp writes exactly the bytes it reads
+    assert written["naive"] == pytest.approx(naive["output_bytes"] / naive["source_bytes"], abs=0.01)
 
 
 # -------------------------------------------------- bench pipeline with a fake converter ---
