@@ -13,10 +13,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from checkpoints import hf_config, hf_tensor_shapes, make_hf, position_coded
+from cli_inprocess import run_main
 
 
-def cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "reshard", *map(str, args)], capture_output=True, text=True, cwd=cwd)
+def cli(*args):
+    """``reshard ARGS`` in this process (torch and the interpreter are already up); the installed executable itself
+    is run by test_usage_errors_from_the_installed_executable and test_demo."""
+    return run_main(*args)
+
+
+def cli_process(*args):
+    return subprocess.run([sys.executable, "-m", "reshard", *map(str, args)], capture_output=True, text=True)
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +32,7 @@ def hf(tmp_path_factory):
 
 
 def test_demo(tmp_path):
-    proc = cli("demo", "--workdir", tmp_path)
+    proc = cli_process("demo", "--workdir", tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "demo passed" in proc.stdout and proc.stdout.count("tensors bit-exact") == 5
     assert "forward check: hf-roundtrip at tp=2 (gloo) vs source at tp=1" in proc.stdout
