@@ -194,7 +194,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         op = row["op"] if row["status"] == "ok" else f"{row['op']} ({row['status']})"
         medians = f"{row['ratio_of_medians']:.2f}" if row.get("ratio_of_medians") is not None else ""
         pcp = f"{row['ratio_to_pcp']:.2f}" if row.get("ratio_to_pcp") is not None else ""
-        written = f"{row['output_bytes'] / row['source_bytes']:.2f}" if row.get("output_bytes") and row["source_bytes"] else ""
+        written_bytes, read_bytes = row.get("output_bytes"), row["source_bytes"]
+        written = f"{written_bytes / read_bytes:.2f}" if written_bytes and read_bytes else ""
         lines.append(
             f"| {size} | {op} | {_fmt_s(row['median_s'])} | {_fmt_s(row['min_s'])}–{_fmt_s(row['max_s'])} | {ratio} | "
             f"{medians} | {pcp} | {row['gib_per_s']:.3g} | {written} | {row['peak_rss_mib']:.0f} | {per} | "

@@ -17,8 +17,8 @@ from cli_inprocess import run_main
 
 
 def cli(*args):
-    """``reshard ARGS`` in this process (torch and the interpreter are already up); the installed executable itself
-    is run by test_usage_errors_from_the_installed_executable and test_demo."""
+    """``reshard ARGS`` in this process (torch and the interpreter are already up); test_demo runs ``python -m
+    reshard`` and test_usage_errors_from_the_installed_executable the installed command."""
     return run_main(*args)
 
 

@@ -44,11 +44,6 @@ class ReadOp:
     def blocked(self) -> bool:
         return self.src_block is not None or self.dst_block is not None
 
-    @property
-    def reordered(self) -> bool:
-        """Whether the bytes cannot be copied as they are (a transpose, a block or a RoPE row order)."""
-        return self.transposed or self.blocked or bool(self.interleave)
-
 
 @dataclass
 class TargetTensor:

@@ -58,8 +58,6 @@ def as_ranges(tensor: TargetTensor, files: list[TensorFile]) -> Ranges | None:
     a RoPE row order, a constant fill). A block of a stacked source or target is a run like any other."""
     if tensor.fill is not None or not tensor.shape or not direct(tensor, files):
         return None
-    if tensor.has_padding and any(op.dst_block is not None for op in tensor.reads):
-        return None
     runs = []
     for op in tensor.reads:
         part = resolve(op, tensor, files)

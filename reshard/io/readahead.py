@@ -3,13 +3,14 @@
 The advice queues reads and returns; the pages land in the page cache, not in this process, so peak RSS does
 not change, and correctness never depends on it (a page that has not arrived is read when it is touched). Two
 uses: :class:`ReadAhead` walks the executor's steps up to a bounded window ahead of it, so the disk works with
-deep queues while cached data is being processed; :func:`read_heads_in_background` starts on the heads of
-Megatron rank files while torch is imported, before any plan exists.
+deep queues while cached data is being processed; :func:`read_heads_while_torch_imports` starts on the heads
+of a torch-format source's data files while torch is imported, before any plan exists.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 
 from reshard.core.plan import TargetTensor
@@ -132,6 +133,13 @@ def read_heads_in_background(paths: list[str], budget: int | None = None) -> Non
     budget = read_ahead_window() if budget is None else budget
     threading.Thread(target=_advise_heads, args=(list(paths), budget // len(paths)), daemon=True,
                      name="reshard-read-heads").start()
+
+
+def read_heads_while_torch_imports(paths: list[str]) -> None:
+    """:func:`read_heads_in_background` for a source whose index needs ``torch.load`` (Megatron ``.pt``, torch_dist's
+    ``common.pt``, Meta), when torch is not imported yet: the disk works during the import."""
+    if "torch" not in sys.modules:
+        read_heads_in_background(paths)
 
 
 def _advise_heads(paths: list[str], per_file: int) -> None:

@@ -15,7 +15,6 @@ import json
 import math
 import os
 import re
-import sys
 from dataclasses import dataclass, replace
 
 from reshard.core.canonical import CanonicalModel, build_canonical, instance
@@ -26,7 +25,7 @@ from reshard.core.sharding import (check_megatron_degrees, megatron_padded_vocab
 from reshard.errors import CheckpointError, PlanError
 from reshard.io import dtypes
 from reshard.io.partial import replace_with_text
-from reshard.io.readahead import read_heads_in_background
+from reshard.io.readahead import read_heads_while_torch_imports
 from reshard.io.torch_format import MegatronEnum, TensorSlot, TorchFile, torch_dtype_global
 from reshard.layouts.base import Layout, Options, Source, TargetPlan, TargetSpec, check_shape, find_side_files
 from reshard.layouts.hf import write_config
@@ -341,8 +340,7 @@ def open_source(path: str, opts: Options) -> Source:
     folder, iteration = _iteration_dir(path)
     root = _checkpoint_root(path, folder)
     found_folders = scan_rank_folders(folder)
-    if "torch" not in sys.modules:  # importing torch takes a second or more: read meanwhile
-        read_heads_in_background(list(found_folders.values()))
+    read_heads_while_torch_imports(list(found_folders.values()))
     probe = TorchFile(found_folders[min(found_folders)])
     args = probe.structure.get("args") if isinstance(probe.structure, dict) else None
     probe.close()

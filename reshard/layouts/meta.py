@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 
 from reshard.core.canonical import CanonicalModel, build_canonical
 from reshard.core.model_config import ConfigLoss, ModelConfig
@@ -24,7 +23,7 @@ from reshard.core.pieces import StoredTensor
 from reshard.core.sharding import even_pieces, pack_members, vocab_pieces
 from reshard.errors import CheckpointError, PlanError
 from reshard.io.partial import replace_with_text
-from reshard.io.readahead import read_heads_in_background
+from reshard.io.readahead import read_heads_while_torch_imports
 from reshard.io.torch_format import TensorSlot, TorchFile
 from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, check_shape, find_side_files,
                                   read_json_object)
@@ -176,8 +175,7 @@ def open_source(path: str, opts: Options) -> Source:
     if missing:
         raise CheckpointError(f"{path}: {file_name(missing[0])} is missing (found up to {file_name(n - 1)}); the "
                               "checkpoint is incomplete")
-    if "torch" not in sys.modules:  # torch.load needs torch (seconds to import): read the rank files meanwhile
-        read_heads_in_background([ranks[r] for r in range(n)])
+    read_heads_while_torch_imports([ranks[r] for r in range(n)])
     files = [TorchFile(ranks[r]) for r in range(n)]
     emb = next(s for s in family.weights if s.split == "vocab" and s.stage == "first")
     loc = files[0].tensors.get(emb.meta)

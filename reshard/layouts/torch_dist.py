@@ -18,7 +18,6 @@ import json
 import math
 import os
 import re
-import sys
 
 from reshard.core.canonical import build_canonical
 from reshard.core.pieces import Piece, StoredTensor
@@ -26,7 +25,7 @@ from reshard.errors import CheckpointError, PlanError
 from reshard.io import dtypes
 from reshard.io.dcp import DcpTensor, DistcpFile, metadata_pickle, read_metadata, written_chunks
 from reshard.io.partial import replace_with_text
-from reshard.io.readahead import read_heads_in_background
+from reshard.io.readahead import read_heads_while_torch_imports
 from reshard.io.torch_format import TorchFile, TorchZipWriter, object_archive
 from reshard.layouts import megatron
 from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, find_side_files, pack_by_size,
@@ -163,8 +162,7 @@ def open_source(path: str, opts: Options) -> Source:
     if not os.path.isfile(common_path):
         raise CheckpointError(f"{folder} has no {COMMON} (megatron-core 0.19+ keeps the run's args inside the "
                               "data files): not supported yet")
-    if "torch" not in sys.modules:  # common.pt needs torch (seconds to import): read the data files meanwhile
-        read_heads_in_background(sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".distcp")))
+    read_heads_while_torch_imports(sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".distcp")))
     common = TorchFile(common_path).structure
     if not isinstance(common, dict) or "args" not in common:
         raise CheckpointError(f"{common_path}: no 'args': cannot tell the model config")
