@@ -375,7 +375,12 @@ def _terminated(signum, frame):
 def run() -> None:
     """The console entry point: :func:`main`, then leave without interpreter teardown. Every output file is closed
     and published by then; what teardown would do is run torch's finalizers, half a second after a conversion
-    that imported it. Tracebacks (``RESHARD_DEBUG=1``) still take the normal exit."""
+    that imported it. Tracebacks (``RESHARD_DEBUG=1``) still take the normal exit. First of all, a local
+    source's weight files start being read (:func:`reshard.io.heads.read_source_heads_early`): parsing the
+    command line imports the parser's and the layouts' modules, half a second in which the disk would idle."""
+    from reshard.io.heads import read_source_heads_early
+
+    read_source_heads_early(sys.argv[1:])
     try:
         main()
         code = 0

@@ -27,7 +27,8 @@ from reshard.errors import CheckpointError
 from reshard.io import dtypes
 from reshard.io.copy_ranges import Ranges, as_ranges, data_phase
 from reshard.io.gather import Gatherer, direct
-from reshard.io.readahead import ReadAhead, read_ahead_window, source_extents
+from reshard.io.heads import read_ahead_window
+from reshard.io.readahead import ReadAhead, source_extents
 from reshard.io.safetensors_format import SafetensorsWriter
 from reshard.io.tensorfile import TensorFile
 from reshard.io.torch_format import TensorSlot, TorchZipWriter, crc32

@@ -77,6 +77,7 @@ from bench_ops import (  # noqa: E402,F401 - REPO_ROOT, SRC_DIR, OPS: re-exporte
     add_torchrun_op,
     build_cmd,
     child_env,
+    compile_bytecode,
     default_reshard,
     parallel_streams,
     probe_converter,
@@ -213,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         r = run_child([sys.executable, "-c", "import torch, safetensors.torch"], logs / "baseline-torch.log", env, 300)
         result["baselines"]["python_import_torch_peak_rss_bytes"] = r["peak_rss_bytes"] if r["rc"] == 0 else None
     if need_converter:
+        if args.reshard == default_reshard():
+            result["environment"]["reshard_bytecode"] = compile_bytecode()
         conv = probe_converter(env, logs, args.reshard)
         result["converter"] = conv
         if conv["available"]:

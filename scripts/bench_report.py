@@ -149,6 +149,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"- {env['cpus']} CPUs, {env['mem_gib']:.1f} GiB RAM, Python {env['python']}, torch {env['torch']}; "
         f"page cache: **{result['cache_mode']}**: {cache_text}"
     )
+    if env.get("reshard_bytecode"):
+        lines.append(f"- reshard's bytecode: {env['reshard_bytecode']}")
     caches = sorted({r.get("cache") for r in result["runs"] if r.get("cache")} - {result["cache_mode"]})
     if caches:
         lines.append(f"- **some runs fell back to cache mode {', '.join(caches)}** (see bench.json)")

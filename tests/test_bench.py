@@ -280,6 +280,10 @@ def test_bench_converter_ops(tmp_path):
             assert row["ratio_to_cp"] > 0 and row["ratio_kind"] == "median of paired runs"
     assert_paired(data, ["hf_to_megatron_tp8", "megatron_tp8_to_tp4"])
     assert not (tmp_path / "work").exists()
+    # the converter runs from bytecode, as an installed package does, whatever PYTHONDONTWRITEBYTECODE says
+    assert data["environment"]["reshard_bytecode"].startswith("compiled by the bench")
+    assert os.path.exists(importlib.util.cache_from_source(str(REPO / "reshard" / "cli.py")))
+    assert "reshard's bytecode: compiled by the bench" in md
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import reshard
-from reshard.io import mapped, readahead, writeback
+from reshard.io import heads, mapped, readahead, writeback
 from reshard.io.partial import PAGE
 from reshard.io.safetensors_format import SafetensorsFile
 from reshard.io.torch_format import TorchFile
@@ -158,16 +158,50 @@ def test_read_ahead_stays_within_its_window(monkeypatch):
 def test_heads_are_read_round_robin_within_budget(tmp_path, monkeypatch):
     advice = _Advice()
     monkeypatch.setattr(os, "posix_fadvise", advice)
-    monkeypatch.setattr(readahead, "_HEAD_CHUNK", 100)
+    monkeypatch.setattr(heads, "_HEAD_CHUNK", 100)
     paths = []
     for i in range(3):
         paths.append(str(tmp_path / f"f{i}"))
         open(paths[-1], "wb").close()
-    readahead.read_heads_in_background(paths, budget=3 * 250)
+    heads.read_heads_in_background(paths, budget=3 * 250)
     calls = advice.wait_for(9)
     assert [(offset, length) for _, offset, length in calls] == \
         [(0, 100)] * 3 + [(100, 100)] * 3 + [(200, 50)] * 3
     assert len({fd for fd, _, _ in calls[:3]}) == 3
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="posix_fadvise is Linux/BSD only")
+def test_the_cli_starts_reading_a_local_sources_weight_files_before_parsing(tmp_path, monkeypatch):
+    """`reshard convert SRC ...`: the heads of SRC's top-level weight files (safetensors when there are any, else
+    pickled shards; never sub-folders) are advised before the command line is parsed, at most EARLY_BUDGET
+    bytes; other commands, options before SRC and missing folders advise nothing."""
+    src = tmp_path / "src"
+    (src / "original").mkdir(parents=True)
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "pytorch_model.bin",
+                 "config.json", "original/consolidated.00.pth"):
+        (src / name).write_bytes(b"x" * 10)
+    assert heads.top_level_weight_files(str(src)) == [str(src / "model-00001-of-00002.safetensors"),
+                                                     str(src / "model-00002-of-00002.safetensors")]
+    (src / "model-00001-of-00002.safetensors").unlink()
+    (src / "model-00002-of-00002.safetensors").unlink()
+    assert heads.top_level_weight_files(str(src)) == [str(src / "pytorch_model.bin")]
+    assert heads.top_level_weight_files(str(tmp_path / "absent")) == []
+
+    advised: list[tuple[str, int, int]] = []
+    done = threading.Event()
+
+    def advise(paths, per_file):
+        for path in paths:
+            advised.append((path, 0, per_file))
+        done.set()
+
+    monkeypatch.setattr(heads, "_advise_heads", advise)
+    monkeypatch.setattr(heads, "EARLY_BUDGET", 3000)
+    for argv in (["inspect", str(src)], ["convert", "--to", "hf", str(src)], ["convert", str(tmp_path / "no")]):
+        heads.read_source_heads_early(argv)
+    assert not done.wait(0.2) and advised == []
+    heads.read_source_heads_early(["convert", str(src), str(tmp_path / "out"), "--to", "megatron"])
+    assert done.wait(10) and advised == [(str(src / "pytorch_model.bin"), 0, 3000)]
 
 
 def test_early_write_out_covers_each_file_in_order_and_changes_no_byte(hf_source, tmp_path, monkeypatch):

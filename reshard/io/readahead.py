@@ -1,24 +1,21 @@
 """Asks the kernel to read source bytes before the converter needs them (``posix_fadvise(WILLNEED)``).
 
 The advice queues reads and returns; the pages land in the page cache, not in this process, so peak RSS does
-not change, and correctness never depends on it (a page that has not arrived is read when it is touched). Two
-uses: :class:`ReadAhead` walks the executor's steps up to a bounded window ahead of it, so the disk works with
-deep queues while cached data is being processed; :func:`read_heads_while_torch_imports` starts on the heads
-of a torch-format source's data files while torch is imported, before any plan exists.
+not change, and correctness never depends on it (a page that has not arrived is read when it is touched).
+:class:`ReadAhead` walks the executor's steps up to a bounded window ahead of it, so the disk works with deep
+queues while cached data is being processed. (Reads before any plan exists: :mod:`reshard.io.heads`.)
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import threading
 
 from reshard.core.plan import TargetTensor
 from reshard.io import dtypes
 from reshard.io.gather import split_at_axis
+from reshard.io.heads import SUPPORTED
 from reshard.io.tensorfile import TensorFile, block_location
-
-_SUPPORTED = hasattr(os, "posix_fadvise") and hasattr(os, "POSIX_FADV_WILLNEED")
 
 
 def source_extents(tensor: TargetTensor, files: list[TensorFile]) -> list[tuple[int, int, int]]:
@@ -58,22 +55,6 @@ def _merged(extents: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
     return [(fd, offset, length) for fd, offset, length in out]
 
 
-#: Most source bytes requested ahead of the executor (page cache, never this process's memory).
-WINDOW = 2 << 30
-
-
-def read_ahead_window() -> int:
-    """``WINDOW``, or a quarter of the memory available now when that is less (never crowd out the cache)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return max(64 << 20, min(WINDOW, int(line.split()[1]) * 1024 // 4))
-    except (OSError, ValueError, IndexError):
-        pass
-    return WINDOW
-
-
 class ReadAhead:
     """Advises the source ranges of ``steps`` (in the order the executor consumes them) on a daemon thread,
     staying at most ``window`` bytes ahead of the last step reported done (always at least one step)."""
@@ -86,7 +67,7 @@ class ReadAhead:
         self._closed = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, daemon=True, name="reshard-read-ahead")
-        if _SUPPORTED and window > 0:
+        if SUPPORTED and window > 0:
             self._thread.start()
 
     def step_done(self) -> None:
@@ -119,39 +100,3 @@ class ReadAhead:
                     os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
             except OSError:  # a hint: a closed descriptor ends read-ahead
                 return
-
-
-_HEAD_CHUNK = 8 << 20
-
-
-def read_heads_in_background(paths: list[str], budget: int | None = None) -> None:
-    """Start reading the first ``budget / len(paths)`` bytes of every file (default budget: the read-ahead
-    window), round-robin in chunks, on a daemon thread: the disk works while torch is imported (a second or
-    more) before any plan exists. Ranks are read in lockstep, so the heads of all files are read first."""
-    if not _SUPPORTED or not paths:
-        return
-    budget = read_ahead_window() if budget is None else budget
-    threading.Thread(target=_advise_heads, args=(list(paths), budget // len(paths)), daemon=True,
-                     name="reshard-read-heads").start()
-
-
-def read_heads_while_torch_imports(paths: list[str]) -> None:
-    """:func:`read_heads_in_background` for a source whose index needs ``torch.load`` (Megatron ``.pt``, torch_dist's
-    ``common.pt``, Meta), when torch is not imported yet: the disk works during the import."""
-    if "torch" not in sys.modules:
-        read_heads_in_background(paths)
-
-
-def _advise_heads(paths: list[str], per_file: int) -> None:
-    fds = []
-    try:
-        for path in paths:
-            fds.append(os.open(path, os.O_RDONLY))
-        for start in range(0, per_file, _HEAD_CHUNK):
-            for fd in fds:
-                os.posix_fadvise(fd, start, min(_HEAD_CHUNK, per_file - start), os.POSIX_FADV_WILLNEED)
-    except OSError:  # a hint: a file that cannot be opened is reported by the real reader
-        pass
-    finally:
-        for fd in fds:
-            os.close(fd)

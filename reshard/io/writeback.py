@@ -9,11 +9,10 @@ published.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 #: Bytes a file accumulates before write-out of them is started.
-CHUNK = 64 << 20
+CHUNK = 4 << 20
 _SYNC_FILE_RANGE_WRITE = 2
 
 
@@ -21,7 +20,8 @@ def _load_sync_file_range():
     if not hasattr(os, "uname") or os.uname().sysname != "Linux":
         return None
     try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).sync_file_range
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range  # libc's, already loaded (find_library would run
+        # ldconfig in a subprocess)
     except (OSError, AttributeError):
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]

@@ -25,7 +25,7 @@ from reshard.core.sharding import (check_megatron_degrees, megatron_padded_vocab
 from reshard.errors import CheckpointError, PlanError
 from reshard.io import dtypes
 from reshard.io.partial import replace_with_text
-from reshard.io.readahead import read_heads_while_torch_imports
+from reshard.io.heads import read_heads_while_torch_imports
 from reshard.io.torch_format import MegatronEnum, TensorSlot, TorchFile, torch_dtype_global
 from reshard.layouts.base import Layout, Options, Source, TargetPlan, TargetSpec, check_shape, find_side_files
 from reshard.layouts.hf import write_config

@@ -23,7 +23,7 @@ from reshard.core.pieces import StoredTensor
 from reshard.core.sharding import even_pieces, pack_members, vocab_pieces
 from reshard.errors import CheckpointError, PlanError
 from reshard.io.partial import replace_with_text
-from reshard.io.readahead import read_heads_while_torch_imports
+from reshard.io.heads import read_heads_while_torch_imports
 from reshard.io.torch_format import TensorSlot, TorchFile
 from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, check_shape, find_side_files,
                                   read_json_object)

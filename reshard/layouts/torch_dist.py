@@ -25,7 +25,7 @@ from reshard.errors import CheckpointError, PlanError
 from reshard.io import dtypes
 from reshard.io.dcp import DcpTensor, DistcpFile, metadata_pickle, read_metadata, written_chunks
 from reshard.io.partial import replace_with_text
-from reshard.io.readahead import read_heads_while_torch_imports
+from reshard.io.heads import read_heads_while_torch_imports
 from reshard.io.torch_format import TorchFile, TorchZipWriter, object_archive
 from reshard.layouts import megatron
 from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, find_side_files, pack_by_size,
