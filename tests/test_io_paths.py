@@ -3,6 +3,7 @@ through short-lived maps. Each must leave the output bytes exactly as they would
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import threading
@@ -182,6 +183,15 @@ def test_the_cli_starts_reading_a_local_sources_weight_files_before_parsing(tmp_
         (src / name).write_bytes(b"x" * 10)
     assert heads.top_level_weight_files(str(src)) == [str(src / "model-00001-of-00002.safetensors"),
                                                      str(src / "model-00002-of-00002.safetensors")]
+    (src / "consolidated.safetensors").write_bytes(b"x" * 10)  # beside the shards, not in the index
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    assert heads.top_level_weight_files(str(src)) == [str(src / "model-00001-of-00002.safetensors"),
+                                                     str(src / "model-00002-of-00002.safetensors")]
+    (src / "model.safetensors.index.json").write_text("not json")  # a broken index: every safetensors file
+    assert len(heads.top_level_weight_files(str(src))) == 3
+    (src / "consolidated.safetensors").unlink()
+    (src / "model.safetensors.index.json").unlink()
     (src / "model-00001-of-00002.safetensors").unlink()
     (src / "model-00002-of-00002.safetensors").unlink()
     assert heads.top_level_weight_files(str(src)) == [str(src / "pytorch_model.bin")]

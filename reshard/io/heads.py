@@ -9,6 +9,7 @@ change, and correctness never depends on it (a page that has not arrived is read
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -56,13 +57,24 @@ def read_heads_while_torch_imports(paths: list[str]) -> None:
 
 
 def top_level_weight_files(folder: str) -> list[str]:
-    """The weight files directly in ``folder``: its ``*.safetensors`` (Hugging Face shards, TensorRT-LLM ranks),
-    else its ``*.bin`` / ``*.pth`` / ``*.pt`` (Hugging Face's pickled shards, Meta's ``consolidated.NN.pth``).
-    Sub-folders (Megatron's ``iter_*``, a repository's ``original/``) are left to the layout that reads them."""
+    """The weight files directly in ``folder``: the shards ``model.safetensors.index.json`` names when it exists
+    (a repository may also ship a ``consolidated.safetensors`` the index does not use), else its ``*.safetensors``
+    (Hugging Face shards, TensorRT-LLM ranks), else its ``*.bin`` / ``*.pth`` / ``*.pt`` (Hugging Face's pickled
+    shards, Meta's ``consolidated.NN.pth``). Sub-folders (Megatron's ``iter_*``, a repository's ``original/``) are
+    left to the layout that reads them."""
     try:
         names = sorted(n for n in os.listdir(folder) if not n.startswith("."))
     except OSError:
         return []
+    if "model.safetensors.index.json" in names:
+        try:
+            with open(os.path.join(folder, "model.safetensors.index.json")) as f:
+                shards = set(json.load(f)["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            shards = set()
+        listed = [os.path.join(folder, n) for n in names if n in shards]
+        if listed:
+            return listed
     for suffixes in ((".safetensors",), (".bin", ".pth", ".pt")):
         found = [os.path.join(folder, n) for n in names if n.endswith(suffixes)]
         found = [p for p in found if os.path.isfile(p)]
