@@ -232,6 +232,7 @@ FAKE_RESHARD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # 19 s: six ops and their copies as subprocesses; the report is also checked by the tests below
 def test_bench_pipeline_with_fake_converter(tmp_path, monkeypatch):
     fake = tmp_path / "fake_reshard.py"
     fake.write_text(FAKE_RESHARD)
