@@ -187,9 +187,10 @@ def _aligned(n: int) -> int:
     return n + (-n % _ALIGN)
 
 
-def step_bytes(files: list[TargetFile], k: int, sources: list[TensorFile]) -> int:
-    """Buffer bytes of step ``k``: tensors copied file to file (:func:`as_ranges`) never pass through memory."""
-    return sum(_aligned(f.tensors[k].nbytes) for f in files if as_ranges(f.tensors[k], sources) is None)
+def buffered_bytes(file: TargetFile, sources: list[TensorFile]) -> list[int]:
+    """Buffer bytes of each tensor of ``file`` in its step: 0 for a tensor copied file to file (:func:`as_ranges`,
+    it never passes through memory), else its size aligned."""
+    return [0 if as_ranges(t, sources) is not None else _aligned(t.nbytes) for t in file.tensors]
 
 
 def largest_tensor(plan: Plan, files: list[TensorFile]) -> int:
@@ -202,7 +203,8 @@ def largest_tensor(plan: Plan, files: list[TensorFile]) -> int:
 def lockstep_groups(files: list[TargetFile], limit: int, sources: list[TensorFile]) -> list[list[int]]:
     """Indices of target files grouped by identical tensor names (in first-appearance order), each group cut so
     that one step (the k-th tensor of every file in it) buffers at most ``limit`` bytes plus 10% (vocab
-    padding)."""
+    padding). Each file's tensors are sized once (the group's steps are running sums), so the cost is linear in
+    the files, not quadratic."""
     by_names: dict[tuple, list[int]] = {}
     for i, f in enumerate(files):
         by_names.setdefault((f.format, tuple(t.name for t in f.tensors)), []).append(i)
@@ -210,18 +212,23 @@ def lockstep_groups(files: list[TargetFile], limit: int, sources: list[TensorFil
     groups = []
     for members in by_names.values():
         current: list[int] = []
+        steps: list[int] = []
         for i in members:
-            if current and step_size([files[j] for j in current + [i]], sources) > cap:
+            sizes = buffered_bytes(files[i], sources)
+            grown = [a + b for a, b in zip(steps, sizes)] if current else sizes
+            if current and max(grown, default=0) > cap:
                 groups.append(current)
-                current = []
+                current, grown = [], sizes
             current.append(i)
+            steps = grown
         groups.append(current)
     return groups
 
 
 def step_size(files: list[TargetFile], sources: list[TensorFile]) -> int:
     """The largest step buffer of files written in lockstep."""
-    return max((step_bytes(files, k, sources) for k in range(len(files[0].tensors))), default=0)
+    sizes = [buffered_bytes(f, sources) for f in files]
+    return max((sum(column) for column in zip(*sizes)), default=0)
 
 
 def _split_for_workers(groups: list[list[int]], workers: int) -> list[list[int]]:
