@@ -173,8 +173,8 @@ def test_heads_are_read_round_robin_within_budget(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="posix_fadvise is Linux/BSD only")
 def test_the_cli_starts_reading_a_local_sources_weight_files_before_parsing(tmp_path, monkeypatch):
-    """`reshard convert SRC ...`: the heads of SRC's top-level weight files (safetensors when there are any, else
-    pickled shards; never sub-folders) are advised before the command line is parsed, at most EARLY_BUDGET
+    """`reshard convert SRC ...`: the heads of SRC's top-level weight files (the Hugging Face layout's choice, else
+    Meta's .pth; never sub-folders) are advised before the command line is parsed, at most EARLY_BUDGET
     bytes; other commands, options before SRC and missing folders advise nothing."""
     src = tmp_path / "src"
     (src / "original").mkdir(parents=True)
@@ -188,13 +188,18 @@ def test_the_cli_starts_reading_a_local_sources_weight_files_before_parsing(tmp_
         "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
     assert heads.top_level_weight_files(str(src)) == [str(src / "model-00001-of-00002.safetensors"),
                                                      str(src / "model-00002-of-00002.safetensors")]
-    (src / "model.safetensors.index.json").write_text("not json")  # a broken index: every safetensors file
-    assert len(heads.top_level_weight_files(str(src))) == 3
+    (src / "model.safetensors.index.json").write_text("not json")  # the layout refuses it: nothing is read
+    assert heads.top_level_weight_files(str(src)) == []
+    (src / "model.safetensors.index.json").unlink()  # no index: the shards, not Mistral's consolidated file
+    assert heads.top_level_weight_files(str(src)) == [str(src / "model-00001-of-00002.safetensors"),
+                                                     str(src / "model-00002-of-00002.safetensors")]
     (src / "consolidated.safetensors").unlink()
-    (src / "model.safetensors.index.json").unlink()
     (src / "model-00001-of-00002.safetensors").unlink()
     (src / "model-00002-of-00002.safetensors").unlink()
     assert heads.top_level_weight_files(str(src)) == [str(src / "pytorch_model.bin")]
+    (src / "pytorch_model.bin").unlink()
+    (src / "consolidated.00.pth").write_bytes(b"x" * 10)  # Meta's rank files
+    assert heads.top_level_weight_files(str(src)) == [str(src / "consolidated.00.pth")]
     assert heads.top_level_weight_files(str(tmp_path / "absent")) == []
 
     advised: list[tuple[str, int, int]] = []
@@ -211,7 +216,7 @@ def test_the_cli_starts_reading_a_local_sources_weight_files_before_parsing(tmp_
         heads.read_source_heads_early(argv)
     assert not done.wait(0.2) and advised == []
     heads.read_source_heads_early(["convert", str(src), str(tmp_path / "out"), "--to", "megatron"])
-    assert done.wait(10) and advised == [(str(src / "pytorch_model.bin"), 0, 3000)]
+    assert done.wait(10) and advised == [(str(src / "consolidated.00.pth"), 0, 3000)]
 
 
 def test_early_write_out_covers_each_file_in_order_and_changes_no_byte(hf_source, tmp_path, monkeypatch):

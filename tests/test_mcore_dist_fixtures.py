@@ -149,9 +149,9 @@ CASES = {
 }
 
 
-#: pp2_tied saves with megatron-core again (about 40 s of the default suite): it runs with ``-m slow``.
-# Both fixtures' self-checks are slow (34 s for tp2_qkvbias on two cores): they check the test data, not reshard,
-# whose torch_dist tests (tests/test_torch_dist_mcore.py) stay in the default suite.
+#: Both fixtures' self-checks run with ``-m slow`` (each saves with megatron-core: 34 s for tp2_qkvbias, about 40 s
+#: for pp2_tied on two cores): they check the test data, not reshard, whose torch_dist tests on these fixtures
+#: (tests/test_torch_dist_mcore.py) stay in the default suite.
 @pytest.fixture(scope="module", params=[pytest.param("tp2_qkvbias", marks=pytest.mark.slow),
                                         pytest.param("pp2_tied", marks=pytest.mark.slow)])
 def case(request, tmp_path_factory):

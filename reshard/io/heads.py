@@ -9,10 +9,13 @@ change, and correctness never depends on it (a page that has not arrived is read
 
 from __future__ import annotations
 
-import json
+import glob
 import os
 import sys
 import threading
+
+from reshard.errors import ReshardError
+from reshard.io.hf_files import weight_files
 
 SUPPORTED = hasattr(os, "posix_fadvise") and hasattr(os, "POSIX_FADV_WILLNEED")
 
@@ -57,30 +60,22 @@ def read_heads_while_torch_imports(paths: list[str]) -> None:
 
 
 def top_level_weight_files(folder: str) -> list[str]:
-    """The weight files directly in ``folder``: the shards ``model.safetensors.index.json`` names when it exists
-    (a repository may also ship a ``consolidated.safetensors`` the index does not use), else its ``*.safetensors``
-    (Hugging Face shards, TensorRT-LLM ranks), else its ``*.bin`` / ``*.pth`` / ``*.pt`` (Hugging Face's pickled
-    shards, Meta's ``consolidated.NN.pth``). Sub-folders (Megatron's ``iter_*``, a repository's ``original/``) are
-    left to the layout that reads them."""
-    try:
-        names = sorted(n for n in os.listdir(folder) if not n.startswith("."))
-    except OSError:
+    """The weight files directly in ``folder``: a Hugging Face folder's, chosen as its layout chooses them
+    (:func:`reshard.io.hf_files.weight_files`: the index's shards, else ``*.safetensors`` but Mistral's
+    ``consolidated*`` and adapters, else ``pytorch_model*.bin``; TensorRT-LLM's ``rank*.safetensors`` are among
+    them), else its ``*.pth`` / ``*.pt`` (Meta's ``consolidated.NN.pth``). A folder its layout will refuse (a broken
+    index) gets nothing; sub-folders (Megatron's ``iter_*``, a repository's ``original/``) are left to the layout
+    that reads them."""
+    if not os.path.isdir(folder):
         return []
-    if "model.safetensors.index.json" in names:
-        try:
-            with open(os.path.join(folder, "model.safetensors.index.json")) as f:
-                shards = set(json.load(f)["weight_map"].values())
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            shards = set()
-        listed = [os.path.join(folder, n) for n in names if n in shards]
-        if listed:
-            return listed
-    for suffixes in ((".safetensors",), (".bin", ".pth", ".pt")):
-        found = [os.path.join(folder, n) for n in names if n.endswith(suffixes)]
-        found = [p for p in found if os.path.isfile(p)]
-        if found:
-            return found
-    return []
+    try:
+        found = weight_files(folder)
+    except ReshardError:
+        return []
+    if found:
+        return found
+    return sorted(p for p in glob.glob(os.path.join(glob.escape(folder), "*.pt*"))
+                  if p.endswith((".pth", ".pt")) and os.path.isfile(p))
 
 
 def read_source_heads_early(argv: list[str]) -> None:

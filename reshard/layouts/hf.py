@@ -6,7 +6,6 @@ canonical ones themselves; a family's mapping says where HF fuses several (Phi-3
 
 from __future__ import annotations
 
-import glob
 import json
 import math
 import os
@@ -19,6 +18,7 @@ from reshard.core.sharding import pack_members
 from reshard.core.model_config import ConfigLoss
 from reshard.errors import CheckpointError, PlanError
 from reshard.io import dtypes
+from reshard.io.hf_files import BIN_INDEX, INDEX, is_other_format, is_weight_file, weight_files
 from reshard.io.partial import replace_with_text
 from reshard.io.safetensors_format import SafetensorsFile
 from reshard.io.tensorfile import TensorFile
@@ -29,42 +29,7 @@ from reshard.layouts.hf_config import read_meaning, write_config as write_hf_con
 from reshard.mapping import family_for_architecture
 
 NAME = "hf"
-INDEX = "model.safetensors.index.json"
-BIN_INDEX = "pytorch_model.bin.index.json"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; recomputed at run time
-
-
-def is_weight_file(name: str) -> bool:
-    """A top-level weight file or index of the HF layout."""
-    return "/" not in name and (name.endswith(".safetensors") or name in (INDEX, BIN_INDEX)
-                                or (name.startswith("pytorch_model") and name.endswith(".bin")))
-
-
-def _weight_files(path: str) -> list[str]:
-    """The checkpoint's weight files: the index's files, else *.safetensors, else pytorch_model*.bin."""
-    for index_name in (INDEX, BIN_INDEX):
-        index_path = os.path.join(path, index_name)
-        if os.path.isfile(index_path):
-            try:
-                weight_map = json.load(open(index_path))["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise CheckpointError(f"{index_path}: not a valid index (needs a 'weight_map' object)") from None
-            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-                raise CheckpointError(f"{index_path}: 'weight_map' must map tensor names to file names")
-            files = sorted(set(weight_map.values()))
-            for f in files:
-                if not os.path.isfile(os.path.join(path, f)):
-                    raise CheckpointError(f"{index_path} names {f}, which does not exist: the download is incomplete")
-            return [os.path.join(path, f) for f in files]
-    found = [p for p in sorted(glob.glob(os.path.join(path, "*.safetensors")))
-             if not is_other_format(os.path.basename(p))]
-    return found or sorted(glob.glob(os.path.join(path, "pytorch_model*.bin")))
-
-
-def is_other_format(name: str) -> bool:
-    """Safetensors files that sit beside a model's weights but are not them: Mistral's ``consolidated*``
-    (its own format) and a PEFT ``adapter_model`` (an adapter, not the model)."""
-    return name.startswith("consolidated") or name.startswith("adapter_model")
 
 
 def check_index(path: str, paths: list[str], files: list) -> None:
@@ -123,7 +88,7 @@ def architecture_of(config: dict, opts: Options) -> str:
 
 def open_source(path: str, opts: Options) -> Source:
     config = read_config(path)
-    paths = _weight_files(path)
+    paths = weight_files(path)
     if not paths:
         raise CheckpointError(f"{path} has config.json but no *.safetensors or pytorch_model*.bin weights")
     files = [TorchFile(p) if p.endswith(".bin") else SafetensorsFile(p) for p in paths]
