@@ -393,6 +393,8 @@ def run() -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
+    if "reshard.verification.forward.launch" in sys.modules:  # a forward check's worker server, if it started
+        sys.modules["reshard.verification.forward.launch"].stop_worker_server()
     os._exit(code)
 
 

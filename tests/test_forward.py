@@ -271,6 +271,54 @@ def test_timeout_kills_workers(megatron_tp2):
     assert not multiprocessing.active_children()
 
 
+def test_workers_see_the_callers_environment_of_the_moment(megatron_tp2, tmp_path, monkeypatch):
+    """The workers are forks of a server started with the first check (its environment dates from then): each
+    worker still gets the caller's environment as it is when the check starts (here RESHARD_DEBUG, which adds the
+    worker's traceback to its error)."""
+    src, good = megatron_tp2
+    broken = tmp_path / "m"
+    shutil.copytree(good, broken)
+    (broken / "release" / "mp_rank_01" / "model_optim_rng.pt").write_bytes(b"not a zip")
+    job = ForwardJob(a=Side(src, "hf", 1), b=Side(str(broken), "megatron", 2), input_ids=[[1, 2, 3]], vocab=1000,
+                     timeout=120)
+    monkeypatch.delenv("RESHARD_DEBUG", raising=False)
+    with pytest.raises(ReshardError) as plain:
+        launch(job)  # starts the server if no earlier test did
+    assert "Traceback" not in str(plain.value)
+    monkeypatch.setenv("RESHARD_DEBUG", "1")
+    with pytest.raises(ReshardError) as debug:
+        launch(job)
+    assert str(debug.value).startswith("forward check failed on rank 1") and "Traceback" in str(debug.value)
+    assert not multiprocessing.active_children()
+
+
+def test_the_command_leaves_no_process_behind(megatron_tp2, tmp_path):
+    """`reshard verify --forward` (the console entry point, which leaves with os._exit) ends its worker server too:
+    no process carrying this run's environment tag outlives the command. (Output to files, not pipes: a pipe
+    would make the wait last until every process holding it had gone.)"""
+    import os
+    import subprocess
+    import sys
+    import uuid
+
+    src, good = megatron_tp2
+    tag = f"forward-{uuid.uuid4().hex[:8]}"
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        proc = subprocess.run([sys.executable, "-m", "reshard", "verify", "--forward", src, str(good), "--json"],
+                              env={**os.environ, "RESHARD_TEST_TAG": tag}, stdout=out, stderr=err, timeout=300)
+    assert proc.returncode == 0, (tmp_path / "err").read_text()
+    assert json.loads((tmp_path / "out").read_text())["b"]["tp"] == 2
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"RESHARD_TEST_TAG={tag}".encode() in f.read().split(b"\0"):
+                    left.append(pid)
+        except OSError:
+            continue
+    assert left == [], "a process started by the command outlived it"
+
+
 def test_bf16_compute_uses_the_bf16_tolerance(tmp_path):
     """--compute-dtype bf16 runs both sides in bf16: the report says so, judges with the bf16 rule, and passes for
     an exact conversion (while still far from fp32-exact)."""

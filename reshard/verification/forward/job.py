@@ -31,7 +31,7 @@ class Side:
 
 @dataclass
 class ForwardJob:
-    """Everything a worker needs (plain data: it is pickled to spawned processes)."""
+    """Everything a worker needs (plain data: it is pickled to the worker processes)."""
 
     a: Side
     b: Side

@@ -1,8 +1,9 @@
 """Start the processes of a forward check and collect rank 0's report.
 
 Three ways: a world of one runs in this process; under ``torchrun`` (``WORLD_SIZE``/``RANK`` set, no process
-group yet) the given world is used (``env://`` rendezvous); otherwise ``world`` workers are spawned with
-``torch.multiprocessing`` (spawn context), rendezvousing through a ``FileStore`` in a private temporary folder
+group yet) the given world is used (``env://`` rendezvous); otherwise ``world`` workers are started with
+``torch.multiprocessing``'s forkserver context (:func:`worker_context`), rendezvousing through a ``FileStore`` in a
+private temporary folder
 (a c10d ``TCPStore``, even for host 127.0.0.1, listens on every interface; gloo itself is kept on the loopback
 interface with ``GLOO_SOCKET_IFNAME=lo``). A worker that raises ends the run with its one-line error; a worker
 that dies or a run that outlives ``timeout`` seconds is killed and fails.
@@ -36,8 +37,54 @@ def _one_line(exc: BaseException) -> tuple[str, int]:
     return f"{type(exc).__name__}: {first}", 1
 
 
-def _worker(rank: int, world: int, store_path: str, job: ForwardJob, results) -> None:
-    """Entry point of a spawned worker: report ("ok", rank, report) or ("error", rank, message, code)."""
+def worker_context():
+    """The forkserver context, its server preloaded with this module (torch, the decoder) and the main module.
+
+    A spawned worker imports torch and reshard afresh: 3-4 s each here, all ranks at once on few cores. The
+    forkserver is started once per process (with the first check) from a fresh interpreter and imports them
+    once; each worker is then a fork of that single-threaded server, which has run no torch op, so no thread pool
+    or lock is copied in use (forking the caller itself could copy both). Each worker still gets the caller's
+    current ``sys.path`` and working folder (multiprocessing's preparation data) and environment (:func:`_worker`).
+    The server exits with the caller."""
+    import sys
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    preload = [__name__, "reshard.cli"]
+    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if main_spec is not None and main_spec.name:  # run with -m: the workers import it again (as __mp_main__)
+        preload.append(main_spec.name)
+    ctx.set_forkserver_preload(preload)  # no effect once the server runs
+    return ctx
+
+
+def stop_worker_server() -> None:
+    """End the forkserver now, if this process started one, and multiprocessing's resource tracker (the console
+    entry point leaves with ``os._exit``; left alone, the server would notice and still spend a second unloading
+    torch, the tracker a moment)."""
+    import signal
+    from multiprocessing import forkserver, resource_tracker
+
+    server = getattr(forkserver, "_forkserver", None)
+    pid = getattr(server, "_forkserver_pid", None)
+    try:
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+            server._stop()  # reaps it, closes the pipe, removes its socket: the next check starts a fresh one
+        tracker = getattr(resource_tracker, "_resource_tracker", None)
+        if getattr(tracker, "_pid", None):
+            tracker._stop()  # it unlinks what is left registered and exits; reaped here
+    except (OSError, AttributeError):
+        pass
+
+
+def _worker(rank: int, world: int, store_path: str, job: ForwardJob, results, env: dict | None = None) -> None:
+    """Entry point of a worker: report ("ok", rank, report) or ("error", rank, message, code). ``env``: the
+    caller's environment when the worker was started (the forkserver's own dates from its start)."""
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
@@ -56,14 +103,13 @@ def _worker(rank: int, world: int, store_path: str, job: ForwardJob, results) ->
         results.put(("error", rank, message, code))
 
 
-def _spawn(job: ForwardJob, world: int) -> dict:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
+def _start_workers(job: ForwardJob, world: int) -> dict:
+    ctx = worker_context()
     results = ctx.Queue()
     rendezvous = tempfile.mkdtemp(prefix="reshard-forward-")
     store_path = os.path.join(rendezvous, "store")
-    procs = [ctx.Process(target=_worker, args=(r, world, store_path, job, results), daemon=True)
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_worker, args=(r, world, store_path, job, results, env), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -75,6 +121,8 @@ def _spawn(job: ForwardJob, world: int) -> dict:
                 msg = results.get(timeout=0.2)
             except queue_mod.Empty:
                 msg = None
+            if msg is not None and msg[0] == "error" and time.monotonic() > deadline:
+                msg = None  # past the deadline, a rank's own collective timeout (same limit) is this run's timeout
             if msg is not None:
                 if msg[0] == "error":
                     _, rank, message, code = msg
@@ -126,4 +174,4 @@ def launch(job: ForwardJob) -> dict:
         return _torchrun(job)
     if job.world == 1:
         return run_job(job, 0, 1)
-    return _spawn(job, job.world)
+    return _start_workers(job, job.world)
