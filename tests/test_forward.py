@@ -292,6 +292,24 @@ def test_workers_see_the_callers_environment_of_the_moment(megatron_tp2, tmp_pat
     assert not multiprocessing.active_children()
 
 
+def test_without_a_forkserver_the_workers_are_spawned(megatron_tp2, monkeypatch):
+    """Where multiprocessing has no forkserver (Windows), the check spawns its workers and gives the same report."""
+    import importlib
+
+    import torch.multiprocessing as mp
+
+    launch_module = importlib.import_module("reshard.verification.forward.launch")
+    src, good = megatron_tp2
+    job = ForwardJob(a=Side(src, "hf", 1), b=Side(str(good), "megatron", 2), input_ids=[[1, 2, 3]], vocab=1000,
+                     timeout=120)
+    forked = launch(job)
+    monkeypatch.setattr(mp, "get_all_start_methods", lambda: ["spawn"])
+    assert launch_module.worker_context().get_start_method() == "spawn"
+    spawned = launch(job)
+    assert spawned["max_abs"] == forked["max_abs"] and spawned["b"]["tp"] == forked["b"]["tp"] == 2
+    assert not multiprocessing.active_children()
+
+
 def test_the_command_leaves_no_process_behind(megatron_tp2, tmp_path):
     """`reshard verify --forward` (the console entry point, which leaves with os._exit) ends its worker server too:
     no process carrying this run's environment tag outlives the command. (Output to files, not pipes: a pipe

@@ -38,7 +38,8 @@ def _one_line(exc: BaseException) -> tuple[str, int]:
 
 
 def worker_context():
-    """The forkserver context, its server preloaded with this module (torch, the decoder) and the main module.
+    """The forkserver context (spawn where there is none), its server preloaded with this module (torch, the
+    decoder) and the main module.
 
     A spawned worker imports torch and reshard afresh: 3-4 s each here, all ranks at once on few cores. The
     forkserver is started once per process (with the first check) from a fresh interpreter and imports them
@@ -50,6 +51,8 @@ def worker_context():
 
     import torch.multiprocessing as mp
 
+    if "forkserver" not in mp.get_all_start_methods():  # Windows: spawn, every worker imports torch itself
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     preload = [__name__, "reshard.cli"]
     main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
