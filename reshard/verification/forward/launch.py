@@ -114,9 +114,9 @@ def _start_workers(job: ForwardJob, world: int) -> dict:
     env = dict(os.environ)
     procs = [ctx.Process(target=_worker, args=(r, world, store_path, job, results, env), daemon=True)
              for r in range(world)]
+    deadline = time.monotonic() + job.timeout  # before any worker runs: a rank's own timeout ends after it
     for p in procs:
         p.start()
-    deadline = time.monotonic() + job.timeout
     done: dict[int, dict | None] = {}
     try:
         while len(done) < world:
