@@ -225,12 +225,6 @@ def lockstep_groups(files: list[TargetFile], limit: int, sources: list[TensorFil
     return groups
 
 
-def step_size(files: list[TargetFile], sources: list[TensorFile]) -> int:
-    """The largest step buffer of files written in lockstep."""
-    sizes = [buffered_bytes(f, sources) for f in files]
-    return max((sum(column) for column in zip(*sizes)), default=0)
-
-
 def _split_for_workers(groups: list[list[int]], workers: int) -> list[list[int]]:
     """Halve the largest groups until there are at least ``workers`` units (or every unit is one file)."""
     units = [list(g) for g in groups]
