@@ -1,7 +1,9 @@
-"""Small test helpers shared by several test modules: the CLI run in this process, tiny transformers models."""
+"""Small test helpers shared by several test modules: the CLI run in this process, tiny transformers models,
+processes left behind."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -22,6 +24,20 @@ def run_cli(capsys, *args) -> tuple[int, str, str]:
         sys.argv = argv
     out = capsys.readouterr()
     return code, out.out, out.err
+
+
+def processes_tagged(tag: str) -> list[int]:
+    """Processes still alive whose environment carries ``RESHARD_TEST_TAG=tag`` (every process a tagged command
+    starts inherits it)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"RESHARD_TEST_TAG={tag}".encode() in f.read().split(b"\0"):
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
 
 
 def tiny_transformers_model(transformers, cls_name: str, **extra):

@@ -14,7 +14,7 @@ import torch
 
 import reshard
 from checkpoints import make_hf
-from helpers import run_cli, tiny_transformers_model
+from helpers import processes_tagged, run_cli, tiny_transformers_model
 from reshard.errors import ReshardError
 from reshard.layouts.base import Options
 from reshard.verification.forward import verify_forward
@@ -326,15 +326,7 @@ def test_the_command_leaves_no_process_behind(megatron_tp2, tmp_path):
                               env={**os.environ, "RESHARD_TEST_TAG": tag}, stdout=out, stderr=err, timeout=300)
     assert proc.returncode == 0, (tmp_path / "err").read_text()
     assert json.loads((tmp_path / "out").read_text())["b"]["tp"] == 2
-    left = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if f"RESHARD_TEST_TAG={tag}".encode() in f.read().split(b"\0"):
-                    left.append(pid)
-        except OSError:
-            continue
-    assert left == [], "a process started by the command outlived it"
+    assert processes_tagged(tag) == [], "a process started by the command outlived it"
 
 
 def test_bf16_compute_uses_the_bf16_tolerance(tmp_path):

@@ -23,6 +23,7 @@ import pytest
 
 import reshard
 from checkpoints import make_hf
+from helpers import processes_tagged
 from tree_snapshot import leftovers, snapshot
 
 TARGETS = {"megatron-tp4": ["--to", "megatron", "--tp", "4"], "vllm-tp2": ["--to", "vllm", "--tp", "2"],
@@ -111,24 +112,11 @@ def _standalone(src, dst, args, tag: str) -> subprocess.CompletedProcess:
     return _finish(proc)
 
 
-def _processes_tagged(tag: str) -> list[int]:
-    """Processes still alive whose environment carries ``tag`` (torchrun agents and their workers inherit it)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if f"RESHARD_TEST_TAG={tag}".encode() in f.read().split(b"\0"):
-                    found.append(int(pid))
-        except OSError:
-            continue
-    return found
-
-
 @pytest.fixture
 def tag():
     value = f"torchrun-{uuid.uuid4().hex[:8]}"
     yield value
-    assert _processes_tagged(value) == [], "a process started by the test outlived it"
+    assert processes_tagged(value) == [], "a process started by the test outlived it"
 
 
 def assert_same_tree(got, want) -> None:
