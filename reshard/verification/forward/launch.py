@@ -82,12 +82,11 @@ def stop_worker_server() -> None:
         pass
 
 
-def _worker(rank: int, world: int, store_path: str, job: ForwardJob, results, env: dict | None = None) -> None:
+def _worker(rank: int, world: int, store_path: str, job: ForwardJob, results, env: dict) -> None:
     """Entry point of a worker: report ("ok", rank, report) or ("error", rank, message, code). ``env``: the
     caller's environment when the worker was started (the forkserver's own dates from its start)."""
-    if env is not None:
-        os.environ.clear()
-        os.environ.update(env)
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
