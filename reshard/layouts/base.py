@@ -165,8 +165,8 @@ class Layout:
     5. ``finalize(out, source, plan, state)``: the layout's side files (config, index, tracker, records),
        the one that marks the output complete written last.
 
-    Optional capabilities: ``rank_loader`` ("module:function" loading one tensor-parallel rank's weights for the
-    forward verifier, from that rank's own files), ``remote_files`` (what a Hub download of this layout takes),
+    Optional capabilities: ``rank_loader`` ("module:class" of a forward-verifier ``RankStream``: one
+    tensor-parallel rank's weights read layer by layer from that rank's own files), ``remote_files`` (what a Hub download of this layout takes),
     ``open_headers`` (a view from safetensors headers alone, for plans of remote repos). ``describe`` and
     ``rank_label`` feed ``reshard inspect``.
     """
@@ -175,7 +175,7 @@ class Layout:
     summary: ClassVar[str] = ""  # one line for --help, inspect and "not a checkpoint reshard knows" errors
     specificity: ClassVar[int] = 0  # which of several matching layouts detection picks (hf 0, others above)
     writes: ClassVar[bool] = True  # False: a read-only layout (not a --to choice)
-    rank_loader: ClassVar[str | None] = None  # "module:function(path, rank, world, opts) -> RankWeights"
+    rank_loader: ClassVar[str | None] = None  # "module:RankStream class(path, rank, world, opts)"
     rank_view_of: ClassVar[str | None] = None  # a layout whose ranks load what another's do (load_rank)
     completion_markers: ClassVar[tuple[str, ...]] = ()  # a complete output has one of these files (push)
     remote_headers: ClassVar[bool] = False  # open_headers works: plans from remote safetensors headers
@@ -214,4 +214,5 @@ class Layout:
         """Tensor-parallel rank ``rank`` of ``world`` in the forward verifier's form (needs ``rank_loader``)."""
         if self.rank_loader is None:
             raise PlanError(f"the forward verifier cannot read the {self.name} layout")
-        return import_string(self.rank_loader)(path, rank, world, opts)
+        with import_string(self.rank_loader)(path, rank, world, opts) as stream:
+            return stream.load_all()

@@ -293,7 +293,7 @@ class HFLayout(Layout):
     name = NAME
     summary = "Hugging Face folder (config.json + *.safetensors or pytorch_model*.bin)"
     specificity = 0
-    rank_loader = "reshard.verification.forward.sliced_rank:load_rank"
+    rank_loader = "reshard.verification.forward.sliced_rank:SlicedRankStream"
     completion_markers = (INDEX, "model.safetensors")
     remote_headers = True
 

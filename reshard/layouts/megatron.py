@@ -593,7 +593,7 @@ class MegatronLayout(Layout):
     name = NAME
     summary = "Megatron-Core torch format (latest_checkpointed_iteration.txt, iter_*/mp_rank_*/model_optim_rng.pt)"
     specificity = 10
-    rank_loader = "reshard.verification.forward.megatron_rank:load_rank"
+    rank_loader = "reshard.verification.forward.megatron_rank:MegatronRankStream"
     completion_markers = (TRACKER,)
 
     def detect(self, names) -> bool:

@@ -217,7 +217,7 @@ class MetaLayout(Layout):
     name = NAME
     summary = "Meta consolidated checkpoint (params.json + consolidated.NN.pth)"
     specificity = 10
-    rank_loader = "reshard.verification.forward.sliced_rank:load_rank"
+    rank_loader = "reshard.verification.forward.sliced_rank:SlicedRankStream"
     completion_markers = (PARAMS,)
 
     def detect(self, names) -> bool:

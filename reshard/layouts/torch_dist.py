@@ -335,7 +335,7 @@ class TorchDistLayout(Layout):
     summary = "Megatron-Core torch_dist (iter_*/ with metadata.json, .metadata and __*.distcp)"
     specificity = 20  # its root also has the tracker the torch-format layout looks for
     writes = True
-    rank_loader = "reshard.verification.forward.sliced_rank:load_rank"
+    rank_loader = "reshard.verification.forward.sliced_rank:SlicedRankStream"
     rank_view_of = "megatron"  # a rank loads the same module tensors whichever format Megatron saved
     completion_markers = (megatron.TRACKER,)
 

@@ -156,7 +156,7 @@ class TRTLLMLayout(Layout):
     name = NAME
     summary = "TensorRT-LLM checkpoint for trtllm-build (config.json + rank*.safetensors)"
     specificity = 10  # a TensorRT-LLM folder also holds config.json and *.safetensors, as an HF one does
-    rank_loader = "reshard.verification.forward.trtllm_rank:load_rank"
+    rank_loader = "reshard.verification.forward.trtllm_rank:TrtllmRankStream"
     completion_markers = (CONFIG,)
 
     def detect(self, names) -> bool:

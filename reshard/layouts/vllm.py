@@ -308,7 +308,7 @@ class VLLMLayout(Layout):
     name = NAME
     summary = "vLLM sharded_state folder (model-rank-*-part-*.safetensors)"
     specificity = 10  # a vLLM folder also holds config.json and *.safetensors, as an HF one does
-    rank_loader = "reshard.verification.forward.vllm_rank:load_rank"
+    rank_loader = "reshard.verification.forward.vllm_rank:VllmRankStream"
     completion_markers = ("model-rank-0-part-0.safetensors",)
 
     def detect(self, names) -> bool:

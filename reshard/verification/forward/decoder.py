@@ -226,90 +226,140 @@ def embed(ids: torch.Tensor, table: torch.Tensor, start: int, tp: TPGroup) -> to
     return tp.all_reduce(out)
 
 
+def cast(t: torch.Tensor | None, dtype: torch.dtype, device) -> torch.Tensor | None:
+    return None if t is None else t.to(device=device, dtype=dtype)
+
+
+def cast_layer(layer: LayerWeights, dtype: torch.dtype, device) -> LayerWeights:
+    """Move and cast every tensor of ``layer`` (in place, one at a time: each stored tensor is dropped as soon as
+    its cast copy exists)."""
+    for name in layer.__dataclass_fields__:
+        if name != "experts":
+            setattr(layer, name, cast(getattr(layer, name), dtype, device))
+    layer.experts = {e: tuple(cast(t, dtype, device) for t in parts) for e, parts in layer.experts.items()}
+    return layer
+
+
 def cast_weights(weights: RankWeights, dtype: torch.dtype, device) -> RankWeights:
     """Move and cast every tensor of ``weights`` (in place) for computation."""
-    def conv(t):
-        return None if t is None else t.to(device=device, dtype=dtype)
-
-    weights.embedding = conv(weights.embedding)
-    weights.final_norm = conv(weights.final_norm)
-    weights.final_norm_bias = conv(weights.final_norm_bias)
-    weights.lm_head = conv(weights.lm_head)
-    weights.position_embedding = conv(weights.position_embedding)
+    for name in ("embedding", "final_norm", "final_norm_bias", "lm_head", "position_embedding"):
+        setattr(weights, name, cast(getattr(weights, name), dtype, device))
     for layer in weights.layers:
-        for name in layer.__dataclass_fields__:
-            if name != "experts":
-                setattr(layer, name, conv(getattr(layer, name)))
-        layer.experts = {e: tuple(conv(t) for t in parts) for e, parts in layer.experts.items()}
+        cast_layer(layer, dtype, device)
     return weights
 
 
-def check_features(weights: RankWeights) -> None:
-    """Refuse weights that do not fit the features: every projection present; a gated MLP needs ``gate``, a plain
-    one has none; only LayerNorm has norm biases; q/k norms exactly with ``qk_norm``; a position embedding exactly
-    with learned positions."""
-    config = weights.config
+def check_ends(config: DecoderConfig, position_embedding: torch.Tensor | None,
+               final_norm_bias: torch.Tensor | None) -> None:
+    """Refuse a decoder the features do not describe, a position embedding exactly with learned positions and a
+    final-norm bias only with LayerNorm."""
     if config.position not in ("rope", "learned") or config.norm not in ("rms", "layer") \
             or config.mlp not in ("gated", "plain") or config.activation not in ACTIVATION_FUNCTIONS:
         raise ReshardError(f"the forward verifier has no decoder for position={config.position}, norm={config.norm},"
                            f" mlp={config.mlp}, activation={config.activation}")
-    if (weights.position_embedding is None) != (config.position != "learned"):
+    if (position_embedding is None) != (config.position != "learned"):
         raise ReshardError("learned positions need a position embedding" if config.position == "learned"
                            else "the checkpoint holds a position embedding, but the model uses RoPE")
-    for i, layer in enumerate(weights.layers):
-        needed = ("input_norm", "post_norm", "q", "k", "v", "o") + (() if layer.router is not None else ("up", "down"))
-        missing = [n for n in needed if getattr(layer, n) is None]
-        if missing:
-            raise ReshardError(f"layer {i}: the checkpoint has no {missing[0]} weight (a mapping without decoder roles?)")
-        if layer.router is None and (layer.gate is None) != (config.mlp == "plain"):
-            raise ReshardError(f"layer {i}: a {config.mlp} MLP " + ("needs a gate projection" if layer.gate is None
-                               else "has no gate projection, but the checkpoint holds one"))
-        if config.norm == "rms" and (layer.input_norm_bias is not None or layer.post_norm_bias is not None):
-            raise ReshardError(f"layer {i}: RMSNorm has no bias, but the checkpoint holds norm biases")
-        if (layer.attn_output_norm is None or layer.mlp_output_norm is None) == config.sandwich_norm:
-            raise ReshardError(f"layer {i}: " + ("sandwich norms need attention- and MLP-output norm weights"
-                               if config.sandwich_norm else "the checkpoint holds output norms the config lacks"))
-        if (layer.q_norm is None or layer.k_norm is None) == config.qk_norm:
-            raise ReshardError(f"layer {i}: " + ("per-head q/k norms need q_norm and k_norm weights" if config.qk_norm
-                               else "the checkpoint holds q/k norms, but the config has none"))
-    if config.norm == "rms" and weights.final_norm_bias is not None:
+    if config.norm == "rms" and final_norm_bias is not None:
         raise ReshardError("the final RMSNorm has no bias, but the checkpoint holds one")
+
+
+def check_layer(config: DecoderConfig, i: int, layer: LayerWeights) -> None:
+    """Refuse layer ``i``'s weights where they do not fit the features: every projection present; a gated MLP
+    needs ``gate``, a plain one has none; only LayerNorm has norm biases; q/k norms exactly with ``qk_norm``;
+    sandwich norms exactly with ``sandwich_norm``."""
+    needed = ("input_norm", "post_norm", "q", "k", "v", "o") + (() if layer.router is not None else ("up", "down"))
+    missing = [n for n in needed if getattr(layer, n) is None]
+    if missing:
+        raise ReshardError(f"layer {i}: the checkpoint has no {missing[0]} weight (a mapping without decoder roles?)")
+    if layer.router is None and (layer.gate is None) != (config.mlp == "plain"):
+        raise ReshardError(f"layer {i}: a {config.mlp} MLP " + ("needs a gate projection" if layer.gate is None
+                           else "has no gate projection, but the checkpoint holds one"))
+    if config.norm == "rms" and (layer.input_norm_bias is not None or layer.post_norm_bias is not None):
+        raise ReshardError(f"layer {i}: RMSNorm has no bias, but the checkpoint holds norm biases")
+    if (layer.attn_output_norm is None or layer.mlp_output_norm is None) == config.sandwich_norm:
+        raise ReshardError(f"layer {i}: " + ("sandwich norms need attention- and MLP-output norm weights"
+                           if config.sandwich_norm else "the checkpoint holds output norms the config lacks"))
+    if (layer.q_norm is None or layer.k_norm is None) == config.qk_norm:
+        raise ReshardError(f"layer {i}: " + ("per-head q/k norms need q_norm and k_norm weights" if config.qk_norm
+                           else "the checkpoint holds q/k norms, but the config has none"))
+
+
+def check_features(weights: RankWeights) -> None:
+    """:func:`check_ends` and :func:`check_layer` of every layer."""
+    check_ends(weights.config, weights.position_embedding, weights.final_norm_bias)
+    for i, layer in enumerate(weights.layers):
+        check_layer(weights.config, i, layer)
+
+
+@dataclass
+class LayerInputs:
+    """What every layer of one run shares: RoPE tables (global and sliding-window) and attention masks."""
+
+    rope: tuple[torch.Tensor, torch.Tensor]
+    local_rope: tuple[torch.Tensor, torch.Tensor]
+    full: torch.Tensor
+    windowed: torch.Tensor
+
+    @classmethod
+    def build(cls, config: DecoderConfig, ids: torch.Tensor, dtype: torch.dtype) -> "LayerInputs":
+        seq = ids.shape[1]
+        rope = rope_cos_sin(config, seq, ids.device, dtype)
+        local = rope if config.rope_local_theta is None else rope_cos_sin(config, seq, ids.device, dtype, local=True)
+        return cls(rope, local, attention_mask(seq, None, ids.device),
+                   attention_mask(seq, config.sliding_window, ids.device))
+
+
+def embed_tokens(config: DecoderConfig, ids: torch.Tensor, table: torch.Tensor, start: int,
+                 positions: torch.Tensor | None, tp: TPGroup) -> torch.Tensor:
+    """The hidden state entering layer 0 (vocab-parallel lookup, Gemma's scaling, learned positions)."""
+    x = embed(ids, table, start, tp)
+    if config.embedding_scaled:
+        x = x * torch.tensor(config.hidden ** 0.5, dtype=x.dtype)
+    if positions is not None:
+        x = x + positions[:ids.shape[1]]
+    return x
+
+
+def decoder_layer(config: DecoderConfig, i: int, layer: LayerWeights, x: torch.Tensor, inputs: LayerInputs,
+                  tp: TPGroup, states: list | None) -> torch.Tensor:
+    """Layer ``i``'s attention and MLP blocks on ``x``; appends the hidden state after each to ``states``."""
+    sliding = i in config.window_layers
+    cos, sin = inputs.local_rope if sliding else inputs.rope
+    h = attention(norm(config, x, layer.input_norm, layer.input_norm_bias), layer, config, cos, sin,
+                  inputs.windowed if sliding else inputs.full, tp)
+    x = x + (norm(config, h, layer.attn_output_norm, None) if config.sandwich_norm else h)
+    if states is not None:
+        states.append((f"layer {i} attention", x.detach().cpu()))
+    h = mlp(norm(config, x, layer.post_norm, layer.post_norm_bias), layer, config, tp)
+    x = x + (norm(config, h, layer.mlp_output_norm, None) if config.sandwich_norm else h)
+    if states is not None:
+        states.append((f"layer {i} mlp", x.detach().cpu()))
+    return x
+
+
+def final_logits(config: DecoderConfig, x: torch.Tensor, final_norm: torch.Tensor,
+                 final_norm_bias: torch.Tensor | None, head: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Final norm, the vocab-parallel head gathered over the padded vocab, the final soft-cap; on the CPU."""
+    x = norm(config, x, final_norm, final_norm_bias)
+    logits = tp.gather_last_dim(_linear(x, head))
+    if config.final_softcap:
+        logits = torch.tanh(logits / config.final_softcap) * config.final_softcap
+    return logits.cpu()
 
 
 def forward(weights: RankWeights, ids: torch.Tensor, tp: TPGroup, record: bool = True) -> ForwardOutput:
     """Run the decoder on token ``ids`` ``[batch, seq]``; weights already cast to the compute dtype/device."""
     check_features(weights)
     config = weights.config
-    dtype = weights.embedding.dtype
     out = ForwardOutput(logits=torch.empty(0))
-    x = embed(ids, weights.embedding, weights.vocab_start, tp)
-    if config.embedding_scaled:
-        x = x * torch.tensor(config.hidden ** 0.5, dtype=x.dtype)
-    if weights.position_embedding is not None:
-        x = x + weights.position_embedding[:ids.shape[1]]
+    states = out.states if record else None
+    x = embed_tokens(config, ids, weights.embedding, weights.vocab_start, weights.position_embedding, tp)
     if record:
-        out.states.append(("embedding", x.detach().cpu()))
-    rope = rope_cos_sin(config, ids.shape[1], ids.device, dtype)
-    local_rope = rope if config.rope_local_theta is None else rope_cos_sin(config, ids.shape[1], ids.device, dtype,
-                                                                           local=True)
-    full = attention_mask(ids.shape[1], None, ids.device)
-    windowed = attention_mask(ids.shape[1], config.sliding_window, ids.device)
+        states.append(("embedding", x.detach().cpu()))
+    inputs = LayerInputs.build(config, ids, weights.embedding.dtype)
     for i, layer in enumerate(weights.layers):
-        sliding = i in config.window_layers
-        cos, sin = local_rope if sliding else rope
-        h = attention(norm(config, x, layer.input_norm, layer.input_norm_bias), layer, config, cos, sin,
-                      windowed if sliding else full, tp)
-        x = x + (norm(config, h, layer.attn_output_norm, None) if config.sandwich_norm else h)
-        if record:
-            out.states.append((f"layer {i} attention", x.detach().cpu()))
-        h = mlp(norm(config, x, layer.post_norm, layer.post_norm_bias), layer, config, tp)
-        x = x + (norm(config, h, layer.mlp_output_norm, None) if config.sandwich_norm else h)
-        if record:
-            out.states.append((f"layer {i} mlp", x.detach().cpu()))
-    x = norm(config, x, weights.final_norm, weights.final_norm_bias)
+        x = decoder_layer(config, i, layer, x, inputs, tp, states)
     head = weights.embedding if weights.lm_head is None else weights.lm_head
-    logits = tp.gather_last_dim(_linear(x, head))
-    if config.final_softcap:
-        logits = torch.tanh(logits / config.final_softcap) * config.final_softcap
-    out.logits = logits.cpu()
+    out.logits = final_logits(config, x, weights.final_norm, weights.final_norm_bias, head, tp)
     return out

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from reshard.layouts.base import Options
+from reshard.layouts.base import Options, import_string
 from reshard.layouts.registry import get_layout
 from reshard.verification.forward import decoder, report
+from reshard.verification.forward.streamed import forward_streamed
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp64": torch.float64,
                   "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
@@ -60,6 +61,11 @@ def device_for(backend: str, rank: int):
     return torch.device("cpu")
 
 
+def open_rank_stream(layout: str, path: str, rank: int, world: int, opts: Options, metered: bool = False):
+    """The layout's :class:`~.rank_stream.RankStream` for rank ``rank`` of ``world`` (headers read only)."""
+    return import_string(get_layout(layout).rank_loader)(path, rank, world, opts, metered=metered)
+
+
 def _groups(degrees: set[int], world: int) -> dict[int, decoder.TPGroup]:
     groups = {}
     for k in sorted(degrees):
@@ -82,14 +88,10 @@ def run_job(job: ForwardJob, rank: int, world: int) -> dict | None:
     for label, side in (("a", job.a), ("b", job.b)):
         if rank >= side.degree:
             continue
-        weights = get_layout(side.layout).load_rank(side.path, rank, side.degree, job.opts)
-        stored = weights.dtype
-        info = {"world": side.degree, "padded_vocab": weights.padded_vocab, "dtype": stored,
-                "files_rank0": weights.files, "vocab": weights.vocab_size}
-        decoder.cast_weights(weights, compute, device)
-        with torch.no_grad():
-            out = decoder.forward(weights, ids, groups[side.degree], record=rank == 0)
-        del weights
+        with open_rank_stream(side.layout, side.path, rank, side.degree, job.opts) as stream, torch.no_grad():
+            out, stored = forward_streamed(stream, ids, groups[side.degree], compute, device, record=rank == 0)
+            info = {"world": side.degree, "padded_vocab": stream.padded_vocab, "dtype": stored,
+                    "files_rank0": stream.files, "vocab": stream.config.vocab}
         gc.collect()
         if rank == 0:
             runs[label] = {**info, "logits": out.logits, "states": out.states}

@@ -9,24 +9,20 @@ hold them), by each weight's decoder role: q heads ``[r*nh/w, (r+1)*nh/w)``, KV 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from reshard.core.canonical import instance
 from reshard.core.plan import CanonicalIndex, TargetTensor
 from reshard.errors import ReshardError
 from reshard.execute import assemble
+from reshard.io import dtypes
 from reshard.layouts.base import Options
 from reshard.layouts.registry import open_checkpoint
-from reshard.verification.forward.rank_weights import (DecoderConfig, LayerWeights, RankWeights, check_world,
-                                                       kv_heads_of_rank, padded_vocab_for, vocab_rows)
-
-
-def load_rank(path: str, rank: int, world: int, opts: Options) -> RankWeights:
-    source = open_checkpoint(path, opts)
-    try:
-        return _slice(source, rank, world)
-    finally:
-        source.close()
+from reshard.verification.forward.rank_stream import MeteredFile, RankStream, whole_rank_loader
+from reshard.verification.forward.rank_weights import (DecoderConfig, LayerWeights, check_world, kv_heads_of_rank,
+                                                       padded_vocab_for, vocab_rows)
 
 
 #: The decoder roles a rank holds part of, by how the part is cut (the others are whole on every rank).
@@ -34,49 +30,78 @@ _Q_ROLES, _KV_ROLES = ("q", "q_bias"), ("k", "v", "k_bias", "v_bias")
 _F_ROLES, _COLUMN_ROLES = ("gate", "up", "gate_bias", "up_bias"), ("o", "down")
 
 
-def _slice(source, rank: int, world: int) -> RankWeights:
-    model = source.model
-    config = DecoderConfig.from_meaning(model.meaning)
-    check_world(config, world, model.dims["F"])
-    index = CanonicalIndex(source.stored, {name: t.shape for name, t in model.tensors.items()})
-    d = config.head_dim
+class SlicedRankStream(RankStream):
+    """Rank ``rank`` of any ``world`` the model divides by, sliced from the canonical view."""
 
-    def read(name: str, axis: int = 0, start: int = 0, length: int | None = None) -> torch.Tensor:
-        tensor = model.tensors[name]
+    any_degree = True
+
+    def __init__(self, path: str, rank: int, world: int, opts: Options, metered: bool = False):
+        super().__init__(rank, world, metered)
+        self.source = open_checkpoint(path, opts)
+        try:
+            self._setup()
+        except BaseException:
+            self.source.close()
+            raise
+
+    def _setup(self) -> None:
+        source, rank, world = self.source, self.rank, self.world
+        model = self.model = source.model
+        self.config = config = DecoderConfig.from_meaning(model.meaning)
+        check_world(config, world, model.dims["F"])
+        self.index = CanonicalIndex(source.stored, {name: t.shape for name, t in model.tensors.items()})
+        d = config.head_dim
+        q_per = config.heads // world
+        kv = kv_heads_of_rank(config.kv_heads, rank, world)
+        f_per = model.dims["F"] // world
+        meaning = model.meaning
+        i_per, s_per = meaning.expert_ffn // world, meaning.shared_expert_ffn // world
+        for what, size in (("expert", meaning.expert_ffn), ("shared-expert", meaning.shared_expert_ffn)):
+            if size % world:
+                raise ReshardError(f"cannot split the {what} intermediate size {size} over {world} ranks: choose "
+                                   "--nproc dividing it")
+        self.spans = {**dict.fromkeys(_Q_ROLES, (0, rank * q_per * d, q_per * d)),
+                      **dict.fromkeys(_KV_ROLES, (0, kv.start * d, len(kv) * d)),
+                      **dict.fromkeys(_F_ROLES, (0, rank * f_per, f_per)),
+                      "o": (1, rank * q_per * d, q_per * d), "down": (1, rank * f_per, f_per),
+                      "expert_gate": (0, rank * i_per, i_per), "expert_up": (0, rank * i_per, i_per),
+                      "expert_down": (1, rank * i_per, i_per), "shared_gate": (0, rank * s_per, s_per),
+                      "shared_up": (0, rank * s_per, s_per), "shared_down": (1, rank * s_per, s_per)}
+        self.padded_vocab = padded_vocab_for(config.vocab, world)
+        self.vocab_start, self.real_rows, self.pad_rows = vocab_rows(config.vocab, self.padded_vocab, rank, world)
+        self.lm_head_start = self.vocab_start
+        self.tied = model.tied
+        self.files = [f.path for f in source.files]
+        self.meters = [MeteredFile(f) for f in source.files] if self.metered else []
+        self._opened = self.meters
+
+    def close(self) -> None:
+        self.source.close()
+
+    def _read(self, name: str, axis: int = 0, start: int = 0, length: int | None = None) -> torch.Tensor:
+        tensor = self.model.tensors[name]
         assert axis == tensor.axis, (name, axis)  # every slice below is along the tensor's split axis
         length = tensor.shape[axis] - start if length is None else length
         shape = tuple(length if i == axis else n for i, n in enumerate(tensor.shape))
-        reads = index.reads_for(name, start, start + length, 0)
-        return assemble(TargetTensor(name, shape, model.dtypes[name], axis, reads), source.files)
+        reads = self.index.reads_for(name, start, start + length, 0)
+        if self.metered:  # the bytes each read op takes from its source tensor, in the stored dtype
+            row = math.prod(shape) // length if length else 0
+            for op in reads:
+                self.meters[op.source].count((op.length * row,), self.source.files[op.source].tensors[op.tensor].dtype)
+            return torch.empty(shape, dtype=dtypes.to_torch(self.model.dtypes[name]), device="meta")
+        return assemble(TargetTensor(name, shape, self.model.dtypes[name], axis, reads), self.source.files)
 
-    q_per = config.heads // world
-    kv = kv_heads_of_rank(config.kv_heads, rank, world)
-    f_per = model.dims["F"] // world
-    meaning = model.meaning
-    i_per, s_per = meaning.expert_ffn // world, meaning.shared_expert_ffn // world
-    for what, size in (("expert", meaning.expert_ffn), ("shared-expert", meaning.shared_expert_ffn)):
-        if size % world:
-            raise ReshardError(f"cannot split the {what} intermediate size {size} over {world} ranks: choose "
-                               "--nproc dividing it")
-    spans = {**dict.fromkeys(_Q_ROLES, (0, rank * q_per * d, q_per * d)),
-             **dict.fromkeys(_KV_ROLES, (0, kv.start * d, len(kv) * d)),
-             **dict.fromkeys(_F_ROLES, (0, rank * f_per, f_per)),
-             "o": (1, rank * q_per * d, q_per * d), "down": (1, rank * f_per, f_per),
-             "expert_gate": (0, rank * i_per, i_per), "expert_up": (0, rank * i_per, i_per),
-             "expert_down": (1, rank * i_per, i_per), "shared_gate": (0, rank * s_per, s_per),
-             "shared_up": (0, rank * s_per, s_per), "shared_down": (1, rank * s_per, s_per)}
-
-    def role_tensors(layer: int | None) -> dict:
+    def _role_tensors(self, layer: int) -> dict:
         out: dict = {}
         experts: dict[int, dict[str, torch.Tensor]] = {}
-        for spec in model.family.weights:
-            if spec.role is None or spec.per_layer != (layer is not None):
+        for spec in self.model.family.weights:
+            if spec.role is None or not spec.per_layer:
                 continue
-            for expert in range(model.num_experts) if spec.per_expert else [None]:
+            for expert in range(self.model.num_experts) if spec.per_expert else [None]:
                 name = instance(spec.hf, layer, expert)
-                if name not in model.tensors:
+                if name not in self.model.tensors:
                     continue
-                tensor = read(name, *spans.get(spec.role, ()))
+                tensor = self._read(name, *self.spans.get(spec.role, ()))
                 if spec.per_expert:  # every rank computes its 1/world slice of every expert
                     experts.setdefault(expert, {})[spec.role] = tensor
                 else:
@@ -85,20 +110,28 @@ def _slice(source, rank: int, world: int) -> RankWeights:
             out["experts"] = {e: (p["expert_gate"], p["expert_up"], p["expert_down"]) for e, p in experts.items()}
         return out
 
-    layers = [LayerWeights(**role_tensors(i)) for i in range(config.layers)]
-    padded = padded_vocab_for(config.vocab, world)
-    start, real, pad = vocab_rows(config.vocab, padded, rank, world)
-    whole = role_tensors(None)
+    def _vocab_slice(self, role: str) -> torch.Tensor:
+        spec = self.model.family.role_spec(role)
+        rows = self._read(spec.hf, 0, self.vocab_start, self.real_rows)
+        return torch.cat([rows, rows.new_zeros(self.pad_rows, self.config.hidden)]) if self.pad_rows else rows
 
-    def vocab_slice(role: str) -> torch.Tensor:
-        spec = model.family.role_spec(role)
-        rows = read(spec.hf, 0, start, real)
-        return torch.cat([rows, rows.new_zeros(pad, config.hidden)]) if pad else rows
+    def layer(self, index: int) -> LayerWeights:
+        return LayerWeights(**self._role_tensors(index))
 
-    embedding = vocab_slice("embedding")
-    lm_head = None if model.tied else vocab_slice("lm_head")
-    return RankWeights(config=config, rank=rank, world=world, embedding=embedding, vocab_start=start,
-                       layers=layers, final_norm=whole["final_norm"], lm_head=lm_head, lm_head_start=start,
-                       padded_vocab=padded, dtype=embedding.dtype, files=[f.path for f in source.files],
-                       final_norm_bias=whole.get("final_norm_bias"),
-                       position_embedding=whole.get("position_embedding"))
+    def _whole(self, role: str) -> torch.Tensor | None:
+        spec = self.model.family.role_spec(role)
+        if spec is None or spec.hf not in self.model.tensors:
+            return None
+        return self._read(spec.hf)
+
+    def embedding(self):
+        return self._vocab_slice("embedding"), self._whole("position_embedding")
+
+    def head(self):
+        final_norm = self._whole("final_norm")
+        if final_norm is None:
+            raise ReshardError("the checkpoint has no final norm weight")
+        return final_norm, self._whole("final_norm_bias"), None if self.tied else self._vocab_slice("lm_head")
+
+
+load_rank = whole_rank_loader(SlicedRankStream)

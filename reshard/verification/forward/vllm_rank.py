@@ -16,8 +16,9 @@ from reshard.layouts import hf, vllm
 from reshard.layouts.base import Options
 from reshard.layouts.hf_config import read_meaning
 from reshard.mapping import family_for_architecture
-from reshard.verification.forward.rank_weights import (DecoderConfig, LayerWeights, RankWeights, check_world,
-                                                       split_halves, split_stacked_qkv, unpack)
+from reshard.verification.forward.rank_stream import RankStream, whole_rank_loader
+from reshard.verification.forward.rank_weights import (DecoderConfig, LayerWeights, check_world, split_halves,
+                                                       split_stacked_qkv, unpack)
 
 
 def _experts(specs, layer: int, where: dict, experts: int, rank: int, world: int) -> dict:
@@ -38,64 +39,79 @@ def _experts(specs, layer: int, where: dict, experts: int, rank: int, world: int
     return out
 
 
-def load_rank(path: str, rank: int, world: int, opts: Options) -> RankWeights:
-    ranks = vllm._rank_files(path)
-    if world != len(ranks):
-        raise ReshardError(f"{path} is a vLLM folder for tensor_parallel_size={len(ranks)}; run the forward check "
-                           f"with --nproc {len(ranks)} (got {world}), or convert it to tp={world} first")
-    files = [SafetensorsFile(p) for p in ranks[rank]]
-    try:
-        return _read(path, files, rank, world, opts)
-    finally:
-        for f in files:
-            f.close()
+class VllmRankStream(RankStream):
+    """Rank ``rank``'s tensors from its own ``model-rank-{rank}-part-*.safetensors``."""
 
+    def __init__(self, path: str, rank: int, world: int, opts: Options, metered: bool = False):
+        super().__init__(rank, world, metered)
+        ranks = vllm._rank_files(path)
+        if world != len(ranks):
+            raise ReshardError(f"{path} is a vLLM folder for tensor_parallel_size={len(ranks)}; run the forward "
+                               f"check with --nproc {len(ranks)} (got {world}), or convert it to tp={world} first")
+        try:
+            files = [self.opened(SafetensorsFile(p)) for p in ranks[rank]]
+            self._setup(path, files, opts)
+        except BaseException:
+            self.close()
+            raise
 
-def _read(path: str, files: list[SafetensorsFile], rank: int, world: int, opts: Options) -> RankWeights:
-    hf_config = hf.read_config(path)
-    family = family_for_architecture(hf.architecture_of(hf_config, opts), opts.mapping)
-    dims = family.resolve_dims(hf_config)
-    where = {name: f for f in files for name in f.tensors}
-    present = {s.hf for s in family.weights if s.optional and s.vllm_name.format(layer=0) in where}
-    role = family.role_spec
-    emb_name, head_name = role("embedding").vllm_name, role("lm_head").vllm_name
-    tied = not (emb_name in where and head_name in where)
-    meaning = read_meaning(hf_config, family, hf.architecture_of(hf_config, opts), dims, present, tied, path)
-    config = DecoderConfig.from_meaning(meaning)
-    check_world(config, world, dims["F"])
-    d = config.head_dim
-    q_rows = config.heads // world * d
-    kv_rows = max(config.kv_heads // world, 1) * d
+    def _setup(self, path: str, files: list, opts: Options) -> None:
+        self.path = path
+        hf_config = hf.read_config(path)
+        family = self.family = family_for_architecture(hf.architecture_of(hf_config, opts), opts.mapping)
+        dims = family.resolve_dims(hf_config)
+        where = self.where = {name: f for f in files for name in f.tensors}
+        present = {s.hf for s in family.weights if s.optional and s.vllm_name.format(layer=0) in where}
+        role = family.role_spec
+        emb_name, head_name = role("embedding").vllm_name, role("lm_head").vllm_name
+        self.tied = not (emb_name in where and head_name in where)
+        meaning = self.meaning = read_meaning(hf_config, family, hf.architecture_of(hf_config, opts), dims, present,
+                                              self.tied, path)
+        self.config = config = DecoderConfig.from_meaning(meaning)
+        check_world(config, self.world, dims["F"])
+        d = config.head_dim
+        self.q_rows = config.heads // self.world * d
+        self.kv_rows = max(config.kv_heads // self.world, 1) * d
+        self.table = vllm.kept_tied_name([emb_name, head_name], family) if self.tied else emb_name
+        if self.table not in where:
+            raise CheckpointError(f"{path}: rank {self.rank} holds neither '{emb_name}' nor '{head_name}'")
+        rows = where[self.table].tensors[self.table].shape[0]
+        self.vocab_start = self.lm_head_start = self.rank * rows
+        self.padded_vocab = rows * self.world
+        self.sparse_layers = set(meaning.sparse_layers())
+        self.layer_specs = [s for s in family.weights if s.role and s.per_layer and not s.per_expert]
+        self.expert_specs = [s for s in family.weights if s.per_expert]
+        self.files = [os.path.relpath(f.path, path) for f in files]
 
-    def get(spec, layer: int | None = None):
+    def _get(self, spec, layer: int | None = None):
         """``spec``'s local tensor (its slot of a fused tensor); None when an optional weight is absent."""
         name = spec.vllm_name.format(layer=layer) if layer is not None else spec.vllm_name
-        if name not in where:
+        if name not in self.where:
             if spec.optional:
                 return None
-            raise CheckpointError(f"{path}: tensor '{name}' is missing from rank {rank}'s files")
-        return unpack(spec, where[name].read(name), lambda t: split_stacked_qkv(t, q_rows, kv_rows))
+            raise CheckpointError(f"{self.path}: tensor '{name}' is missing from rank {self.rank}'s files")
+        return unpack(spec, self.where[name].read(name), lambda t: split_stacked_qkv(t, self.q_rows, self.kv_rows))
 
-    sparse_layers = set(meaning.sparse_layers())
-    layer_specs = [s for s in family.weights if s.role and s.per_layer and not s.per_expert]
-    expert_specs = [s for s in family.weights if s.per_expert]
-    layers = []
-    for i in range(config.layers):
-        held = [s for s in layer_specs if s.on_layer(i in sparse_layers)]
-        weights = LayerWeights(**{s.role: get(s, i) for s in held})
-        if i in sparse_layers:
-            weights.experts = _experts(expert_specs, i, where, meaning.experts, rank, world)
-        layers.append(weights)
-    if tied:
-        kept = vllm.kept_tied_name([emb_name, head_name], family)
-        if kept not in where:
-            raise CheckpointError(f"{path}: rank {rank} holds neither '{emb_name}' nor '{head_name}'")
-        embedding, lm_head = where[kept].read(kept), None
-    else:
-        embedding, lm_head = get(role("embedding")), get(role("lm_head"))
-    rows = embedding.shape[0]
-    optional = {r: get(role(r)) for r in ("final_norm_bias", "position_embedding") if role(r)}
-    return RankWeights(config=config, rank=rank, world=world, embedding=embedding, vocab_start=rank * rows,
-                       layers=layers, final_norm=get(role("final_norm")), lm_head=lm_head,
-                       lm_head_start=rank * rows, padded_vocab=rows * world, dtype=embedding.dtype,
-                       files=[os.path.relpath(f.path, path) for f in files], **optional)
+    def layer(self, index: int) -> LayerWeights:
+        held = [s for s in self.layer_specs if s.on_layer(index in self.sparse_layers)]
+        weights = LayerWeights(**{s.role: self._get(s, index) for s in held})
+        if index in self.sparse_layers:
+            weights.experts = _experts(self.expert_specs, index, self.where, self.meaning.experts, self.rank,
+                                       self.world)
+        return weights
+
+    def _optional(self, role: str):
+        spec = self.family.role_spec(role)
+        return self._get(spec) if spec else None
+
+    def embedding(self):
+        table = self.where[self.table].read(self.table) if self.tied else self._get(self.family.role_spec("embedding"))
+        return table, self._optional("position_embedding")
+
+    def head(self):
+        role = self.family.role_spec
+        return (self._get(role("final_norm")), self._optional("final_norm_bias"),
+                None if self.tied else self._get(role("lm_head")))
+
+
+load_rank = whole_rank_loader(VllmRankStream)

@@ -1,0 +1,75 @@
+"""Run the decoder on one rank, layer by layer, from a :class:`~.rank_stream.RankStream`.
+
+Steps, in order: the embedding, each decoder layer, the head (final norm and lm_head). Each step's weights are
+read from the rank's files and cast to the compute dtype on a reader thread while the previous step computes, and
+dropped once it has run; the hidden state is all that is carried. At any moment a rank therefore holds at most two
+consecutive steps' weights (plus, for a tied head, its embedding rows, kept for the head). The arithmetic is the
+in-memory :func:`.decoder.forward`'s, step for step: the logits are bit-identical.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from reshard.verification.forward import decoder
+from reshard.verification.forward.rank_stream import RankStream
+
+
+def steps(config) -> list[str]:
+    """The step names of a run: ``embedding``, ``layer 0`` .. ``layer L-1``, ``head``."""
+    return ["embedding"] + [f"layer {i}" for i in range(config.layers)] + ["head"]
+
+
+def read_step(stream: RankStream, step: str, dtype: torch.dtype, device):
+    """One step's weights, read and cast: (table, positions) for the embedding, a LayerWeights for a layer,
+    (final norm, its bias, lm_head or None) for the head."""
+    if step == "embedding":
+        return tuple(decoder.cast(t, dtype, device) for t in stream.embedding())
+    if step == "head":
+        return tuple(decoder.cast(t, dtype, device) for t in stream.head())
+    return decoder.cast_layer(stream.layer(int(step.split()[1])), dtype, device)
+
+
+def forward_streamed(stream: RankStream, ids: torch.Tensor, tp: decoder.TPGroup, dtype: torch.dtype, device,
+                     record: bool = True) -> tuple[decoder.ForwardOutput, torch.dtype]:
+    """(the decoder's output on ``ids``, the stored dtype of the embedding) with one step read ahead."""
+    config = stream.config
+    names = steps(config)
+    out = decoder.ForwardOutput(logits=torch.empty(0))
+    states = out.states if record else None
+    stored: list[torch.dtype] = []
+
+    def read(step: str):
+        if step == "embedding":  # the stored dtype, before the cast
+            table, positions = stream.embedding()
+            stored.append(table.dtype)
+            return decoder.cast(table, dtype, device), decoder.cast(positions, dtype, device)
+        return read_step(stream, step, dtype, device)
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="reshard-forward-read") as reader:
+        pending = reader.submit(read, names[0])
+        for k, step in enumerate(names):
+            weights = pending.result()
+            pending = reader.submit(read, names[k + 1]) if k + 1 < len(names) else None
+            if step == "embedding":
+                table, positions = weights
+                decoder.check_ends(config, positions, None)
+                x = decoder.embed_tokens(config, ids, table, stream.vocab_start, positions, tp)
+                if record:
+                    states.append(("embedding", x.detach().cpu()))
+                inputs = decoder.LayerInputs.build(config, ids, table.dtype)
+                tied_table = table if stream.tied else None
+            elif step == "head":
+                final_norm, final_norm_bias, lm_head = weights
+                decoder.check_ends(config, positions, final_norm_bias)
+                head = tied_table if lm_head is None else lm_head
+                out.logits = decoder.final_logits(config, x, final_norm, final_norm_bias, head, tp)
+            else:
+                decoder.check_layer(config, k - 1, weights)
+                x = decoder.decoder_layer(config, k - 1, weights, x, inputs, tp, states)
+            del weights
+            if step == "embedding":
+                del table
+    return out, stored[0]
