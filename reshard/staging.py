@@ -7,6 +7,8 @@ For an output ``DST`` reshard uses, in DST's parent folder:
 - ``.DST.reshard-partial-XXXXXXXX``: the staging folder. Files appear in it as ``NAME.partial`` and are renamed
   once complete and fsynced; the index / tracker file is written last; then the whole folder is fsynced and
   renamed to DST. Until that rename nothing at DST looks complete.
+- The staging folder is private (``mkdtemp``'s 0700) while it is written; just before the rename it gets the mode
+  a plain ``mkdir`` would give DST (0777 less the umask), as its files and subfolders already have.
 - With ``--overwrite`` an existing DST stays in place until the new output is complete, then the two are
   swapped atomically (``renameat2(RENAME_EXCHANGE)``; two renames where the filesystem lacks it) and the old
   one is deleted.
@@ -131,8 +133,24 @@ def _exchange(a: str, b: str) -> bool:
     raise OSError(err, os.strerror(err), b)
 
 
+def current_umask() -> int:
+    """This process's umask (Linux reports it in /proc; elsewhere it is set and restored at once)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def publish(staging: str, dst: str) -> None:
-    """Make the finished staging folder DST; an existing DST is replaced only now, and then deleted."""
+    """Make the finished staging folder DST, with the mode a plain ``mkdir`` would give it; an existing DST is
+    replaced only now, and then deleted."""
+    os.chmod(staging, 0o777 & ~current_umask())
     _fsync_tree(staging)
     pause_point("publish")
     if os.path.isdir(dst) and os.listdir(dst):
