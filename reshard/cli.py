@@ -225,11 +225,24 @@ def verify(
                                              "or whitespace-separated ints per line)."),
     compute_dtype: str = typer.Option("fp32", "--compute-dtype", help="--forward: fp32, bf16 or fp16."),
     timeout: float = typer.Option(300.0, "--timeout", help="--forward: seconds before hung workers are killed."),
+    workers: int = typer.Option(1, "--workers", help="Processes that compare tensors (digest check; same report)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the bytes each process will read and its peak "
+                                 "memory estimate; read no tensor data."),
 ):
     """Compare two checkpoints' canonical tensors (bit-exact unless dtypes differ). Exit 0 only when equal.
 
     With --forward: compare the logits of a tensor-parallel forward pass instead (exit 0 only within tolerance)."""
+    if workers < 1:
+        raise ReshardError(f"--workers must be at least 1 (got {workers})")
     if forward:
+        if dry_run:
+            from reshard.verification.forward import forward_estimate
+
+            estimate = forward_estimate(a, b, nproc=nproc, seq_len=seq_len, batch=batch,
+                                        compute_dtype=compute_dtype, vocab_size=vocab_size,
+                                        architecture=architecture, mapping=mapping)
+            print(json.dumps(estimate, indent=2) if as_json else _format_estimate(estimate))
+            return
         from reshard.verification.forward import format_report, verify_forward
 
         result = verify_forward(a, b, nproc=nproc, backend=backend, seq_len=seq_len, batch=batch, seed=seed,
@@ -239,26 +252,53 @@ def verify(
         if not result["ok"]:
             raise typer.Exit(1)
         return
-    from reshard.verification.digest import verify as run_verify
+    if dry_run:
+        from reshard.verification.digest import verify_dry_run
+
+        estimate = verify_dry_run(a, b, vocab_size=vocab_size, architecture=architecture, mapping=mapping,
+                                  workers=workers)
+        print(json.dumps(estimate, indent=2) if as_json else _format_estimate(estimate))
+        return
+    from reshard.verification.digest import checked_lines, verify as run_verify
 
     report = run_verify(a, b, atol=atol, rtol=rtol, vocab_size=vocab_size, architecture=architecture,
-                        mapping=mapping)
+                        mapping=mapping, workers=workers, progress=not as_json and sys.stderr.isatty())
     if as_json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
-        bad = [t for t in report.tensors if not t.ok]
-        print(f"{report.layout_a} {a}  vs  {report.layout_b} {b}: {len(report.tensors) - len(bad)}/"
-              f"{len(report.tensors)} tensors match")
+        print(f"A {report.layout_a} {a}\nB {report.layout_b} {b}")
+        for line in checked_lines(report):
+            print(f"  {line}")
         for d in report.config_differences:
             print(f"  config {d['key']}: {d['a']} != {d['b']}")
         for problem in report.replica_differences[:20]:
             print(f"  {problem}")
+        bad = [t for t in report.tensors if not t.ok]
         for t in bad[:20]:
-            extra = f" (max abs {t.max_abs:g})" if t.max_abs is not None else ""
+            extra = f" (max abs {t.max_abs:g}, max rel {t.max_rel:g})" if t.max_abs is not None else ""
             print(f"  {t.status}: {t.name}{extra}")
+        if len(bad) > 20:
+            print(f"  ... and {len(bad) - 20} more (--json lists all)")
         print("EQUAL" if report.equal else "DIFFERENT")
     if not report.equal:
         raise typer.Exit(1)
+
+
+def _format_estimate(estimate: dict) -> str:
+    """``verify --dry-run``: one line per process (bytes read from A and B, peak memory estimate)."""
+    lines = [f"A {estimate['layout_a']} {estimate['a']}", f"B {estimate['layout_b']} {estimate['b']}"]
+    lines += estimate.get("lines", [])
+    for i, p in enumerate(estimate["processes"]):
+        lines.append(f"  process {i}: reads {_size(p['read_a'])} of A and {_size(p['read_b'])} of B, "
+                     f"peak memory about {_size(p['peak_estimate'])}")
+    return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
 
 
 @app.command()

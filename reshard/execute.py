@@ -116,43 +116,13 @@ def bits_equal(a, b) -> bool:
     return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
-def read_slice(op: ReadOp, axis: int, files: list[TensorFile], gatherer: Gatherer) -> tuple[TargetTensor, np.ndarray]:
-    """The bytes of ``op``'s slice of its source tensor (torch-free)."""
-    loc = files[op.source].tensors[op.tensor]
-    stored = tuple(loc.shape[1:]) if op.src_block is not None else tuple(loc.shape)
-    if op.transposed:
-        stored = tuple(reversed(stored))
-    shape = tuple(op.length if i == axis else n for i, n in enumerate(stored))
-    tensor = TargetTensor(op.tensor, shape, loc.dtype, axis, [ReadOp(op.source, op.tensor, op.src_start,
-                                                                      op.length, 0, op.transposed, op.src_block,
-                                                                      interleave=op.interleave)])
-    data = np.empty(tensor.nbytes, np.uint8)
-    if direct(tensor, files):
-        gatherer.fill([(tensor, data)])
-    else:
-        data[:] = assemble(tensor, files).contiguous().reshape(-1).view(dtypes.to_torch("U8")).numpy()
-    return tensor, data
-
-
 def run_replica_checks(checks: list[ReplicaCheck], files: list[TensorFile], source_names: list[str]) -> list[str]:
-    """Compare every replica against the copy that will be read; returns one message per mismatch."""
-    problems = []
-    gatherer = Gatherer(files)
-    for check in checks:
-        ta, a = read_slice(check.first, check.axis, files, gatherer)
-        tb, b = read_slice(check.other, check.axis, files, gatherer)
-        if ta.dtype == tb.dtype and ta.shape == tb.shape and np.array_equal(a, b):
-            continue
-        x = assemble(ta, files)
-        y = assemble(tb, files)
-        diff = (x.double() - y.double()).abs().max().item() if x.shape == y.shape else float("nan")
-        how = f"max difference {diff:g}"
-        if ta.dtype != tb.dtype:
-            how = f"stored as {ta.dtype} vs {tb.dtype}, " + how
-        problems.append(f"replicas of '{check.canonical}' differ: {check.first.tensor} in "
-                        f"{source_names[check.first.source]} vs {check.other.tensor} in "
-                        f"{source_names[check.other.source]} ({how})")
-    return problems
+    """Compare every replica against the copy that will be read, streamed in row blocks; one message per
+    mismatch."""
+    from reshard.verification.block_stream import replica_problem, replica_tasks, run_pairs
+
+    results = run_pairs(replica_tasks(checks, files))
+    return [p for check, r in zip(checks, results) if (p := replica_problem(check, r, source_names)) is not None]
 
 
 def _fill_slots(payload, tensors: dict[str, TargetTensor]):

@@ -1,8 +1,8 @@
 """Runs shares of a plan in forked worker processes (``--workers N``).
 
 Each worker closes the source descriptors it inherited (it reopens the files itself on first read), writes its
-own target files into the staging folder, and reports progress and its outcome as one-line JSON messages on a
-shared pipe (lines shorter than PIPE_BUF are written atomically). The parent waits for all of them; the first
+own target files into the staging folder (or compares its share of a verify), and reports progress, its results
+and its outcome as one-line JSON messages on a shared pipe (lines shorter than PIPE_BUF are written atomically). The parent waits for all of them; the first
 failure kills the others and is raised in the parent, so the staging folder is never published.
 """
 
@@ -47,7 +47,8 @@ def _child(share, work, files: list[TensorFile], wfd: int) -> None:
 
     code = 0
     try:
-        work(share, lambda n: send({"bytes": n}))
+        for item in work(share, lambda n: send({"bytes": n})) or ():
+            send({"result": item})
         send({"done": True})
     except BaseException as exc:  # reported to the parent, which raises it
         send({"error": _describe(exc)})
@@ -56,8 +57,11 @@ def _child(share, work, files: list[TensorFile], wfd: int) -> None:
         os._exit(code)
 
 
-def run_in_workers(shares: list, work, files: list[TensorFile], total_bytes: int, progress: bool) -> None:
-    """Fork one worker per share, running ``work(share, report)``; raise the first worker's error."""
+def run_in_workers(shares: list, work, files: list[TensorFile], total_bytes: int, progress: bool,
+                   desc: str = "converting") -> list:
+    """Fork one worker per share, running ``work(share, report)``; raise the first worker's error. ``work`` may
+    return JSON-able items (each well under PIPE_BUF once encoded): all workers' items come back, in no set
+    order."""
     from tqdm import tqdm
 
     rfd, wfd = os.pipe()
@@ -73,13 +77,16 @@ def run_in_workers(shares: list, work, files: list[TensorFile], total_bytes: int
         os.close(wfd)
     failure: BaseException | None = None
     finished = 0
+    results = []
     try:
         with os.fdopen(rfd, "rb") as pipe, tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024,
-                                                 desc="converting", disable=not progress, leave=False) as bar:
+                                                 desc=desc, disable=not progress, leave=False) as bar:
             for line in pipe:
                 message = json.loads(line)
                 if "bytes" in message:
                     bar.update(message["bytes"])
+                elif "result" in message:
+                    results.append(message["result"])
                 elif "done" in message:
                     finished += 1
                 elif "error" in message and failure is None:
@@ -94,6 +101,7 @@ def run_in_workers(shares: list, work, files: list[TensorFile], total_bytes: int
         raise failure
     if finished != len(pids) or any(statuses):
         raise RuntimeError(f"a worker process died (exit statuses {statuses})")
+    return results
 
 
 def _kill(pids: list[int]) -> None:

@@ -27,7 +27,7 @@ def _stacked(tensor: TargetTensor) -> bool:
     return bool(tensor.reads) and all(op.dst_block is not None for op in tensor.reads)
 
 
-def _head_rows(tensor: TargetTensor) -> int:
+def head_rows(tensor: TargetTensor) -> int:
     """Rows a block keeps together: the head size of interleaved-RoPE ops (their lcm), else 1."""
     return math.lcm(1, *(abs(op.interleave) for op in tensor.reads if op.interleave))
 
@@ -58,11 +58,11 @@ def row_blocks(tensor: TargetTensor, budget: int) -> list[TargetTensor]:
         return _stacked_blocks(tensor, budget)
     if not splittable(tensor):
         return [tensor]
-    return [block(tensor, r0, r1) for r0, r1 in _spans(tensor.shape[0], tensor.nbytes // tensor.shape[0],
-                                                       budget, _head_rows(tensor))]
+    return [block(tensor, r0, r1) for r0, r1 in row_spans(tensor.shape[0], tensor.nbytes // tensor.shape[0],
+                                                       budget, head_rows(tensor))]
 
 
-def _spans(rows: int, row_bytes: int, budget: int, unit: int = 1) -> list[tuple[int, int]]:
+def row_spans(rows: int, row_bytes: int, budget: int, unit: int = 1) -> list[tuple[int, int]]:
     per = max(unit, budget // max(1, row_bytes) // unit * unit)
     return [(r0, min(rows, r0 + per)) for r0 in range(0, rows, per)]
 
@@ -100,11 +100,11 @@ def _stacked_blocks(tensor: TargetTensor, budget: int) -> list[TargetTensor]:
     each = tensor.nbytes // count
     inner = tensor.axis - 1
     if each <= budget or len(tensor.shape) < 2 or tensor.shape[1] < 2 or not _rows_cut(tensor.reads, inner):
-        return [block(tensor, e0, e1) for e0, e1 in _spans(count, each, budget)]
+        return [block(tensor, e0, e1) for e0, e1 in row_spans(count, each, budget)]
     out = []
     for b in range(count):
         ops = [replace(op, dst_block=0) for op in tensor.reads if op.dst_block == b]
-        for r0, r1 in _spans(tensor.shape[1], each // tensor.shape[1], budget, _head_rows(tensor)):
+        for r0, r1 in row_spans(tensor.shape[1], each // tensor.shape[1], budget, head_rows(tensor)):
             reads, padded = _cut(ops, inner, r0, r1)
             out.append(replace(tensor, shape=(1, r1 - r0, *tensor.shape[2:]), reads=reads,
                                has_padding=tensor.has_padding or bool(padded)))

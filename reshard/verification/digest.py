@@ -1,38 +1,25 @@
 """Digest verification: stream both checkpoints' canonical views and compare every tensor.
 
-Same dtype: bit-exact (SHA-256 of the bytes). Different dtypes: the wider tensor cast to the narrower dtype
-must equal the other bit for bit, or, with ``atol``/``rtol``, ``|a - b| <= atol + rtol * |a|`` everywhere.
+Every canonical tensor of A and of B is read in the same row blocks of at most ``block_bytes`` per side
+(:mod:`reshard.verification.block_stream`): positioned reads, read-ahead, SHA-256 of each side's canonical bytes
+updated in row-major order (the digest of the whole tensor), error figures per block where they mean something
+(:mod:`reshard.verification.compare`). Every stored copy of a replicated tensor is compared with the copy read,
+streamed the same way. ``workers > 1`` splits the tensors over forked processes, balanced by bytes. Memory is
+bounded by the blocks, never by a tensor, a rank or the model.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import asdict, dataclass, field
-
-import torch
 
 from reshard.core.model_config import differences
 from reshard.core.plan import CanonicalIndex, TargetTensor
-from reshard.execute import assemble, bits_equal, run_replica_checks
 from reshard.hub import open_source
 from reshard.layouts.base import Options, Source
+from reshard.verification.block_stream import (BLOCK_BYTES, PairTask, replica_problem, replica_tasks, run_pairs)
+from reshard.verification.compare import BlockComparison, TensorResult
 
-
-
-@dataclass
-class TensorResult:
-    name: str
-    status: str  # equal | equal_after_cast | within_tolerance | different | cast_overflow | missing_in_a | missing_in_b
-    dtype_a: str | None = None
-    dtype_b: str | None = None
-    sha256_a: str | None = None
-    sha256_b: str | None = None
-    max_abs: float | None = None
-    max_rel: float | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.status in ("equal", "equal_after_cast", "within_tolerance")
+__all__ = ["TensorResult", "VerifyReport", "verify", "verify_dry_run", "verify_sources"]
 
 
 @dataclass
@@ -44,6 +31,7 @@ class VerifyReport:
     tensors: list[TensorResult] = field(default_factory=list)
     config_differences: list[dict] = field(default_factory=list)
     replica_differences: list[str] = field(default_factory=list)  # copies of a replicated tensor that disagree
+    replicas_checked: int = 0  # stored copies of replicated tensors compared with the copy read
 
     @property
     def equal(self) -> bool:
@@ -53,51 +41,14 @@ class VerifyReport:
         d = asdict(self)
         d["equal"] = self.equal
         d["summary"] = {s: sum(t.status == s for t in self.tensors) for s in sorted({t.status for t in self.tensors})}
+        d["checked"] = checked_lines(self)
         return d
 
 
-def canonical_tensor(source: Source, index: CanonicalIndex, name: str) -> torch.Tensor:
+def canonical_target(source: Source, index: CanonicalIndex, name: str) -> TargetTensor:
+    """Canonical tensor ``name`` of ``source`` as a plan of reads (its stored dtype, nothing read yet)."""
     t = source.model.tensors[name]
-    reads = index.reads_for(name, 0, t.shape[t.axis], 0)
-    return assemble(TargetTensor(name, t.shape, source.model.dtypes[name], t.axis, reads), source.files)
-
-
-def _sha(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-def compare_tensors(name: str, a: torch.Tensor, b: torch.Tensor, atol: float | None, rtol: float | None
-                    ) -> TensorResult:
-    from reshard.io.dtypes import from_torch
-
-    res = TensorResult(name, "different", from_torch(a.dtype), from_torch(b.dtype))
-    if a.shape != b.shape:
-        res.status = "different"
-        return res
-    diff = (a.double() - b.double()).abs()
-    res.max_abs = diff.max().item() if diff.numel() else 0.0
-    denom = a.double().abs().clamp_min(1e-30)
-    res.max_rel = (diff / denom).max().item() if diff.numel() else 0.0
-    if a.dtype == b.dtype:
-        res.sha256_a, res.sha256_b = _sha(a), _sha(b)
-        if res.sha256_a == res.sha256_b:
-            res.status = "equal"
-            return res
-    if a.dtype != b.dtype and a.is_floating_point() and b.is_floating_point():
-        wide, narrow = (a, b) if a.element_size() >= b.element_size() else (b, a)
-        if bool((~torch.isfinite(narrow) & torch.isfinite(wide)).any()):
-            res.status = "cast_overflow"  # finite values became inf/NaN: never equal, whatever the tolerance
-            return res
-    if atol is not None or rtol is not None:
-        bound = (atol or 0.0) + (rtol or 0.0) * a.double().abs()
-        if bool((diff <= bound).all()):
-            res.status = "within_tolerance"
-        return res
-    if a.dtype != b.dtype:
-        narrow = a.dtype if a.element_size() < b.element_size() else b.dtype
-        if bits_equal(a.to(narrow), b.to(narrow)):
-            res.status = "equal_after_cast"
-    return res
+    return TargetTensor(name, t.shape, source.model.dtypes[name], t.axis, index.reads_for(name, 0, t.shape[t.axis], 0))
 
 
 def config_differences(sa: Source, sb: Source) -> list[dict]:
@@ -107,27 +58,116 @@ def config_differences(sa: Source, sb: Source) -> list[dict]:
             if field != "architecture"]
 
 
+@dataclass
+class VerifyWork:
+    """What a digest verify reads: the tensor pairs (A's canonical order), the replica checks of both sides,
+    and the results known without reading (missing tensors, shapes that differ), by position."""
+
+    tasks: list[PairTask]
+    known: dict[int, TensorResult]
+    count: int  # tensor results in all (tasks first fill the positions ``known`` leaves)
+    replica_checks: list  # (ReplicaCheck, source file names) per replica task, after the tensor tasks
+
+
+def plan_work(sa: Source, sb: Source, atol: float | None, rtol: float | None) -> VerifyWork:
+    ia = CanonicalIndex(sa.stored, {n: t.shape for n, t in sa.model.tensors.items()})
+    ib = CanonicalIndex(sb.stored, {n: t.shape for n, t in sb.model.tensors.items()})
+    tasks, known, position = [], {}, 0
+    for name in sa.model.tensors:
+        if name not in sb.model.tensors:
+            known[position] = TensorResult(name, "missing_in_b", sa.model.dtypes[name])
+        elif sa.model.tensors[name].shape != sb.model.tensors[name].shape:
+            known[position] = TensorResult(name, "different", sa.model.dtypes[name], sb.model.dtypes[name])
+        else:
+            ta, tb = canonical_target(sa, ia, name), canonical_target(sb, ib, name)
+            tasks.append(PairTask(ta, tb, sa.files, sb.files, BlockComparison(name, ta.dtype, tb.dtype, atol, rtol)))
+        position += 1
+    for name in sb.model.tensors:
+        if name not in sa.model.tensors:
+            known[position] = TensorResult(name, "missing_in_a", None, sb.model.dtypes[name])
+            position += 1
+    checks = []
+    for source, index in ((sa, ia), (sb, ib)):  # every stored copy counts, not only the one read
+        tasks += replica_tasks(index.checks, source.files)
+        names = [f.path for f in source.files]
+        checks += [(check, names) for check in index.checks]
+    return VerifyWork(tasks, known, position, checks)
+
+
 def verify(a: str, b: str, *, atol: float | None = None, rtol: float | None = None,
-           vocab_size: int | None = None, architecture: str | None = None, mapping: str | None = None
-           ) -> VerifyReport:
-    """Compare checkpoints ``a`` and ``b`` (any layouts, any degrees) tensor by tensor."""
+           vocab_size: int | None = None, architecture: str | None = None, mapping: str | None = None,
+           workers: int = 1, progress: bool = False, block_bytes: int = BLOCK_BYTES) -> VerifyReport:
+    """Compare checkpoints ``a`` and ``b`` (any layouts, any degrees) tensor by tensor, streaming: bit-exact by
+    SHA-256 where dtypes agree; after a cast, or within ``atol`` / ``rtol``, where they differ."""
     opts = Options(vocab_size=vocab_size, architecture=architecture, mapping=mapping)
     with open_source(a, opts) as sa, open_source(b, opts) as sb:
-        report = VerifyReport(a, b, sa.layout, sb.layout)
-        report.config_differences = config_differences(sa, sb)
-        ia = CanonicalIndex(sa.stored, {n: t.shape for n, t in sa.model.tensors.items()})
-        ib = CanonicalIndex(sb.stored, {n: t.shape for n, t in sb.model.tensors.items()})
-        for name in sa.model.tensors:
-            if name not in sb.model.tensors:
-                report.tensors.append(TensorResult(name, "missing_in_b", sa.model.dtypes[name]))
-                continue
-            ta, tb = canonical_tensor(sa, ia, name), canonical_tensor(sb, ib, name)
-            report.tensors.append(compare_tensors(name, ta, tb, atol, rtol))
-            del ta, tb
-        for name in sb.model.tensors:
-            if name not in sa.model.tensors:
-                report.tensors.append(TensorResult(name, "missing_in_a", None, sb.model.dtypes[name]))
-        for source, index in ((sa, ia), (sb, ib)):  # every stored copy counts, not only the one read above
-            report.replica_differences += run_replica_checks(index.checks, source.files,
-                                                             [f.path for f in source.files])
+        return verify_sources(sa, sb, a, b, atol=atol, rtol=rtol, workers=workers, progress=progress,
+                              block_bytes=block_bytes)
+
+
+def verify_sources(sa: Source, sb: Source, a: str, b: str, *, atol: float | None = None, rtol: float | None = None,
+                   workers: int = 1, progress: bool = False, block_bytes: int = BLOCK_BYTES) -> VerifyReport:
+    """:func:`verify` of two opened sources."""
+    from reshard.verification.digest_run import run_tasks
+
+    report = VerifyReport(a, b, sa.layout, sb.layout)
+    report.config_differences = config_differences(sa, sb)
+    work = plan_work(sa, sb, atol, rtol)
+    results = run_tasks(work.tasks, sa.files + sb.files, workers, progress, block_bytes)
+    tensor_results = iter(results[:len(work.tasks) - len(work.replica_checks)])
+    report.tensors = [work.known[i] if i in work.known else next(tensor_results) for i in range(work.count)]
+    replica_results = results[len(work.tasks) - len(work.replica_checks):]
+    report.replicas_checked = len(replica_results)
+    for (check, names), result in zip(work.replica_checks, replica_results):
+        problem = replica_problem(check, result, names)
+        if problem is not None:
+            report.replica_differences.append(problem)
     return report
+
+
+def verify_dry_run(a: str, b: str, *, vocab_size: int | None = None, architecture: str | None = None,
+                   mapping: str | None = None, workers: int = 1, block_bytes: int = BLOCK_BYTES) -> dict:
+    """What :func:`verify` would read, per process, and each process's peak-memory estimate; reads headers
+    and configs only."""
+    from reshard.verification.digest_run import estimate
+
+    opts = Options(vocab_size=vocab_size, architecture=architecture, mapping=mapping)
+    with open_source(a, opts) as sa, open_source(b, opts) as sb:
+        work = plan_work(sa, sb, None, None)
+        return {"a": a, "b": b, "layout_a": sa.layout, "layout_b": sb.layout, "tensors": work.count,
+                "replica_checks": len(work.replica_checks), "block_bytes": block_bytes,
+                "processes": estimate(work.tasks, sa.files, workers, block_bytes)}
+
+
+_PHRASES = {"equal": "bit-identical (SHA-256)", "within_tolerance": "within tolerance", "different": "different",
+            "missing_in_a": "missing in A", "missing_in_b": "missing in B"}
+
+
+def checked_lines(report: VerifyReport) -> list[str]:
+    """What the report checked, one phrase per outcome: ``39/39 tensors equal after a cast to BF16``."""
+    total = len(report.tensors)
+    groups: dict[str, int] = {}
+    for t in report.tensors:
+        if t.status in ("equal_after_cast", "cast_overflow"):
+            narrow = min((t.dtype_a, t.dtype_b), key=_width)
+            phrase = (f"equal after a cast to {narrow}" if t.status == "equal_after_cast"
+                      else f"overflow in a cast to {narrow}")
+        else:
+            phrase = _PHRASES[t.status]
+        groups[phrase] = groups.get(phrase, 0) + 1
+    lines = [f"{n}/{total} tensors {phrase}" for phrase, n in groups.items()]
+    if report.replicas_checked:
+        bad = len(report.replica_differences)
+        lines.append(f"{report.replicas_checked} stored replica{'s' if report.replicas_checked > 1 else ''} "
+                     f"compared with the copy read: " + (f"{bad} differ{'s' if bad == 1 else ''}" if bad
+                                                          else "all identical"))
+    if report.config_differences:
+        lines.append(f"{len(report.config_differences)} config setting"
+                     f"{'s differ' if len(report.config_differences) > 1 else ' differs'}")
+    return lines
+
+
+def _width(dtype: str | None) -> int:
+    from reshard.io.dtypes import itemsize
+
+    return itemsize(dtype) if dtype else 0
