@@ -17,10 +17,12 @@ EXIT_CODES = ("Exit codes: 0 ok; 1 verification found differences (or an interna
               "usage (malformed or hostile checkpoint, impossible request, existing output without --overwrite); "
               "3 I/O error (disk full, file size limit, permissions); 130 interrupted (Ctrl-C, SIGTERM). "
               "Errors are one line on stderr; RESHARD_DEBUG=1 shows the traceback.")
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+# Plain (click) help, not rich's tables: at 80 columns rich cut long option names and showed flags as "<bool>".
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Reshard and convert LLM checkpoints (Hugging Face, Megatron-Core, vLLM) at any TP/PP degree.",
                   epilog=EXIT_CODES)
-mappings_app = typer.Typer(no_args_is_help=True, help="List, show and check architecture mapping files.")
+mappings_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
+                           help="List, show and check architecture mapping files.")
 app.add_typer(mappings_app, name="mappings")
 
 

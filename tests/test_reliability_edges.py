@@ -46,3 +46,28 @@ def test_output_folder_gets_the_mode_a_plain_mkdir_would(llama, capsys, tmp_path
     assert code == 0, err
     mode = stat.S_IMODE(os.stat(tmp_path / "out").st_mode)
     assert mode == 0o777 & ~umask == stat.S_IMODE(os.stat(tmp_path / "plain").st_mode), oct(mode)
+
+
+# ------------------------------------------------------------------------------------------ item 8: --help
+
+def test_convert_help_at_80_columns_shows_every_option_whole_and_flags_as_flags():
+    import typer.main
+
+    from reshard.cli import app
+
+    command = typer.main.get_command(app).commands["convert"]
+    env = {**os.environ, "COLUMNS": "80", "TERM": "xterm-256color"}
+    env.pop("RESHARD_DEBUG", None)
+    result = subprocess.run([sys.executable, "-m", "reshard", "convert", "--help"], capture_output=True, text=True,
+                            env=env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+    for param in command.params:
+        for name in param.opts:
+            if name.startswith("--"):
+                assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", text), (name, text)
+    assert "<bool>" not in text and "…" not in text, text
+    for flag in ("--overwrite", "--dry-run", "--expert-parallel", "--json"):
+        line = next(line for line in text.splitlines() if re.search(rf"{flag}(?![\w-])", line))
+        assert re.search(rf"{flag}\s{{2,}}[^<\s]", line), line  # the flag, then its help: no value placeholder
