@@ -138,6 +138,8 @@ def convert(
                                                            "default: refuse what it cannot express."),
     allow_cast_overflow: bool = typer.Option(False, "--allow-cast-overflow", help="Let a --dtype cast turn finite "
                                              "values into inf (default: refuse)."),
+    follow_symlinks: bool = typer.Option(False, "--follow-symlinks", help="Copy side files (tokenizer, generation "
+                                         "config) that are symlinks out of the source too (default: skip, warn)."),
 ):
     """Convert SRC (a folder or hf://ORG/NAME[@REV]) to another layout and/or TP/PP degree, streaming."""
     from reshard.conversion import convert as run_convert
@@ -160,7 +162,8 @@ def convert(
                          vocab_size=vocab_size, vocab_divisor=vocab_divisor, architecture=architecture,
                          mapping=mapping, allow_replica_mismatch=allow_replica_mismatch,
                          progress=not as_json and sys.stderr.isatty(), workers=workers,
-                         allow_lossy_config=tuple(allow_lossy_config or ()), allow_cast_overflow=allow_cast_overflow)
+                         allow_lossy_config=tuple(allow_lossy_config or ()), allow_cast_overflow=allow_cast_overflow,
+                         follow_symlinks=follow_symlinks)
     if dry_run:
         if as_json:
             print(json.dumps({**_plan_json(result.plan), "download": result.download}, indent=2))
@@ -203,7 +206,8 @@ def plan(
             megatron_spec=megatron_spec, megatron_format="torch", max_shard_size=max_shard_size,
             vocab_size=vocab_size, vocab_divisor=None,
             architecture=architecture, mapping=mapping, allow_replica_mismatch=False, as_json=as_json, workers=1,
-            push_to=None, revision=None, allow_lossy_config=allow_lossy_config, allow_cast_overflow=False)
+            push_to=None, revision=None, allow_lossy_config=allow_lossy_config, allow_cast_overflow=False,
+            follow_symlinks=False)
 
 
 @app.command()

@@ -15,7 +15,7 @@ from reshard.distributed import ProgressRelay, World, log_prefix, world_size_fro
 from reshard.execute import ensure_replicas_agree, execute, partition, run_units
 from reshard.io import dtypes
 from reshard.hub import open_source
-from reshard.layouts.base import Options, Source, stored_dtype
+from reshard.layouts.base import Options, Source, escapes_source, stored_dtype
 from reshard.layouts.registry import get_layout
 from reshard.staging import check_destination, staged_output
 
@@ -69,9 +69,15 @@ def _warn(message: str) -> None:
     sys.stderr.write(f"{log_prefix()}warning: {message}\n")  # one write: torchrun's ranks share the stream
 
 
-def write_side_files(source: Source, staging: str, plan: Plan, state: object) -> None:
-    """Copy the tokenizer and generation-config files, then let the target layout write its own (last)."""
+def write_side_files(source: Source, staging: str, plan: Plan, state: object, follow_symlinks: bool) -> None:
+    """Copy the tokenizer and generation-config files, then let the target layout write its own (last). A side file
+    that is a symlink out of the source (:func:`escapes_source`) is skipped with a warning unless
+    ``follow_symlinks``: the output, which ``--push-to`` uploads, holds no file from elsewhere."""
     for path in source.side_files:
+        if not follow_symlinks and escapes_source(path, source.root):
+            _warn(f"skipped {path}: a symlink to {os.path.realpath(path)}, outside the source (pass "
+                  "--follow-symlinks to copy it)")
+            continue
         shutil.copy2(path, os.path.join(staging, os.path.basename(path)))
     get_layout(plan.target_layout).finalize(staging, source, plan, state)
 
@@ -95,7 +101,8 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
             max_shard_size: int = 5 * 10**9, vocab_size: int | None = None, vocab_divisor: int | None = None,
             architecture: str | None = None, mapping: str | None = None, allow_replica_mismatch: bool = False,
             progress: bool = False, workers: int | None = 1, allow_lossy_config: tuple[str, ...] = (),
-            allow_cast_overflow: bool = False, distributed: bool | None = None) -> ConvertResult:
+            allow_cast_overflow: bool = False, distributed: bool | None = None,
+            follow_symlinks: bool = False) -> ConvertResult:
     """Convert checkpoint ``src`` to layout ``to`` at degrees ``tp`` x ``pp`` in folder ``dst`` (a Megatron
     Mixture of Experts also at expert-parallel ``ep`` and expert-tensor-parallel ``etp``, default ``tp``; a vLLM
     one with ``expert_parallel``: whole experts split over the ranks).
@@ -106,7 +113,8 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
     the target may drop (else a field it cannot express is refused); ``allow_cast_overflow`` lets a ``dtype``
     cast turn finite values into inf (else refused). ``distributed``: split the files over the torchrun world
     this process belongs to (:mod:`reshard.distributed`); ``None`` does so when torchrun started 2 or more
-    processes (``WORLD_SIZE``), ignoring ``workers``.
+    processes (``WORLD_SIZE``), ignoring ``workers``. ``follow_symlinks``: copy side files (tokenizer, ...) that
+    are symlinks out of the source too (else skipped with a warning).
     """
     unknown = sorted(set(allow_lossy_config) - set(SEMANTIC_FIELDS))
     if unknown:
@@ -117,7 +125,7 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
     opts = Options(tp=tp, pp=pp, ep=ep, etp=etp, expert_parallel=expert_parallel, moe_grouped_gemm=moe_grouped_gemm, dtype=dtypes.parse_user_dtype(dtype), megatron_spec=megatron_spec,
                    max_shard_size=max_shard_size, vocab_size=vocab_size, vocab_divisor=vocab_divisor,
                    architecture=architecture, mapping=mapping, allow_replica_mismatch=allow_replica_mismatch,
-                   allow_lossy_config=tuple(allow_lossy_config))
+                   allow_lossy_config=tuple(allow_lossy_config), follow_symlinks=follow_symlinks)
     world = None if dry_run or not distributed_run(distributed) else World.join()
     if world is not None:
         try:
@@ -149,12 +157,12 @@ def convert_here(source: Source, plan: Plan, state, dst: str, overwrite: bool, p
     with staged_output(source.root, dst, overwrite) as staging:  # lock, stage, publish by rename (staging.py)
         execute(plan, source.files, staging, progress=progress,
                 workers=auto_workers(plan) if workers is None else workers)
-        finish_output(source, staging, plan, state)
+        finish_output(source, staging, plan, state, opts)
 
 
-def finish_output(source: Source, staging: str, plan: Plan, state) -> None:
+def finish_output(source: Source, staging: str, plan: Plan, state, opts: Options) -> None:
     """The side files, the target layout's records and the Hub provenance, into the finished staging folder."""
-    write_side_files(source, staging, plan, state)
+    write_side_files(source, staging, plan, state, opts.follow_symlinks)
     if "hub" in source.info:  # provenance for `reshard push`
         from reshard.hub.manifest import write_manifest
 
@@ -198,7 +206,7 @@ def convert_in_world(world: World, src: str, to: str, opts: Options, dst: str, o
                     relay.close()
 
         world.step(write)
-        world.step(lambda: finish_output(source, staging, plan, state) if leader else None)
+        world.step(lambda: finish_output(source, staging, plan, state, opts) if leader else None)
         world.step(stack.close if leader else lambda: None)  # rank 0 publishes; every rank learns whether it did
     return plan
 

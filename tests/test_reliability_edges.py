@@ -48,6 +48,74 @@ def test_output_folder_gets_the_mode_a_plain_mkdir_would(llama, capsys, tmp_path
     assert mode == 0o777 & ~umask == stat.S_IMODE(os.stat(tmp_path / "plain").st_mode), oct(mode)
 
 
+# ------------------------------------------------------------------------------------------ item 3: side files
+
+def test_side_file_symlink_out_of_the_source_is_skipped_with_a_warning(llama, capsys, tmp_path):
+    src = tmp_path / "src"
+    make_hf(str(src), vocab=1004)
+    secret = tmp_path / "outside" / "secret.txt"
+    secret.parent.mkdir()
+    secret.write_text("not a tokenizer\n")
+    os.symlink(secret, src / "tokenizer.json")
+    code, _, err = run_cli(capsys, "convert", src, tmp_path / "out", "--to", "hf")
+    assert code == 0, err
+    assert not (tmp_path / "out" / "tokenizer.json").exists()
+    assert (tmp_path / "out" / "generation_config.json").is_file()
+    assert "warning" in err and "tokenizer.json" in err and "--follow-symlinks" in err, err
+    code, _, err = run_cli(capsys, "convert", src, tmp_path / "out2", "--to", "hf", "--follow-symlinks")
+    assert code == 0, err
+    assert (tmp_path / "out2" / "tokenizer.json").read_text() == "not a tokenizer\n"
+
+
+def test_side_file_symlink_inside_the_source_is_copied(capsys, tmp_path):
+    src = tmp_path / "src"
+    make_hf(str(src), vocab=1004)
+    (src / "tokenizers").mkdir()
+    (src / "tokenizers" / "tok.json").write_text("{}\n")
+    os.symlink("tokenizers/tok.json", src / "tokenizer.json")
+    code, _, err = run_cli(capsys, "convert", src, tmp_path / "out", "--to", "hf")
+    assert code == 0 and "warning" not in err, err
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == "{}\n"
+
+
+def test_side_files_of_a_cached_snapshot_resolve_into_its_blob_store(capsys, tmp_path):
+    """Every file of a Hugging Face cache snapshot is a relative symlink into ``models--ORG--NAME/blobs``."""
+    repo = tmp_path / "hub" / "models--org--tiny"
+    staged = tmp_path / "staged"
+    make_hf(str(staged), vocab=1004)
+    (staged / "tokenizer.json").write_text('{"model": {}}\n')
+    snapshot = repo / "snapshots" / "0123abcd"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for i, name in enumerate(sorted(os.listdir(staged))):
+        os.rename(staged / name, repo / "blobs" / f"blob{i}")
+        os.symlink(f"../../blobs/blob{i}", snapshot / name)
+    code, _, err = run_cli(capsys, "convert", snapshot, tmp_path / "out", "--to", "hf")
+    assert code == 0 and "warning" not in err, err
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == '{"model": {}}\n'
+    assert (tmp_path / "out" / "generation_config.json").is_file()
+
+
+def _reshard_subprocess(*args, timeout=60) -> subprocess.CompletedProcess:
+    """``python -m reshard ARGS`` with a deadline: a read that blocks forever fails the test instead of hanging."""
+    env = {k: v for k, v in os.environ.items() if k != "RESHARD_DEBUG"}
+    return subprocess.run([sys.executable, "-m", "reshard", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.mark.parametrize("command, fifo", [("inspect", "config.json"), ("convert", "config.json"),
+                                           ("convert", "model.safetensors")])
+def test_a_fifo_in_place_of_a_file_reshard_reads_is_refused(tmp_path, command, fifo):
+    src = tmp_path / "src"
+    make_hf(str(src), vocab=1004)
+    os.remove(src / fifo)
+    os.mkfifo(src / fifo)
+    args = [src] if command == "inspect" else [src, tmp_path / "out", "--to", "megatron"]
+    result = _reshard_subprocess(command, *args)
+    _one_line_refusal(result.returncode, result.stderr, fifo, "not a regular file")
+    assert not (tmp_path / "out").exists()
+
+
 # ------------------------------------------------------------------------------------------ item 8: --help
 
 def test_convert_help_at_80_columns_shows_every_option_whole_and_flags_as_flags():

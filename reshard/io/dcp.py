@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from reshard.errors import CheckpointError
 from reshard.io import dtypes
 from reshard.io.partial import PartialFile, replace_with_text
+from reshard.io.regular import open_regular
 from reshard.io.tensorfile import TensorFile, TensorLocation
 from reshard.io.torch_format import ZipRecords, _Pickler, crc32, pickled, tensor_ref, torch_dtype_global
 from reshard.io.torch_names import TorchGlobal
@@ -121,7 +122,7 @@ def read_metadata(folder: str) -> tuple[dict[str, DcpTensor], list[str]]:
     """The tensors of the DCP folder ``folder`` (with their chunks) and the keys of its byte items."""
     path = os.path.join(folder, ".metadata")
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, "rb") as f:
             meta = _RestrictedUnpickler(f, path).load()
     except FileNotFoundError:
         raise CheckpointError(f"{folder} has no .metadata: the distributed checkpoint is incomplete") from None

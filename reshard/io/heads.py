@@ -16,6 +16,7 @@ import threading
 
 from reshard.errors import ReshardError
 from reshard.io.hf_files import weight_files
+from reshard.io.regular import open_fd
 
 SUPPORTED = hasattr(os, "posix_fadvise") and hasattr(os, "POSIX_FADV_WILLNEED")
 
@@ -92,11 +93,11 @@ def _advise_heads(paths: list[str], per_file: int) -> None:
     fds = []
     try:
         for path in paths:
-            fds.append(os.open(path, os.O_RDONLY))
+            fds.append(open_fd(path))
         for start in range(0, per_file, _HEAD_CHUNK):
             for fd in fds:
                 os.posix_fadvise(fd, start, min(_HEAD_CHUNK, per_file - start), os.POSIX_FADV_WILLNEED)
-    except OSError:  # a hint: a file that cannot be opened is reported by the real reader
+    except (OSError, ReshardError):  # a hint: a file that cannot be read is reported by the real reader
         pass
     finally:
         for fd in fds:

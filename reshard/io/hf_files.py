@@ -8,6 +8,7 @@ import json
 import os
 
 from reshard.errors import CheckpointError
+from reshard.io.regular import open_regular
 
 INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -25,7 +26,8 @@ def weight_files(path: str) -> list[str]:
         index_path = os.path.join(path, index_name)
         if os.path.isfile(index_path):
             try:
-                weight_map = json.load(open(index_path))["weight_map"]
+                with open_regular(index_path) as f:
+                    weight_map = json.load(f)["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise CheckpointError(f"{index_path}: not a valid index (needs a 'weight_map' object)") from None
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):

@@ -14,6 +14,7 @@ import struct
 from reshard.errors import CheckpointError
 from reshard.io import dtypes
 from reshard.io.partial import PAGE, PartialFile
+from reshard.io.regular import open_regular
 from reshard.io.tensorfile import TensorFile, TensorLocation
 
 MAX_HEADER = 100 << 20
@@ -71,8 +72,8 @@ def read_header(path: str) -> tuple[dict[str, TensorLocation], dict[str, str]]:
     duplicate names, every entry has a known dtype, a shape of sizes and ``[begin, end]`` offsets whose span
     equals shape x dtype, and the tensors tile the data buffer exactly (no overlap, hole or trailing bytes).
     """
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    with open_regular(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) < 8:
             raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 
 from reshard.io import dtypes
+from reshard.io.regular import open_fd
 
 _BLOCK_BYTES = 32 << 20  # scratch size for strided (column-range) reads
 _MIN_ROW_PIECE = 4 << 10  # a narrower column slice is read as whole rows (one call per row would cost more)
@@ -75,7 +76,7 @@ class TensorFile:
     @property
     def fd(self) -> int:
         if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDONLY)
+            self._fd = open_fd(self.path)
         return self._fd
 
     def close(self) -> None:

@@ -31,6 +31,7 @@ except ImportError:  # pragma: no cover
 from reshard.errors import CheckpointError
 from reshard.io import dtypes
 from reshard.io.partial import PAGE, PartialFile
+from reshard.io.regular import check_regular
 from reshard.io.tensorfile import TensorFile, TensorLocation
 from reshard.io.torch_names import STORAGE_TYPES, TorchGlobal
 
@@ -100,6 +101,7 @@ def load_structure(path: str) -> Any:
 
     This is the only unpickling reshard does: a hand-written restricted unpickler would skip torch's import
     (seconds) but is exactly the kind of code that must not be trusted with a stranger's pickle."""
+    check_regular(path)
     try:
         return _torch_load_meta(path)
     except (zipfile.BadZipFile, EOFError, ValueError) as exc:

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 from reshard.core.canonical import CanonicalModel
 from reshard.core.pieces import StoredTensor
 from reshard.errors import CheckpointError, PlanError
+from reshard.io.regular import open_regular
 from reshard.io.tensorfile import TensorFile
 
 # Non-weight files that travel with a checkpoint (tokenizer, generation config).
@@ -42,6 +43,7 @@ class Options:
     mapping: str | None = None  # a user's mapping file
     allow_replica_mismatch: bool = False
     allow_lossy_config: tuple[str, ...] = ()  # canonical config fields a target may drop (ConfigLoss)
+    follow_symlinks: bool = False  # copy side files that are symlinks out of the source too
 
 
 @dataclass
@@ -88,7 +90,7 @@ class TargetSpec:
 def read_json_object(path: str, what: str) -> dict:
     """The JSON object in file ``path`` (``what`` names the checkpoint kind that needs it in errors)."""
     try:
-        with open(path) as f:
+        with open_regular(path) as f:
             value = json.load(f)
     except FileNotFoundError:
         raise CheckpointError(f"{os.path.dirname(path)} has no {os.path.basename(path)}: {what} needs one") from None
@@ -124,6 +126,31 @@ def pack_by_size(tensors: list, nbytes_of, limit: int) -> list[list]:
 
 def find_side_files(folder: str) -> list[str]:
     return [os.path.join(folder, n) for n in SIDE_FILES if os.path.isfile(os.path.join(folder, n))]
+
+
+def _within(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def hf_blob_store(folder: str) -> str | None:
+    """The blob store (``.../models--ORG--NAME/blobs``) of the Hugging Face cache snapshot ``folder`` is in (the
+    snapshot's files are symlinks into it), else None."""
+    path = os.path.realpath(folder)
+    while os.path.dirname(path) != path:
+        parent = os.path.dirname(path)
+        if os.path.basename(path) == "snapshots" and os.path.basename(parent).startswith("models--"):
+            return os.path.join(parent, "blobs")
+        path = parent
+    return None
+
+
+def escapes_source(path: str, root: str) -> bool:
+    """Whether side file ``path`` (from folder ``root`` or the folder it sits in) resolves outside both, and
+    outside the Hugging Face cache's blob store of a cached snapshot: a symlink to a file elsewhere."""
+    target = os.path.realpath(path)
+    folders = [os.path.realpath(root), os.path.realpath(os.path.dirname(os.path.abspath(path)))]
+    store = hf_blob_store(os.path.dirname(os.path.abspath(path)))
+    return not any(_within(target, f) for f in folders + ([os.path.realpath(store)] if store else []))
 
 
 def check_shape(where: str, name: str, actual: tuple[int, ...], expected: tuple[int, ...]) -> None:

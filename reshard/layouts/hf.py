@@ -20,6 +20,7 @@ from reshard.errors import CheckpointError, PlanError
 from reshard.io import dtypes
 from reshard.io.hf_files import BIN_INDEX, INDEX, is_other_format, is_weight_file, weight_files
 from reshard.io.partial import replace_with_text
+from reshard.io.regular import open_regular
 from reshard.io.safetensors_format import SafetensorsFile
 from reshard.io.tensorfile import TensorFile
 from reshard.io.torch_format import TorchFile
@@ -38,7 +39,9 @@ def check_index(path: str, paths: list[str], files: list) -> None:
         index_path = os.path.join(path, index_name)
         if os.path.isfile(index_path):
             by_name = {os.path.relpath(p, path): f for p, f in zip(paths, files)}
-            for tensor, fname in json.load(open(index_path))["weight_map"].items():
+            with open_regular(index_path) as f:
+                weight_map = json.load(f)["weight_map"]
+            for tensor, fname in weight_map.items():
                 if tensor not in by_name[os.path.normpath(fname)].tensors:
                     raise CheckpointError(f"{index_path} puts tensor '{tensor}' in {fname}, which does not hold "
                                           "it: the index and the weight files disagree (incomplete download?)")

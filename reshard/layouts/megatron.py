@@ -26,6 +26,7 @@ from reshard.errors import CheckpointError, PlanError
 from reshard.io import dtypes
 from reshard.io.partial import replace_with_text
 from reshard.io.heads import read_heads_while_torch_imports
+from reshard.io.regular import open_regular
 from reshard.io.torch_format import MegatronEnum, TensorSlot, TorchFile, torch_dtype_global
 from reshard.layouts.base import Layout, Options, Source, TargetPlan, TargetSpec, check_shape, find_side_files
 from reshard.layouts.hf import write_config
@@ -149,7 +150,8 @@ def _iteration_dir(path: str) -> tuple[str, str]:
         return path, _label(base)
     tracker = os.path.join(path, TRACKER)
     if os.path.isfile(tracker):
-        label = open(tracker).read().strip()
+        with open_regular(tracker) as f:
+            label = f.read().strip()
         sub = iteration_folder_name(label)
         if sub is None:
             raise CheckpointError(f"{tracker} holds '{label}', not an iteration number or 'release'")
@@ -196,12 +198,14 @@ def true_vocab_size(args, opts: Options, root: str) -> int:
     cfg = os.path.join(root, "config.json")
     if os.path.isfile(cfg):
         try:
-            return int(json.load(open(cfg))["vocab_size"])
+            with open_regular(cfg) as f:
+                return int(json.load(f)["vocab_size"])
         except (KeyError, ValueError, TypeError, json.JSONDecodeError):
             pass
     tok = os.path.join(root, "tokenizer.json")
     if os.path.isfile(tok):
-        data = json.load(open(tok))
+        with open_regular(tok) as f:
+            data = json.load(f)
         vocab = data.get("model", {}).get("vocab", {})
         ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
         ids += [t["id"] for t in data.get("added_tokens", [])]

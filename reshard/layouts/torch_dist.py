@@ -26,6 +26,7 @@ from reshard.io import dtypes
 from reshard.io.dcp import DcpTensor, DistcpFile, metadata_pickle, read_metadata, written_chunks
 from reshard.io.partial import replace_with_text
 from reshard.io.heads import read_heads_while_torch_imports
+from reshard.io.regular import open_regular
 from reshard.io.torch_format import TorchFile, TorchZipWriter, object_archive
 from reshard.layouts import megatron
 from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, find_side_files, pack_by_size,
@@ -50,7 +51,8 @@ def _iteration_folder(path: str) -> tuple[str, str, str]:
 def _check_backend(folder: str) -> None:
     path = os.path.join(folder, CONFIG)
     try:
-        config = json.load(open(path))
+        with open_regular(path) as f:
+            config = json.load(f)
     except FileNotFoundError:
         raise CheckpointError(f"{folder} has no {CONFIG}: the distributed checkpoint is incomplete (it is "
                               "written last)") from None

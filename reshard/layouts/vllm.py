@@ -24,6 +24,7 @@ from reshard.core.sharding import (check_vllm_degrees, pack_members, rank_slice,
 from reshard.errors import CheckpointError, PlanError
 from reshard.io import dtypes
 from reshard.io.partial import replace_with_text
+from reshard.io.regular import open_regular
 from reshard.io.safetensors_format import SafetensorsFile
 from reshard.layouts import hf
 from reshard.layouts.hf_config import read_meaning
@@ -163,7 +164,7 @@ def _recorded_tp(path: str, files: list[SafetensorsFile]) -> int | None:
     record = os.path.join(path, RECORD)
     if os.path.isfile(record):
         try:
-            with open(record) as f:
+            with open_regular(record) as f:
                 value = json.load(f).get("tensor_parallel_size")
         except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
             raise CheckpointError(f"{record}: invalid JSON; delete it or fix it") from None
