@@ -292,8 +292,10 @@ def verify(
 
 def _format_estimate(estimate: dict) -> str:
     """``verify --dry-run``: one line per process (bytes read from A and B, peak memory estimate)."""
-    lines = [f"A {estimate['layout_a']} {estimate['a']}", f"B {estimate['layout_b']} {estimate['b']}"]
-    lines += estimate.get("lines", [])
+    lines = [f"A {estimate['layout_a']} {estimate['a']}", f"B {estimate['layout_b']} {estimate['b']}",
+             f"{estimate['tensors']} canonical tensors and {estimate['replica_checks']} stored replicas, read in "
+             f"blocks of at most {_size(estimate['block_bytes'])} a side, by {len(estimate['processes'])} "
+             f"process{'es' if len(estimate['processes']) > 1 else ''}:"]
     for i, p in enumerate(estimate["processes"]):
         lines.append(f"  process {i}: reads {_size(p['read_a'])} of A and {_size(p['read_b'])} of B, "
                      f"peak memory about {_size(p['peak_estimate'])}")

@@ -25,6 +25,7 @@ from checkpoints import hf_config, load_hf_tensors, make_hf
 from family_rules import load_megatron_rank, megatron_rank_path
 from helpers import run_cli
 from reshard.verification import block_stream
+from reshard.verification.digest import verify_dry_run
 
 
 def _bits(rows: range, cols: int, salt: int) -> np.ndarray:
@@ -198,7 +199,7 @@ def test_dry_run_counts_the_bytes_each_process_reads(tmp_path, capsys):
     out = str(tmp_path / "meg")
     reshard.convert(src, out, to="megatron", tp=2)
     weights = sum(t.numel() * t.element_size() for t in load_hf_tensors(src).values())
-    plan = reshard.verification.digest.verify_dry_run(src, out, workers=2)
+    plan = verify_dry_run(src, out, workers=2)
     assert len(plan["processes"]) == 2
     assert sum(p["read_a"] for p in plan["processes"]) == weights
     # B reads every canonical byte once (no padding row), plus both sides of each replica check
@@ -206,3 +207,16 @@ def test_dry_run_counts_the_bytes_each_process_reads(tmp_path, capsys):
     assert all(p["peak_estimate"] < 512 << 20 for p in plan["processes"])
     code, stdout, _ = run_cli(capsys, "verify", src, out, "--dry-run", "--workers", "2")
     assert code == 0 and stdout.count("peak memory about") == 2 and "EQUAL" not in stdout
+
+
+def test_verify_starts_reading_both_folders_while_the_cli_starts(tmp_path, monkeypatch):
+    from reshard.io import heads
+
+    a, b = make_hf(tmp_path / "a", vocab=1000), make_hf(tmp_path / "b", vocab=1000)
+    advised = []
+    monkeypatch.setattr(heads, "read_heads_in_background", lambda paths, budget: advised.append(sorted(paths)))
+    for argv in (["verify", a, b, "--forward"], ["verify", a, b, "--dry-run"], ["verify", a, str(tmp_path / "no")]):
+        heads.read_source_heads_early(argv)
+    assert advised == []
+    heads.read_source_heads_early(["verify", a, b, "--json"])
+    assert advised == [sorted([os.path.join(a, "model.safetensors"), os.path.join(b, "model.safetensors")])]

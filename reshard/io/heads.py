@@ -80,13 +80,18 @@ def top_level_weight_files(folder: str) -> list[str]:
 
 
 def read_source_heads_early(argv: list[str]) -> None:
-    """For ``reshard convert SRC ...`` with SRC a local folder: start reading the heads of its top-level weight
-    files (at most ``EARLY_BUDGET`` bytes, round-robin) while the CLI imports its parser and layouts and plans.
-    Only the documented order (SRC first after ``convert``) is recognised; anything else is left alone. A hint:
-    it raises nothing, and a wrong guess only reads pages nobody uses."""
-    if len(argv) < 2 or argv[0] != "convert" or argv[1].startswith("-") or not os.path.isdir(argv[1]):
+    """For ``reshard convert SRC ...`` with SRC a local folder, or ``reshard verify A B ...`` (the digest check)
+    with local folders: start reading the heads of their top-level weight files (at most ``EARLY_BUDGET`` bytes
+    in all, round-robin) while the CLI imports its parser and layouts and plans. Only the documented order (the
+    folders first after the command) is recognised; anything else is left alone. A hint: it raises nothing, and a
+    wrong guess only reads pages nobody uses."""
+    if len(argv) < 2 or argv[0] not in ("convert", "verify") or "--forward" in argv or "--dry-run" in argv:
         return
-    read_heads_in_background(top_level_weight_files(argv[1]), min(EARLY_BUDGET, read_ahead_window()))
+    folders = argv[1:2] if argv[0] == "convert" else argv[1:3]
+    if any(f.startswith("-") or not os.path.isdir(f) for f in folders):
+        return
+    read_heads_in_background([p for f in folders for p in top_level_weight_files(f)],
+                             min(EARLY_BUDGET, read_ahead_window()))
 
 
 def _advise_heads(paths: list[str], per_file: int) -> None:
