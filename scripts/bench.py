@@ -112,6 +112,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--torchrun", type=int, default=None, metavar="N",
                     help="also time each conversion under `torchrun --standalone --nproc-per-node N` (op name "
                          "OP@torchrunN) and report its time over the 1-process run's (--workers defaults to 1)")
+    ap.add_argument("--verify", action="store_true", help="also time `reshard verify` of each source against its "
+                    "conversion, next to reading both and to that conversion (scripts/bench_verify.py)")
     ap.add_argument("--keep", action="store_true", help="keep the outputs of the last repeat under OUT/outputs")
     ap.add_argument("--plot", action="store_true", help="write OUT/bench.png (needs matplotlib)")
     ap.add_argument("--cache-dir", type=Path, default=None, help="where generated sources are cached (default: OUT/sources)")
@@ -349,6 +351,12 @@ def main(argv: list[str] | None = None) -> int:
                             run[f"ratio_to_paired_{ref}"] = run["wall_s"] / ref_run["wall_s"]
                     result["runs"].append(run)
                     save()
+            if args.verify:
+                from bench_verify import measure_pair
+
+                row = measure_pair(src, args.model, work, logs, args.repeat, args.cache, args.timeout, log)
+                result.setdefault("verify", []).append({"size": key, "model": args.model, **row})
+                save()
             for kind, folder in derived.items():
                 if args.keep:
                     keep_output(folder, out / "outputs" / key / f"{kind}_source")
@@ -360,6 +368,10 @@ def main(argv: list[str] | None = None) -> int:
         save()
 
     md = render_markdown(result)
+    if result.get("verify"):
+        from bench_verify import render as render_verify
+
+        md += "\n\n## Verify (digest check, cold)\n\n" + render_verify(result["verify"]) + "\n"
     (out / "bench.md").write_text(md)
     print(md)
     if args.plot:
