@@ -220,3 +220,8 @@ def test_verify_starts_reading_both_folders_while_the_cli_starts(tmp_path, monke
     assert advised == []
     heads.read_source_heads_early(["verify", a, b, "--json"])
     assert advised == [sorted([os.path.join(a, "model.safetensors"), os.path.join(b, "model.safetensors")])]
+    meg = str(tmp_path / "meg")
+    reshard.convert(a, meg, to="megatron", tp=2)
+    heads.read_source_heads_early(["verify", a, meg])
+    assert advised[1] == sorted([os.path.join(a, "model.safetensors"), megatron_rank_path(meg, 0, 0, 1),
+                                 megatron_rank_path(meg, 1, 0, 1)])

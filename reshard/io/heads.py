@@ -79,6 +79,22 @@ def top_level_weight_files(folder: str) -> list[str]:
                   if p.endswith((".pth", ".pt")) and os.path.isfile(p))
 
 
+def megatron_rank_files(folder: str) -> list[str]:
+    """The rank files of a Megatron checkpoint folder, guessed without its layout (stdlib only): the iteration
+    folder that ``latest_checkpointed_iteration.txt`` names (or ``folder`` itself), its
+    ``mp_rank_*/model_optim_rng.pt`` (torch format) or ``*.distcp`` (torch_dist) files. A hint's guess: the layout
+    reads the checkpoint for real."""
+    iteration = folder
+    try:
+        with open(os.path.join(folder, "latest_checkpointed_iteration.txt")) as f:
+            label = f.read().strip()
+        iteration = os.path.join(folder, "release" if label == "release" else f"iter_{int(label):07d}")
+    except (OSError, ValueError):
+        pass
+    pattern = os.path.join(glob.escape(iteration), "mp_rank_*", "model_optim_rng.pt")
+    return sorted(glob.glob(pattern)) or sorted(glob.glob(os.path.join(glob.escape(iteration), "*.distcp")))
+
+
 def read_source_heads_early(argv: list[str]) -> None:
     """For ``reshard convert SRC ...`` with SRC a local folder, or ``reshard verify A B ...`` (the digest check)
     with local folders: start reading the heads of their top-level weight files (at most ``EARLY_BUDGET`` bytes
@@ -90,7 +106,7 @@ def read_source_heads_early(argv: list[str]) -> None:
     folders = argv[1:2] if argv[0] == "convert" else argv[1:3]
     if any(f.startswith("-") or not os.path.isdir(f) for f in folders):
         return
-    read_heads_in_background([p for f in folders for p in top_level_weight_files(f)],
+    read_heads_in_background([p for f in folders for p in top_level_weight_files(f) or megatron_rank_files(f)],
                              min(EARLY_BUDGET, read_ahead_window()))
 
 
