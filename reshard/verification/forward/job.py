@@ -25,9 +25,23 @@ COMPUTE_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp64": torch
 
 @dataclass
 class Side:
+    """One checkpoint of the check: run at ``degree`` ranks; ``own_tp``: its layout's own TP degree (the
+    report's ``tp``), when it differs; ``run``: how it is read, in words (the report's ``run``)."""
+
     path: str
     layout: str
     degree: int
+    own_tp: int | None = None
+    run: str = ""
+
+    def describe(self, seen: dict) -> dict:
+        """The report's entry for this side, from rank 0's ``seen`` (dtype, padded vocab, files)."""
+        out = {"path": self.path, "layout": self.layout, "tp": self.degree if self.own_tp is None else self.own_tp,
+               "dtype": _name(seen["dtype"]), "padded_vocab": seen["padded_vocab"], "rank0_files": seen["files_rank0"],
+               "run_tp": self.degree}
+        if self.run:
+            out["run"] = self.run
+        return out
 
 
 @dataclass
@@ -100,10 +114,7 @@ def run_job(job: ForwardJob, rank: int, world: int) -> dict | None:
     a, b = runs["a"], runs["b"]
     tol = report.tolerance(a["dtype"], b["dtype"], compute, job.atol, job.rtol)
     result = {
-        "a": {"path": job.a.path, "layout": job.a.layout, "tp": job.a.degree, "dtype": _name(a["dtype"]),
-              "padded_vocab": a["padded_vocab"], "rank0_files": a["files_rank0"]},
-        "b": {"path": job.b.path, "layout": job.b.layout, "tp": job.b.degree, "dtype": _name(b["dtype"]),
-              "padded_vocab": b["padded_vocab"], "rank0_files": b["files_rank0"]},
+        "a": job.a.describe(a), "b": job.b.describe(b),
         "backend": job.backend, "compute_dtype": _name(compute), "batch": len(job.input_ids),
         "seq_len": len(job.input_ids[0]), "vocab": job.vocab, "tolerance": tol,
     }

@@ -1,0 +1,133 @@
+"""Plan a forward check (both sides, their degrees, the token ids) from configs and headers alone.
+
+A is the reference. Where its layout's data does not depend on a TP degree (its rank stream is ``any_degree``:
+Hugging Face, torch_dist, Meta) A is sliced at B's degree, so no process holds the whole model; it falls back to
+one process only where the model cannot be cut at that degree. A layout with rank files of its own (Megatron
+``torch``, vLLM, TensorRT-LLM) runs at its own degree from those files (they are the reference as its runtime reads
+them; reading them through reshard's planner instead would reuse the converter's own reading).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from reshard.errors import PlanError, ReshardError
+from reshard.layouts.base import Options, import_string
+from reshard.layouts.registry import get_layout, layout_names, open_checkpoint
+from reshard.verification.forward.job import COMPUTE_DTYPES, ForwardJob, Side
+from reshard.verification.forward.launch import under_torchrun
+from reshard.verification.forward.rank_weights import DecoderConfig, check_world
+
+
+def read_prompt_ids(path: str, vocab: int) -> list[list[int]]:
+    """Token ids from a JSON file (a list of ints, or a list of equal-length lists) or a text file (one
+    sequence of whitespace-separated ints per line)."""
+    try:
+        text = open(path).read()
+    except OSError as exc:
+        raise ReshardError(f"cannot read --prompt-ids {path}: {exc.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        try:
+            data = [[int(x) for x in line.split()] for line in text.splitlines() if line.strip()]
+        except ValueError:
+            raise ReshardError(f"{path}: token ids must be JSON or whitespace-separated integers") from None
+    if data and all(isinstance(x, int) for x in data):
+        data = [data]
+    if not data or not all(isinstance(row, list) and row and all(isinstance(x, int) for x in row) for row in data):
+        raise ReshardError(f"{path}: expected a non-empty list of token ids (or a list of lists)")
+    if len({len(row) for row in data}) != 1:
+        raise ReshardError(f"{path}: every sequence must have the same length")
+    bad = [x for row in data for x in row if not 0 <= x < vocab]
+    if bad:
+        raise ReshardError(f"{path}: token id {bad[0]} is outside the vocab [0, {vocab})")
+    return data
+
+
+def plan_job(a: str, b: str, *, nproc: int | None = None, backend: str | None = None, seq_len: int = 16,
+             batch: int = 2, seed: int = 0, prompt_ids: str | None = None, compute_dtype: str = "fp32",
+             atol: float | None = None, rtol: float | None = None, timeout: float = 300.0,
+             vocab_size: int | None = None, architecture: str | None = None,
+             mapping: str | None = None) -> tuple[ForwardJob, list[str]]:
+    """The job :func:`~reshard.verification.forward.verify_forward` runs, and its notes; refuses (before any
+    tensor is read) what cannot be checked."""
+    opts = Options(vocab_size=vocab_size, architecture=architecture, mapping=mapping)
+    with open_checkpoint(a, opts) as sa, open_checkpoint(b, opts) as sb:
+        layouts = (sa.layout, sb.layout)
+        degrees = (sa.degrees.get("tp", 1), sb.degrees.get("tp", 1))
+        vocabs = (sa.model.vocab_size, sb.model.vocab_size)
+        meanings = (sa.model.meaning, sb.model.meaning)
+        config_a = DecoderConfig.from_meaning(meanings[0])  # refuses what it lacks
+        config_b = DecoderConfig.from_meaning(meanings[1])
+        ffn_b = meanings[1].ffn
+    for label, name in zip("AB", layouts):
+        if get_layout(name).rank_loader is None:
+            raise PlanError(f"{label} is a {name} checkpoint, which the forward verifier cannot read (it reads "
+                            f"{', '.join(layout_names(forward=True))}); convert it to one of those first, or use "
+                            "the digest check (reshard verify without --forward)")
+    if vocabs[0] != vocabs[1]:
+        raise ReshardError(f"A has vocab {vocabs[0]} and B has vocab {vocabs[1]}: their logits cannot be compared",
+                           exit_code=1)
+    shape = ("hidden", "layers", "heads", "kv_heads", "head_dim", "ffn")
+    unlike = [f"{k} {getattr(meanings[0], k)} vs {getattr(meanings[1], k)}" for k in shape
+              if getattr(meanings[0], k) != getattr(meanings[1], k)]
+    if unlike:
+        raise ReshardError(f"A and B are different models ({', '.join(unlike)}): a forward check compares one "
+                           "model in two layouts", exit_code=1)
+    vocab = vocabs[0]
+    if nproc is None:
+        nproc = degrees[1]
+        if nproc == 1 and under_torchrun():
+            nproc = int(os.environ["WORLD_SIZE"])
+    if nproc < 1 or seq_len < 1 or batch < 1 or timeout <= 0:
+        raise ReshardError("--nproc, --seq-len, --batch and --timeout must be positive")
+    if degrees[1] > 1 and nproc != degrees[1]:
+        raise ReshardError(f"{b} is a {layouts[1]} checkpoint at tp={degrees[1]}: its rank files only run at that "
+                           f"degree; use --nproc {degrees[1]} (got {nproc}), or convert it to tp={nproc} first")
+    check_world(config_b, nproc, ffn_b)
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ReshardError(f"unknown --backend '{backend}': use gloo or nccl")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ReshardError("--backend nccl needs CUDA, which this torch cannot see; use --backend gloo")
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise ReshardError(f"unknown --compute-dtype '{compute_dtype}': use fp32, bf16 or fp16")
+    if prompt_ids:
+        ids = read_prompt_ids(prompt_ids, vocab)
+    else:
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, vocab, (batch, seq_len), generator=gen).tolist()
+    a_degree, a_run = a_side(layouts[0], degrees[0], meanings[0], config_a, nproc)
+    job = ForwardJob(a=Side(a, layouts[0], a_degree, own_tp=degrees[0], run=a_run), b=Side(b, layouts[1], nproc),
+                     input_ids=ids, vocab=vocab, opts=opts, compute_dtype=compute_dtype, backend=backend, atol=atol,
+                     rtol=rtol, timeout=timeout)
+    notes = []
+    tokens = len(ids[0])
+    for label, config in (("A", config_a), ("B", config_b)):
+        if config.window_layers and tokens <= config.sliding_window:
+            notes.append(f"{label}'s sliding window ({config.sliding_window} tokens) is not exercised by {tokens} "
+                         f"tokens: pass --seq-len above {config.sliding_window} to check it")
+    return job, notes
+
+
+def a_side(layout: str, own_tp: int, meaning, config: DecoderConfig, nproc: int) -> tuple[int, str]:
+    """(the degree A runs at, how, in words): sliced at ``nproc`` where its layout can be sliced and the model
+    divides by ``nproc``, else its own degree."""
+    if not import_string(get_layout(layout).rank_loader).any_degree:
+        return own_tp, f"from its own {layout} rank files at tp={own_tp}"
+    if nproc == 1:
+        return 1, "in one process (B runs at tp=1)"
+    try:
+        check_world(config, nproc, meaning.ffn)
+        for what, size in (("expert", meaning.expert_ffn), ("shared-expert", meaning.shared_expert_ffn)):
+            if size % nproc:
+                raise ReshardError(f"the {what} intermediate size {size} does not divide by {nproc}")
+    except ReshardError as exc:
+        return 1, f"whole in one process, one layer at a time: it cannot be sliced at tp={nproc} ({exc})"
+    return nproc, (f"sliced at tp={nproc}: each process reads only its rows and columns of A's {layout} files, one "
+                   "layer at a time")
