@@ -117,10 +117,12 @@ def convert(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast to bf16, fp16 or fp32 (default: keep)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output (only once complete)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; write nothing."),
-    megatron_spec: Spec = typer.Option(Spec.te, "--megatron-spec", help="Megatron names: te (fused norms) or local."),
+    megatron_spec: Optional[Spec] = typer.Option(None, "--megatron-spec", help="Megatron names: te (fused norms; "
+                                                 "the default) or local."),
     megatron_format: str = typer.Option("torch", "--megatron-format", help="With --to megatron: torch (per-rank "
                                         "files) or torch_dist (Megatron-LM's default; same as --to torch_dist)."),
-    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="HF shard / vLLM part size."),
+    max_shard_size: Optional[str] = typer.Option(None, "--max-shard-size", help="HF shard / vLLM part size "
+                                                 "(default: 5GB)."),
     vocab_size: Optional[int] = VocabOpt,
     vocab_divisor: Optional[int] = typer.Option(None, "--make-vocab-size-divisible-by",
                                                 help="Megatron vocab padding divisor (default: source's, else 128)."),
@@ -158,7 +160,8 @@ def convert(
     result = run_convert(src, dst, to=to, tp=tp, pp=pp, ep=ep, etp=etp, expert_parallel=expert_parallel,
                          moe_grouped_gemm=moe_grouped_gemm,
                          dtype=dtype, overwrite=overwrite, dry_run=dry_run,
-                         megatron_spec=megatron_spec.value, max_shard_size=parse_size(max_shard_size),
+                         megatron_spec=megatron_spec.value if megatron_spec else None,
+                         max_shard_size=parse_size(max_shard_size) if max_shard_size is not None else None,
                          vocab_size=vocab_size, vocab_divisor=vocab_divisor, architecture=architecture,
                          mapping=mapping, allow_replica_mismatch=allow_replica_mismatch,
                          progress=not as_json and sys.stderr.isatty(), workers=workers,
@@ -195,8 +198,9 @@ def plan(
     pp: int = typer.Option(1, "--pp"), ep: int = typer.Option(1, "--ep"), etp: Optional[int] = typer.Option(None, "--etp"),
     expert_parallel: bool = typer.Option(False, "--expert-parallel"),
     moe_grouped_gemm: bool = typer.Option(False, "--moe-grouped-gemm"),
-    dtype: Optional[str] = typer.Option(None, "--dtype"), megatron_spec: Spec = typer.Option(Spec.te, "--megatron-spec"),
-    max_shard_size: str = typer.Option("5GB", "--max-shard-size"), vocab_size: Optional[int] = VocabOpt,
+    dtype: Optional[str] = typer.Option(None, "--dtype"),
+    megatron_spec: Optional[Spec] = typer.Option(None, "--megatron-spec"),
+    max_shard_size: Optional[str] = typer.Option(None, "--max-shard-size"), vocab_size: Optional[int] = VocabOpt,
     architecture: Optional[str] = ArchOpt, mapping: Optional[str] = MappingOpt, as_json: bool = JsonOpt,
     allow_lossy_config: Optional[list[str]] = typer.Option(None, "--allow-lossy-config"),
 ):

@@ -16,7 +16,7 @@ from reshard.execute import ensure_replicas_agree, execute, partition, run_units
 from reshard.io import dtypes
 from reshard.hub import open_source
 from reshard.layouts.base import Options, Source, escapes_source, stored_dtype
-from reshard.layouts.registry import get_layout
+from reshard.layouts.registry import get_layout, refuse_unused_options
 from reshard.staging import check_destination, staged_output
 
 
@@ -97,8 +97,8 @@ def auto_workers(plan: Plan) -> int:
 
 def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
             expert_parallel: bool = False, moe_grouped_gemm: bool = False, dtype: str | None = None,
-            overwrite: bool = False, dry_run: bool = False, megatron_spec: str = "te",
-            max_shard_size: int = 5 * 10**9, vocab_size: int | None = None, vocab_divisor: int | None = None,
+            overwrite: bool = False, dry_run: bool = False, megatron_spec: str | None = None,
+            max_shard_size: int | None = None, vocab_size: int | None = None, vocab_divisor: int | None = None,
             architecture: str | None = None, mapping: str | None = None, allow_replica_mismatch: bool = False,
             progress: bool = False, workers: int | None = 1, allow_lossy_config: tuple[str, ...] = (),
             allow_cast_overflow: bool = False, distributed: bool | None = None,
@@ -107,6 +107,8 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
     Mixture of Experts also at expert-parallel ``ep`` and expert-tensor-parallel ``etp``, default ``tp``; a vLLM
     one with ``expert_parallel``: whole experts split over the ranks).
 
+    ``megatron_spec`` (default ``te``), ``max_shard_size`` (default 5 GB) and the expert options apply to the
+    targets that write with them; given to another target, they are refused (:func:`refuse_unused_options`).
     Everything that can be refused is refused before a byte is written; the output appears only when complete.
     ``workers`` > 1 splits the target files over that many processes; the output bytes are the same. ``None``
     chooses (:func:`auto_workers`), as the command line does. ``allow_lossy_config`` names canonical config fields
@@ -122,10 +124,15 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
                         f"{', '.join(SEMANTIC_FIELDS)})")
     if workers is not None and workers < 1:
         raise PlanError(f"--workers must be at least 1 (got {workers})")
-    opts = Options(tp=tp, pp=pp, ep=ep, etp=etp, expert_parallel=expert_parallel, moe_grouped_gemm=moe_grouped_gemm, dtype=dtypes.parse_user_dtype(dtype), megatron_spec=megatron_spec,
-                   max_shard_size=max_shard_size, vocab_size=vocab_size, vocab_divisor=vocab_divisor,
-                   architecture=architecture, mapping=mapping, allow_replica_mismatch=allow_replica_mismatch,
-                   allow_lossy_config=tuple(allow_lossy_config), follow_symlinks=follow_symlinks)
+    refuse_unused_options(to, {"ep": ep, "etp": etp, "expert_parallel": expert_parallel,
+                               "moe_grouped_gemm": moe_grouped_gemm, "megatron_spec": megatron_spec,
+                               "vocab_divisor": vocab_divisor, "max_shard_size": max_shard_size})
+    opts = Options(tp=tp, pp=pp, ep=ep, etp=etp, expert_parallel=expert_parallel, moe_grouped_gemm=moe_grouped_gemm,
+                   dtype=dtypes.parse_user_dtype(dtype), megatron_spec=megatron_spec or Options.megatron_spec,
+                   max_shard_size=Options.max_shard_size if max_shard_size is None else max_shard_size,
+                   vocab_size=vocab_size, vocab_divisor=vocab_divisor, architecture=architecture, mapping=mapping,
+                   allow_replica_mismatch=allow_replica_mismatch, allow_lossy_config=tuple(allow_lossy_config),
+                   follow_symlinks=follow_symlinks)
     world = None if dry_run or not distributed_run(distributed) else World.join()
     if world is not None:
         try:

@@ -116,6 +116,39 @@ def test_a_fifo_in_place_of_a_file_reshard_reads_is_refused(tmp_path, command, f
     assert not (tmp_path / "out").exists()
 
 
+# ------------------------------------------------------------------------------------------ item 5: options
+
+@pytest.mark.parametrize("to, args, hint", [
+    ("vllm", ["--tp", "2", "--ep", "2"], "--expert-parallel"),
+    ("vllm", ["--etp", "1"], "--expert-parallel"),
+    ("vllm", ["--moe-grouped-gemm"], "--to megatron"),
+    ("hf", ["--ep", "2"], "--to megatron"),
+    ("hf", ["--etp", "2"], "--to megatron"),
+    ("hf", ["--moe-grouped-gemm"], "--to megatron"),
+    ("hf", ["--expert-parallel"], "--to vllm"),
+    ("hf", ["--megatron-spec", "local"], "--to megatron"),
+    ("hf", ["--make-vocab-size-divisible-by", "64"], "--to megatron"),
+    ("megatron", ["--expert-parallel"], "--ep"),
+    ("megatron", ["--max-shard-size", "1GB"], "--to hf"),
+    ("torch_dist", ["--megatron-spec", "local"], "--megatron-spec"),
+    ("trtllm", ["--ep", "2"], "--to megatron"),
+    ("meta", ["--max-shard-size", "1GB"], "--to hf"),
+])
+def test_an_option_the_target_does_not_use_is_refused(llama, capsys, tmp_path, to, args, hint):
+    out = tmp_path / "out"
+    option = next(a for a in reversed(args) if a.startswith("--"))
+    code, _, err = run_cli(capsys, "convert", llama, out, "--to", to, *args)
+    _one_line_refusal(code, err, option, f"--to {to}", hint)
+    assert not out.exists()
+
+
+def test_options_a_target_uses_are_still_accepted(llama, capsys, tmp_path):
+    for to, args in (("megatron", ["--megatron-spec", "local", "--make-vocab-size-divisible-by", "64"]),
+                     ("vllm", ["--max-shard-size", "1GB"]), ("hf", ["--max-shard-size", "1GB"])):
+        code, _, err = run_cli(capsys, "convert", llama, tmp_path / to, "--to", to, *args)
+        assert code == 0, err
+
+
 # ------------------------------------------------------------------------------------------ item 8: --help
 
 def test_convert_help_at_80_columns_shows_every_option_whole_and_flags_as_flags():

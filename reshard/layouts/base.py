@@ -24,6 +24,14 @@ SIDE_FILES = (
 )
 
 
+#: Options only some targets write with: Options field -> (the command-line flag, its value when not given).
+#: A target that does not use one (``Layout.uses_options``) refuses it instead of ignoring it.
+TARGET_OPTIONS = {"ep": ("--ep", 1), "etp": ("--etp", None), "expert_parallel": ("--expert-parallel", False),
+                  "moe_grouped_gemm": ("--moe-grouped-gemm", False), "megatron_spec": ("--megatron-spec", None),
+                  "vocab_divisor": ("--make-vocab-size-divisible-by", None),
+                  "max_shard_size": ("--max-shard-size", None)}
+
+
 @dataclass
 class Options:
     """Conversion options shared by all layouts."""
@@ -206,6 +214,11 @@ class Layout:
     rank_view_of: ClassVar[str | None] = None  # a layout whose ranks load what another's do (load_rank)
     completion_markers: ClassVar[tuple[str, ...]] = ()  # a complete output has one of these files (push)
     remote_headers: ClassVar[bool] = False  # open_headers works: plans from remote safetensors headers
+    #: Which of ``TARGET_OPTIONS`` the layout writes with (any other given is refused); None: not declared (all
+    #: are passed on unchecked, as for a plug-in written before this existed).
+    uses_options: ClassVar[frozenset[str] | None] = None
+    #: For a target option the layout does not use: the one of its own that does what the user meant.
+    instead: ClassVar[dict[str, str]] = {}
 
     def detect(self, names: Collection[str]) -> bool:
         raise NotImplementedError

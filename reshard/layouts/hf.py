@@ -299,6 +299,7 @@ class HFLayout(Layout):
     rank_loader = "reshard.verification.forward.sliced_rank:SlicedRankStream"
     completion_markers = (INDEX, "model.safetensors")
     remote_headers = True
+    uses_options = frozenset({"max_shard_size"})
 
     def detect(self, names) -> bool:
         return "config.json" in names and any(is_weight_file(n) for n in names)

@@ -599,6 +599,9 @@ class MegatronLayout(Layout):
     specificity = 10
     rank_loader = "reshard.verification.forward.megatron_rank:MegatronRankStream"
     completion_markers = (TRACKER,)
+    uses_options = frozenset({"ep", "etp", "moe_grouped_gemm", "megatron_spec", "vocab_divisor"})
+    instead = {"expert_parallel": "Megatron's expert parallelism is --ep N (with --etp for the experts' tensor "
+                                  "parallelism)"}
 
     def detect(self, names) -> bool:
         """A tracker file, rank folders (an iteration folder itself) or ``iter_*/`` / ``release/`` folders."""

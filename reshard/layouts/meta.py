@@ -219,6 +219,7 @@ class MetaLayout(Layout):
     specificity = 10
     rank_loader = "reshard.verification.forward.sliced_rank:SlicedRankStream"
     completion_markers = (PARAMS,)
+    uses_options = frozenset()
 
     def detect(self, names) -> bool:
         return PARAMS in names and any(_FILE.match(n) for n in names)

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Collection
 
 from reshard.errors import CheckpointError, PlanError, ReshardError
-from reshard.layouts.base import Layout, Options, Source, import_string
+from reshard.layouts.base import TARGET_OPTIONS, Layout, Options, Source, import_string
 
 BUILTIN = {
     "hf": "reshard.layouts.hf:HFLayout",
@@ -131,6 +131,21 @@ def get_layout(name: str) -> Layout:
     if layout is None:
         raise PlanError(f"unknown layout '{name}': use one of {', '.join(layout_names())}")
     return layout
+
+
+def refuse_unused_options(to: str, given: dict[str, object]) -> None:
+    """Refuse a target option (``TARGET_OPTIONS``: field -> value as given) that layout ``to`` does not write
+    with, naming what does what the user meant: its own option, else the layouts that use it."""
+    layout = get_layout(to)
+    for field, value in given.items():
+        flag, unset = TARGET_OPTIONS[field]
+        if value == unset or layout.uses_options is None or field in layout.uses_options:
+            continue
+        hint = layout.instead.get(field)
+        if hint is None:
+            users = [n for n in layout_names(writes=True) if field in (get_layout(n).uses_options or ())]
+            hint = f"it is for {' and '.join(f'--to {n}' for n in users)}; drop it"
+        raise PlanError(f"{flag} does not apply to --to {to}: {hint}")
 
 
 def folder_listing(path: str, depth: int = LISTING_DEPTH) -> frozenset[str]:

@@ -340,6 +340,9 @@ class TorchDistLayout(Layout):
     rank_loader = "reshard.verification.forward.sliced_rank:SlicedRankStream"
     rank_view_of = "megatron"  # a rank loads the same module tensors whichever format Megatron saved
     completion_markers = (megatron.TRACKER,)
+    uses_options = frozenset({"vocab_divisor"})
+    instead = {"megatron_spec": "torch_dist checkpoints hold Transformer Engine (te) names; drop it, or use --to "
+                                "megatron for the local spec"}
 
     def detect(self, names) -> bool:
         if CONFIG in names and ".metadata" in names:

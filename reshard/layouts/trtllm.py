@@ -158,6 +158,7 @@ class TRTLLMLayout(Layout):
     specificity = 10  # a TensorRT-LLM folder also holds config.json and *.safetensors, as an HF one does
     rank_loader = "reshard.verification.forward.trtllm_rank:TrtllmRankStream"
     completion_markers = (CONFIG,)
+    uses_options = frozenset()
 
     def detect(self, names) -> bool:
         return CONFIG in names and any(_FILE.match(n) for n in names)

@@ -311,6 +311,9 @@ class VLLMLayout(Layout):
     specificity = 10  # a vLLM folder also holds config.json and *.safetensors, as an HF one does
     rank_loader = "reshard.verification.forward.vllm_rank:VllmRankStream"
     completion_markers = ("model-rank-0-part-0.safetensors",)
+    uses_options = frozenset({"expert_parallel", "max_shard_size"})
+    instead = {field: "vLLM splits whole experts over its --tp ranks with --expert-parallel (as "
+                      "enable_expert_parallel loads them)" for field in ("ep", "etp")}
 
     def detect(self, names) -> bool:
         return any(_FILE.match(n) for n in names)
