@@ -82,6 +82,22 @@ def stop_worker_server() -> None:
         pass
 
 
+def return_freed_memory() -> None:
+    """Make glibc's malloc serve every allocation of 1 MiB or more with its own mapping, unmapped when freed.
+
+    A worker reads each layer on a reader thread (its own malloc arena) and frees it on the main thread; with
+    glibc's default, sliding mmap threshold (up to 32 MiB) those tensors land in the arenas' heaps, and the
+    process's resident memory keeps the holes. No effect off glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD (fixing it also turns off the sliding threshold)
+    except (OSError, AttributeError):
+        pass
+
+
 def _worker(rank: int, world: int, store_path: str, job: ForwardJob, results, env: dict) -> None:
     """Entry point of a worker: report ("ok", rank, report) or ("error", rank, message, code). ``env``: the
     caller's environment when the worker was started (the forkserver's own dates from its start)."""
@@ -90,6 +106,7 @@ def _worker(rank: int, world: int, store_path: str, job: ForwardJob, results, en
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
+    return_freed_memory()
     try:
         dist.init_process_group(job.backend, store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=job.timeout))
