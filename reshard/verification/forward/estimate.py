@@ -6,8 +6,8 @@ tensors, counting the bytes of every slice it would read. A process's peak memor
 over its sides (A, then B) and consecutive steps k, k+1 (embedding, layers, head: :mod:`.streamed`):
 
 * weights: step k's tensors in the compute dtype (plus a tied head's embedding rows, kept from the start), plus
-  step k+1 being read and cast (its stored tensors and their casts: ``max(stored, cast) + largest tensor`` when the
-  dtypes differ, the stored tensors alone when they do not);
+  step k+1 being read and cast (all its stored tensors, then each replaced by its cast in turn: the largest sum
+  along the way; the stored tensors alone when no cast is needed);
 * activations: one layer's working set in the compute dtype, ``b*s*(6H + 8 q_local + 4 F_local)`` elements plus
   ``3 b*q_heads_local*s*s`` fp32 attention scores, and on rank 0 the hidden state after every block (kept for the
   report, A's while B runs);
@@ -57,10 +57,7 @@ def side_steps(side: Side, rank: int, job: ForwardJob) -> dict:
             tensors = _tensors(weights)
             held = sum(_nbytes(t, compute) for t in tensors)
             stored = sum(_nbytes(t) for t in tensors)
-            if all(t.dtype == compute for t in tensors):
-                reading = stored
-            else:
-                reading = max(stored, held) + max((max(_nbytes(t), _nbytes(t, compute)) for t in tensors), default=0)
+            reading = stored if all(t.dtype == compute for t in tensors) else _casting_peak(tensors, compute)
             steps.append({"step": name, "held": held, "reading": reading})
             if not isinstance(weights, tuple):
                 f_local = max(f_local, _mlp_rows(weights))
@@ -68,6 +65,14 @@ def side_steps(side: Side, rank: int, job: ForwardJob) -> dict:
         config, padded = stream.config, stream.padded_vocab
         return {"read": stream.bytes_read, "steps": steps, "tied": tied, "config": config, "padded_vocab": padded,
                 "mlp_rows": f_local}
+
+
+def _casting_peak(tensors: list[torch.Tensor], compute: torch.dtype) -> int:
+    """Largest memory while a step's stored tensors are cast one by one (:func:`.decoder.cast_layer`): those cast
+    so far, the stored ones not yet cast, and the copy being made."""
+    stored = [_nbytes(t) for t in tensors]
+    cast = [_nbytes(t, compute) for t in tensors]
+    return max(sum(cast[:j]) + sum(stored[j:]) + cast[j] for j in range(len(tensors))) if tensors else 0
 
 
 def _weights_peak(steps: list[dict], tied: int) -> tuple[int, str]:
