@@ -149,6 +149,27 @@ def test_options_a_target_uses_are_still_accepted(llama, capsys, tmp_path):
         assert code == 0, err
 
 
+# ------------------------------------------------------------------------------------------ item 7: iterations
+
+@pytest.mark.parametrize("layout", ["megatron", "torch_dist"])
+def test_an_iteration_folder_given_directly_is_the_source(llama, capsys, tmp_path, layout):
+    ckpt = tmp_path / "ckpt"
+    reshard.convert(llama, str(ckpt), to=layout, tp=1 if layout == "torch_dist" else 2)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "release"
+    assert (ckpt / "generation_config.json").is_file() and not (ckpt / "release" / "generation_config.json").exists()
+    code, _, err = run_cli(capsys, "convert", ckpt / "release", ckpt / "hf", "--to", "hf")
+    assert code == 0, err
+    assert load_hf_tensors(ckpt / "hf").keys() == load_hf_tensors(llama).keys()
+    assert all(torch.equal(t, load_hf_tensors(llama)[n]) for n, t in load_hf_tensors(ckpt / "hf").items())
+    assert (ckpt / "hf" / "generation_config.json").is_file()  # from the root whose tracker names this iteration
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("100")
+    code, _, err = run_cli(capsys, "convert", ckpt / "release", ckpt / "hf2", "--to", "hf")
+    assert code == 0, err
+    assert not (ckpt / "hf2" / "generation_config.json").exists()  # that root's side files are another run's
+    code, _, err = run_cli(capsys, "convert", ckpt / "release", ckpt / "release" / "hf", "--to", "hf")
+    _one_line_refusal(code, err, "overlaps the source")
+
+
 # ------------------------------------------------------------------------------------------ item 8: --help
 
 def test_convert_help_at_80_columns_shows_every_option_whole_and_flags_as_flags():

@@ -174,13 +174,36 @@ def iteration_folder(tracker_text: str | None, names) -> str | None:
     return folders[0] if len(folders) == 1 else None
 
 
-def _checkpoint_root(path: str, iter_dir: str) -> str:
-    return path if os.path.normpath(path) != os.path.normpath(iter_dir) else os.path.dirname(iter_dir)
+def side_folders(path: str, iter_dir: str) -> list[str]:
+    """Where the side files (tokenizer, config.json) of the checkpoint the user named as ``path`` are: ``path``
+    itself; for an iteration folder named directly, also its parent, but only where that is the Megatron root
+    whose tracker names this iteration (else the parent's files belong to something else)."""
+    if os.path.normpath(path) != os.path.normpath(iter_dir):
+        return [path]
+    parent = os.path.dirname(os.path.abspath(iter_dir))
+    try:
+        with open_regular(os.path.join(parent, TRACKER)) as f:
+            label = f.read(64).strip()
+    except (OSError, UnicodeDecodeError, CheckpointError):
+        return [path]
+    return [path, parent] if iteration_folder_name(label) == os.path.basename(os.path.abspath(iter_dir)) else [path]
 
 
-def true_vocab_size(args, opts: Options, root: str) -> int:
+_checkpoint_root = side_folders  # the forward verifier's name for it
+
+
+def find_side_files_in(folders: list[str]) -> list[str]:
+    """The side files of ``folders``, the first folder's where several hold the same name."""
+    found: dict[str, str] = {}
+    for folder in folders:
+        for path in find_side_files(folder):
+            found.setdefault(os.path.basename(path), path)
+    return list(found.values())
+
+
+def true_vocab_size(args, opts: Options, folders: str | list[str]) -> int:
     """The unpadded vocab: the recorded HF config's or ``args.vocab_size`` (``--vocab-size`` must then agree),
-    else ``--vocab-size``, config.json or tokenizer.json next to the checkpoint."""
+    else ``--vocab-size``, config.json or tokenizer.json in ``folders`` (:func:`side_folders`)."""
     hf_config = getattr(args, "hf_config", None)
     recorded = None
     if isinstance(hf_config, dict) and hf_config.get("vocab_size"):
@@ -195,14 +218,24 @@ def true_vocab_size(args, opts: Options, root: str) -> int:
         return recorded
     if opts.vocab_size:
         return int(opts.vocab_size)
-    cfg = os.path.join(root, "config.json")
+    for folder in [folders] if isinstance(folders, str) else folders:
+        found = _side_vocab_size(folder)
+        if found:
+            return found
+    raise CheckpointError("the Megatron checkpoint does not record its true (unpadded) vocab size; pass "
+                          "--vocab-size N or put the tokenizer.json / config.json next to the checkpoint")
+
+
+def _side_vocab_size(folder: str) -> int | None:
+    """The vocab size config.json or tokenizer.json in ``folder`` gives, if any."""
+    cfg = os.path.join(folder, "config.json")
     if os.path.isfile(cfg):
         try:
             with open_regular(cfg) as f:
                 return int(json.load(f)["vocab_size"])
         except (KeyError, ValueError, TypeError, json.JSONDecodeError):
             pass
-    tok = os.path.join(root, "tokenizer.json")
+    tok = os.path.join(folder, "tokenizer.json")
     if os.path.isfile(tok):
         with open_regular(tok) as f:
             data = json.load(f)
@@ -211,14 +244,14 @@ def true_vocab_size(args, opts: Options, root: str) -> int:
         ids += [t["id"] for t in data.get("added_tokens", [])]
         if ids:
             return max(ids) + 1
-    raise CheckpointError("the Megatron checkpoint does not record its true (unpadded) vocab size; pass "
-                          "--vocab-size N or put the tokenizer.json / config.json next to the checkpoint")
+    return None
 
 
-def read_args(args, opts: Options, root: str, where: str) -> tuple[ModelConfig, Family, dict]:
+def read_args(args, opts: Options, folders: str | list[str], where: str) -> tuple[ModelConfig, Family, dict]:
     """A Megatron run's meaning (its args decide; a recorded ``hf_config`` only names the architecture and
-    carries the config.json keys args have no place for), its family, and an HF-spelled config dict."""
-    vocab = true_vocab_size(args, opts, root)
+    carries the config.json keys args have no place for), its family, and an HF-spelled config dict. ``folders``:
+    where config.json / tokenizer.json may give the vocab size (:func:`side_folders`)."""
+    vocab = true_vocab_size(args, opts, folders)
     recorded = getattr(args, "hf_config", None)
     recorded = dict(recorded) if isinstance(recorded, dict) else None
     architecture = opts.architecture or ((recorded.get("architectures") or [None])[0] if recorded else None)
@@ -342,7 +375,7 @@ def _legacy_view(f: TorchFile, key: str, loc, shape: tuple[int, ...]):
 
 def open_source(path: str, opts: Options) -> Source:
     folder, iteration = _iteration_dir(path)
-    root = _checkpoint_root(path, folder)
+    folders = side_folders(path, folder)
     found_folders = scan_rank_folders(folder)
     read_heads_while_torch_imports(list(found_folders.values()))
     probe = TorchFile(found_folders[min(found_folders)])
@@ -368,7 +401,7 @@ def open_source(path: str, opts: Options) -> Source:
         if value != found:
             raise CheckpointError(f"{folder}: args say {label}_model_parallel_size={value} but the rank folders "
                                   f"give {found}: the checkpoint is inconsistent or incomplete")
-    meaning, family, config = read_args(args, opts, root, folder)
+    meaning, family, config = read_args(args, opts, folders, folder)
     vocab = meaning.vocab
 
     # Which chunks (model / model0, model1, ...) each rank file holds, and their layer counts.
@@ -462,9 +495,9 @@ def open_source(path: str, opts: Options) -> Source:
         dropped.append(f"files beside the rank files ({', '.join(beside)}: e.g. distributed optimizer state)")
     info = {"args": args, "iteration": iteration, "spec": spec_name, "padded_vocab": padded,
             "vocab_divisor": getattr(args, "make_vocab_size_divisible_by", None), "dropped": dropped}
-    return Source(layout=NAME, root=root, model=model, files=files, stored=stored,
+    return Source(layout=NAME, root=path, model=model, files=files, stored=stored,
                   degrees={"tp": tp, "pp": pp, **({"ep": ep_found, "etp": etp} if model.num_experts else {})},
-                  info=info, side_files=find_side_files(root))
+                  info=info, side_files=find_side_files_in(folders))
 
 
 # ---------------------------------------------------------------------------------------------- writing

@@ -29,7 +29,7 @@ from reshard.io.heads import read_heads_while_torch_imports
 from reshard.io.regular import open_regular
 from reshard.io.torch_format import TorchFile, TorchZipWriter, object_archive
 from reshard.layouts import megatron
-from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, find_side_files, pack_by_size,
+from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, pack_by_size,
                                   stored_dtype)
 
 NAME = "torch_dist"
@@ -39,13 +39,11 @@ _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _SKIPPED = ("optimizer.", "chained_")
 
 
-def _iteration_folder(path: str) -> tuple[str, str, str]:
-    """(iteration folder, checkpoint root, iteration label) of a root or an iteration folder."""
+def _iteration_folder(path: str) -> tuple[str, str]:
+    """(iteration folder, iteration label) of a root or an iteration folder."""
     if os.path.isfile(os.path.join(path, CONFIG)):
-        name = os.path.basename(os.path.normpath(path))
-        return path, os.path.dirname(os.path.normpath(path)), megatron._label(name)
-    folder, label = megatron._iteration_dir(path)
-    return folder, path, label
+        return path, megatron._label(os.path.basename(os.path.normpath(path)))
+    return megatron._iteration_dir(path)
 
 
 def _check_backend(folder: str) -> None:
@@ -158,7 +156,8 @@ def _chunk_tensors(files: dict[str, DistcpFile], folder: str, target: StoredTens
 
 
 def open_source(path: str, opts: Options) -> Source:
-    folder, root, label = _iteration_folder(path)
+    folder, label = _iteration_folder(path)
+    folders = megatron.side_folders(path, folder)
     _check_backend(folder)
     common_path = os.path.join(folder, COMMON)
     if not os.path.isfile(common_path):
@@ -171,7 +170,7 @@ def open_source(path: str, opts: Options) -> Source:
     args = common["args"]
     tensors, objects = read_metadata(folder)
     index = _Index(tensors)
-    meaning, family, config = megatron.read_args(args, opts, root, folder)
+    meaning, family, config = megatron.read_args(args, opts, folders, folder)
     if meaning.experts:
         raise CheckpointError(f"{folder}: a Mixture-of-Experts torch_dist checkpoint is not supported yet; convert "
                               "it with Megatron-LM to the torch format (--ckpt-format torch) first")
@@ -215,9 +214,9 @@ def open_source(path: str, opts: Options) -> Source:
             "vocab_divisor": getattr(args, "make_vocab_size_divisible_by", None),
             "saved_degrees": {"tp": getattr(args, "tensor_model_parallel_size", None),
                               "pp": getattr(args, "pipeline_model_parallel_size", None)}}
-    return Source(layout=NAME, root=root, model=model, files=file_list,
+    return Source(layout=NAME, root=path, model=model, files=file_list,
                   stored=[(position[id(f)], t) for f, t in stored], degrees={"tp": 1, "pp": 1}, info=info,
-                  side_files=find_side_files(root))
+                  side_files=megatron.find_side_files_in(folders))
 
 
 def _object_kind(key: str) -> str:
