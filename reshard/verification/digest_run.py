@@ -16,8 +16,8 @@ from reshard.verification.compare import TensorResult
 #: Resident memory of a verify process before it reads anything (the interpreter, torch, numpy, reshard;
 #: measured as the peak RSS of ``import reshard.cli, torch``).
 BASELINE_BYTES = 240 << 20
-#: The error figures' working set: about five float32 chunks (:data:`reshard.verification.compare._CHUNK`).
-FIGURES_BYTES = 5 * (16 << 20)
+#: The error figures' working set: about six chunks of :data:`reshard.verification.compare._CHUNK` elements in float64.
+FIGURES_BYTES = 6 * (8 << 20)
 
 
 def shares_of(tasks: list[PairTask], workers: int) -> list[list[int]]:
