@@ -295,11 +295,14 @@ def verify(
 
 
 def _format_estimate(estimate: dict) -> str:
-    """``verify --dry-run``: one line per process (bytes read from A and B, peak memory estimate)."""
-    lines = [f"A {estimate['layout_a']} {estimate['a']}", f"B {estimate['layout_b']} {estimate['b']}",
-             f"{estimate['tensors']} canonical tensors and {estimate['replica_checks']} stored replicas, read in "
-             f"blocks of at most {_size(estimate['block_bytes'])} a side, by {len(estimate['processes'])} "
-             f"process{'es' if len(estimate['processes']) > 1 else ''}:"]
+    """``verify --dry-run`` (digest or forward): what is read how, then one line per process (bytes read from A
+    and B, peak memory estimate)."""
+    lines = [f"A {estimate['layout_a']} {estimate['a']}", f"B {estimate['layout_b']} {estimate['b']}"]
+    if "tensors" in estimate:  # the digest check
+        lines.append(f"{estimate['tensors']} canonical tensors and {estimate['replica_checks']} stored replicas, read "
+                     f"in blocks of at most {_size(estimate['block_bytes'])} a side, by "
+                     f"{len(estimate['processes'])} process{'es' if len(estimate['processes']) > 1 else ''}:")
+    lines += estimate.get("lines", [])
     for i, p in enumerate(estimate["processes"]):
         lines.append(f"  process {i}: reads {_size(p['read_a'])} of A and {_size(p['read_b'])} of B, "
                      f"peak memory about {_size(p['peak_estimate'])}")
