@@ -8,7 +8,7 @@ import sys
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
-from reshard.core.model_config import SEMANTIC_FIELDS
+from reshard.core.model_config import SEMANTIC_FIELDS, UNCARRIED_SETTINGS
 from reshard.core.plan import CanonicalIndex, Plan, TargetFile, plan_tensor
 from reshard.errors import OutputError, PlanError, ReshardError, os_error_message
 from reshard.distributed import ProgressRelay, World, log_prefix, world_size_from_env
@@ -118,10 +118,11 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
     processes (``WORLD_SIZE``), ignoring ``workers``. ``follow_symlinks``: copy side files (tokenizer, ...) that
     are symlinks out of the source too (else skipped with a warning).
     """
-    unknown = sorted(set(allow_lossy_config) - set(SEMANTIC_FIELDS))
+    unknown = sorted(set(allow_lossy_config) - set(SEMANTIC_FIELDS) - set(UNCARRIED_SETTINGS))
     if unknown:
         raise PlanError(f"--allow-lossy-config {unknown[0]}: not a canonical config field (fields: "
-                        f"{', '.join(SEMANTIC_FIELDS)})")
+                        f"{', '.join(SEMANTIC_FIELDS)}) nor a setting reshard does not carry (settings: "
+                        f"{', '.join(UNCARRIED_SETTINGS)})")
     if workers is not None and workers < 1:
         raise PlanError(f"--workers must be at least 1 (got {workers})")
     refuse_unused_options(to, {"ep": ep, "etp": etp, "expert_parallel": expert_parallel,

@@ -116,6 +116,58 @@ def test_a_fifo_in_place_of_a_file_reshard_reads_is_refused(tmp_path, command, f
     assert not (tmp_path / "out").exists()
 
 
+# ------------------------------------------------------------------------------------------ item 4: forcing
+
+GRANITE = {"embedding_multiplier": 12.0, "attention_multiplier": 0.0078125, "residual_multiplier": 0.22,
+           "logits_scaling": 8.0}
+
+
+def _granite(path) -> str:
+    config = hf_config(vocab=1004)
+    tensors = position_coded(hf_tensor_shapes(config))
+    config.update(architectures=["GraniteForCausalLM"], model_type="granite", **GRANITE)
+    return write_hf(path, config, tensors)
+
+
+def test_forcing_another_architecture_on_an_hf_source_is_refused(capsys, tmp_path):
+    src = _granite(tmp_path / "granite")
+    out = tmp_path / "out"
+    code, _, err = run_cli(capsys, "convert", src, out, "--to", "hf", "--architecture", "LlamaForCausalLM")
+    _one_line_refusal(code, err, "GraniteForCausalLM", "LlamaForCausalLM", "--allow-lossy-config architecture")
+    assert not out.exists()
+    code, _, err = run_cli(capsys, "convert", src, out, "--to", "hf", "--architecture", "LlamaForCausalLM",
+                           "--allow-lossy-config", "architecture")
+    _one_line_refusal(code, err, "embedding_multiplier = 12.0", "--allow-lossy-config embedding_multiplier")
+    assert not out.exists()
+    lossy = [a for key in ("architecture", *GRANITE) for a in ("--allow-lossy-config", key)]
+    code, _, err = run_cli(capsys, "convert", src, out, "--to", "hf", "--architecture", "LlamaForCausalLM", *lossy)
+    assert code == 0, err
+    written = json.loads((out / "config.json").read_text())
+    assert written["architectures"] == ["LlamaForCausalLM"] and not set(GRANITE) & set(written)
+    assert "embedding_multiplier" in err  # the drop is noted
+
+
+def test_naming_the_source_architecture_is_not_forcing(llama, capsys, tmp_path):
+    code, _, err = run_cli(capsys, "convert", llama, tmp_path / "out", "--to", "hf", "--architecture",
+                           "LlamaForCausalLM")
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("key, value", [("logit_scale", 0.0625), ("embedding_multiplier", 12.0)])
+def test_a_setting_the_mapping_does_not_carry_is_refused(capsys, tmp_path, key, value):
+    """A Llama config with a key known to change the computation, which the llama mapping does not carry."""
+    config = hf_config(vocab=1004, **{key: value})
+    src = write_hf(tmp_path / "src", config, position_coded(hf_tensor_shapes(config)))
+    for to in ("hf", "megatron", "vllm"):
+        code, _, err = run_cli(capsys, "convert", src, tmp_path / to, "--to", to)
+        _one_line_refusal(code, err, f"{key} = {value}", f"--allow-lossy-config {key}")
+        assert not (tmp_path / to).exists()
+    neutral = hf_config(vocab=1004, **{key: 1.0})
+    src = write_hf(tmp_path / "neutral", neutral, position_coded(hf_tensor_shapes(neutral)))
+    code, _, err = run_cli(capsys, "convert", src, tmp_path / "n", "--to", "hf")
+    assert code == 0, err
+
+
 # ------------------------------------------------------------------------------------------ item 5: options
 
 @pytest.mark.parametrize("to, args, hint", [

@@ -110,6 +110,19 @@ def read_json_object(path: str, what: str) -> dict:
     return value
 
 
+def chosen_architecture(named: str | None, opts: Options, where: str) -> str | None:
+    """``--architecture`` if given, else the architecture the checkpoint names. Forcing another than the one it
+    names is refused unless ``--allow-lossy-config architecture``: the forced class ignores what the named one
+    computes differently, and the output would silently compute another function."""
+    forced = opts.architecture
+    if forced and named and forced != named and "architecture" not in opts.allow_lossy_config:
+        raise PlanError(f"{where} names {named}, and --architecture {forced} would relabel it: {forced} ignores "
+                        f"what {named} computes differently, so the output would compute a different function. "
+                        f"Drop --architecture (pass --mapping FILE for a family reshard does not ship), or pass "
+                        f"--allow-lossy-config architecture to relabel it knowingly")
+    return forced or named
+
+
 def stored_dtype(model: CanonicalModel, tensor: StoredTensor, opts: Options, default: str) -> str:
     """The dtype a target tensor is written in: its own fixed dtype (constants), else --dtype, else the dtype of
     the source tensor it comes from (``default`` for one without a canonical source)."""

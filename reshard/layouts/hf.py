@@ -24,9 +24,9 @@ from reshard.io.regular import open_regular
 from reshard.io.safetensors_format import SafetensorsFile
 from reshard.io.tensorfile import TensorFile
 from reshard.io.torch_format import TorchFile
-from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, check_shape, find_side_files,
-                                  pack_by_size, read_json_object)
-from reshard.layouts.hf_config import read_meaning, write_config as write_hf_config
+from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, check_shape, chosen_architecture,
+                                  find_side_files, pack_by_size, read_json_object)
+from reshard.layouts.hf_config import read_meaning, without_dropped_settings, write_config as write_hf_config
 from reshard.mapping import family_for_architecture
 
 NAME = "hf"
@@ -77,16 +77,18 @@ def custom_code_files(path: str, config: dict) -> list[str]:
     return sorted(os.path.join(path, m) for m in modules if os.path.isfile(os.path.join(path, m)))
 
 
-def architecture_of(config: dict, opts: Options) -> str:
-    if opts.architecture:
-        return opts.architecture
+def architecture_of(config: dict, opts: Options, where: str = "config.json") -> str:
+    """The architecture ``config`` names, or ``--architecture`` (:func:`chosen_architecture`: forcing another is
+    refused unless allowed lossy)."""
     archs = config.get("architectures") or []
-    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+    valid = isinstance(archs, list) and all(isinstance(a, str) for a in archs)
+    chosen = chosen_architecture(archs[0] if valid and archs else None, opts, where)
+    if chosen:
+        return chosen
+    if not valid:
         raise CheckpointError(f"config.json 'architectures' must be a list of class names such as "
                               f"[\"LlamaForCausalLM\"], not {json.dumps(archs)}; fix it or pass --architecture")
-    if not archs:
-        raise CheckpointError("config.json has no 'architectures'; pass --architecture (e.g. LlamaForCausalLM)")
-    return archs[0]
+    raise CheckpointError("config.json has no 'architectures'; pass --architecture (e.g. LlamaForCausalLM)")
 
 
 def open_source(path: str, opts: Options) -> Source:
@@ -106,9 +108,10 @@ def open_source(path: str, opts: Options) -> Source:
 
 def build_source(path: str, config: dict, files: list[TensorFile], opts: Options, side_files: list[str]) -> Source:
     """The canonical view of HF tensor files whose headers are already parsed (local files or remote headers)."""
-    architecture = architecture_of(config, opts)
+    architecture = architecture_of(config, opts, os.path.join(path, "config.json"))
     check_unquantized(path, config, files)
     family = family_for_architecture(architecture, opts.mapping)
+    config, notes = without_dropped_settings(config, family, opts.allow_lossy_config)
     paths = [f.path for f in files]
     where: dict[str, int] = {}
     for i, f in enumerate(files):
@@ -117,7 +120,6 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
                 raise CheckpointError(f"tensor '{name}' is stored twice ({paths[where[name]]} and {paths[i]})")
             where[name] = i
     check_index(path, paths, files)
-    notes = []
     file_names = _add_optional_prefix(family, where)
     fused = any(match_template(family, n, fused=True) is not None and match_template(family, n, stored=True) is None
                 for n in where)

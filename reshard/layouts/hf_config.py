@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-from reshard.core.model_config import ConfigLoss, ModelConfig, normalize_scaling
+from reshard.core.model_config import UNCARRIED_SETTINGS, ConfigLoss, ModelConfig, normalize_scaling
 from reshard.errors import CheckpointError, PlanError
 from reshard.mapping import ACTIVATIONS, BIAS_GROUPS, Family
 
@@ -103,9 +103,34 @@ def _window(config: dict, spelling: str, layers: int, pattern: int | None = None
 DIM_FIELDS = (("hidden", "H"), ("ffn", "F"), ("layers", "L"), ("heads", "nh"), ("kv_heads", "ng"), ("vocab", "V"))
 
 
+def uncarried_settings(config: dict, family: Family) -> list[tuple[str, object]]:
+    """(key, value) of each setting in ``config`` that changes the computation and that ``family``'s mapping does
+    not carry (:data:`~reshard.core.model_config.UNCARRIED_SETTINGS`)."""
+    spelt = family.config
+    named = {getattr(spelt, f) for f in ("norm_eps", "activation", "max_positions", "attn_softcap", "final_softcap",
+                                         "query_scale", "rope_local_theta")}
+    named.update(key for _, arch in spelt.architectures for key, _ in arch.requires)
+    return [(key, config[key]) for key, neutral in UNCARRIED_SETTINGS.items()
+            if key not in named and config.get(key) is not None and config[key] != neutral]
+
+
+def without_dropped_settings(config: dict, family: Family, allowed: tuple[str, ...]) -> tuple[dict, list[str]]:
+    """``config`` less the uncarried settings ``--allow-lossy-config`` names (:func:`uncarried_settings`), and a
+    note for each dropped."""
+    dropped = [(key, value) for key, value in uncarried_settings(config, family) if key in allowed]
+    kept = {k: v for k, v in config.items() if k not in dict(dropped)}
+    return kept, [f"dropped {key} = {json.dumps(value)} from the config ({family.name} does not carry it; "
+                  "--allow-lossy-config)" for key, value in dropped]
+
+
 def read_meaning(config: dict, family: Family, architecture: str, dims: dict[str, int], present: set[str],
                  tied: bool, where: str) -> ModelConfig:
-    """The meaning of an HF-style ``config`` whose weights include the optional templates ``present``."""
+    """The meaning of an HF-style ``config`` whose weights include the optional templates ``present``; a setting
+    the family does not carry (:func:`uncarried_settings`) is refused."""
+    for key, value in uncarried_settings(config, family):
+        raise PlanError(f"{where}: config.json sets {key} = {json.dumps(value)}, which changes what the model "
+                        f"computes and which mapping '{family.name}' ({architecture}) does not carry: the output "
+                        f"would compute a different function. Pass --allow-lossy-config {key} to drop it knowingly")
     spelling = family.config.architecture(architecture)
     for key, wanted in spelling.requires if spelling else ():
         if config.get(key) is not None and config[key] != wanted:

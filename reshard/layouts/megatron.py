@@ -28,7 +28,8 @@ from reshard.io.partial import replace_with_text
 from reshard.io.heads import read_heads_while_torch_imports
 from reshard.io.regular import open_regular
 from reshard.io.torch_format import MegatronEnum, TensorSlot, TorchFile, torch_dtype_global
-from reshard.layouts.base import Layout, Options, Source, TargetPlan, TargetSpec, check_shape, find_side_files
+from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, check_shape, chosen_architecture,
+                                  find_side_files)
 from reshard.layouts.hf import write_config
 from reshard.layouts.hf_config import read_meaning, write_config as write_hf_config
 from reshard.layouts.megatron_args import RECORD_ONLY, args_from_meaning, meaning_from_args
@@ -254,7 +255,9 @@ def read_args(args, opts: Options, folders: str | list[str], where: str) -> tupl
     vocab = true_vocab_size(args, opts, folders)
     recorded = getattr(args, "hf_config", None)
     recorded = dict(recorded) if isinstance(recorded, dict) else None
-    architecture = opts.architecture or ((recorded.get("architectures") or [None])[0] if recorded else None)
+    named = (recorded.get("architectures") or [None])[0] if recorded else None
+    architecture = chosen_architecture(named if isinstance(named, str) else None, opts,
+                                       f"{where}: the args' hf_config")
     meaning = meaning_from_args(args, vocab, architecture, where)
     family = family_for_architecture(meaning.architecture, opts.mapping)
     meaning = _with_record_only(meaning, family, recorded, where)

@@ -24,8 +24,8 @@ from reshard.core.sharding import (check_replicating_degrees, pack_members, rank
 from reshard.errors import CheckpointError, PlanError
 from reshard.io.partial import replace_with_text
 from reshard.io.safetensors_format import SafetensorsFile
-from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, check_shape, find_side_files,
-                                  read_json_object)
+from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, check_shape, chosen_architecture,
+                                  find_side_files, read_json_object)
 from reshard.layouts.hf_config import read_meaning
 from reshard.layouts.trtllm_config import read_trtllm_config, trtllm_config
 from reshard.mapping import WeightSpec, family_for_architecture
@@ -88,7 +88,8 @@ def _rank_files(path: str) -> dict[int, str]:
 def open_source(path: str, opts: Options) -> Source:
     config_path = os.path.join(path, CONFIG)
     trt = read_json_object(config_path, "a TensorRT-LLM checkpoint")
-    architecture = opts.architecture or trt.get("architecture")
+    named = trt.get("architecture")
+    architecture = chosen_architecture(named if isinstance(named, str) else None, opts, config_path) or named
     if not isinstance(architecture, str):
         raise CheckpointError(f"{config_path} has no 'architecture'; pass --architecture")
     family = family_for_architecture(architecture, opts.mapping)

@@ -27,7 +27,7 @@ from reshard.io.partial import replace_with_text
 from reshard.io.regular import open_regular
 from reshard.io.safetensors_format import SafetensorsFile
 from reshard.layouts import hf
-from reshard.layouts.hf_config import read_meaning
+from reshard.layouts.hf_config import read_meaning, without_dropped_settings
 from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, check_shape, find_side_files,
                                   pack_by_size, stored_dtype)
 from reshard.mapping import WeightSpec, family_for_architecture
@@ -182,7 +182,9 @@ def _recorded_tp(path: str, files: list[SafetensorsFile]) -> int | None:
 
 def open_source(path: str, opts: Options) -> Source:
     config = hf.read_config(path)
-    family = family_for_architecture(hf.architecture_of(config, opts), opts.mapping)
+    architecture = hf.architecture_of(config, opts, os.path.join(path, "config.json"))
+    family = family_for_architecture(architecture, opts.mapping)
+    config, notes = without_dropped_settings(config, family, opts.allow_lossy_config)
     ranks = _rank_files(path)
     tp = len(ranks)
     files: list[SafetensorsFile] = []
@@ -212,7 +214,7 @@ def open_source(path: str, opts: Options) -> Source:
     present = {s.hf for s in family.weights
                if s.optional and (s.vllm_name.format(layer=0) if s.per_layer else s.vllm_name) in where[0]}
     model = build_canonical(family, config, present, tied)
-    model.meaning = read_meaning(config, family, hf.architecture_of(config, opts), model.dims, present, tied, path)
+    model.meaning = read_meaning(config, family, architecture, model.dims, present, tied, path)
     _check_names(model)
     expert_parallel = _expert_parallel(model, files, where[0], tp)
     try:
@@ -261,7 +263,7 @@ def open_source(path: str, opts: Options) -> Source:
             name = sorted(unexpected)[0]
             raise CheckpointError(f"{files[where[rank][name]].path}: unexpected tensor '{name}' for mapping "
                                   f"'{family.name}' (a config / weights mismatch?)")
-    info = {"config": config, "padded_vocab": padded, "recorded_tp": recorded,
+    info = {"config": config, "padded_vocab": padded, "recorded_tp": recorded, "notes": notes,
             "dropped": [f"vLLM attention scale scalars ({', '.join(sorted(dropped))})"] if dropped else []}
     return Source(layout=NAME, root=path, model=model, files=files, stored=stored, degrees={"tp": tp, "pp": 1},
                   info=info, side_files=find_side_files(path) + hf.custom_code_files(path, config))
