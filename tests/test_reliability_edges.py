@@ -201,6 +201,37 @@ def test_options_a_target_uses_are_still_accepted(llama, capsys, tmp_path):
         assert code == 0, err
 
 
+# ------------------------------------------------------------------------------------------ item 6: messages
+
+def test_llama2_meta_mp2_is_refused_for_its_hidden_split_embedding_first(llama, capsys, tmp_path):
+    """Llama 2's release: vocab_size -1 in params.json and ParallelEmbedding split over the hidden size."""
+    meta = tmp_path / "meta"
+    reshard.convert(llama, str(meta), to="meta", tp=2)
+    full = load_hf_tensors(llama)["model.embed_tokens.weight"]
+    for rank in range(2):
+        path = meta / f"consolidated.0{rank}.pth"
+        weights = torch.load(path, weights_only=True)
+        weights["tok_embeddings.weight"] = full.chunk(2, dim=1)[rank].clone()
+        torch.save(weights, path)
+    params = json.loads((meta / "params.json").read_text())
+    (meta / "params.json").write_text(json.dumps({**params, "vocab_size": -1}))
+    code, _, err = run_cli(capsys, "inspect", meta)
+    _one_line_refusal(code, err, "split over the hidden size")
+    assert "vocab_size" not in err
+
+
+def test_cohere_forced_to_llama_is_refused_for_the_forcing(capsys, tmp_path):
+    """Cohere: parallel attention and MLP (no post_attention_layernorm), logit_scale, tied embeddings."""
+    config = hf_config(vocab=1004, tied=True)
+    shapes = {k: v for k, v in hf_tensor_shapes(config).items() if "post_attention_layernorm" not in k}
+    config.update(architectures=["CohereForCausalLM"], model_type="cohere", logit_scale=0.0625, layer_norm_eps=1e-5)
+    src = write_hf(tmp_path / "cohere", config, position_coded(shapes))
+    code, _, err = run_cli(capsys, "convert", src, tmp_path / "out", "--to", "hf", "--architecture",
+                           "LlamaForCausalLM")
+    _one_line_refusal(code, err, "CohereForCausalLM", "--allow-lossy-config architecture")
+    assert "post_attention_layernorm" not in err and "complete" not in err
+
+
 # ------------------------------------------------------------------------------------------ item 7: iterations
 
 @pytest.mark.parametrize("layout", ["megatron", "torch_dist"])

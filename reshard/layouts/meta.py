@@ -141,6 +141,8 @@ def params_from_meaning(m: ModelConfig, loss: ConfigLoss) -> dict:
 
 
 def meaning_from_params(params: dict, architecture: str, where: str) -> ModelConfig:
+    """The meaning of ``params.json``; its vocab_size may still be Llama 2's -1 (checked by the caller once the
+    embedding's split is known)."""
     params = params.get("model", params)
     try:
         dim, heads = int(params["dim"]), int(params["n_heads"])
@@ -148,9 +150,6 @@ def meaning_from_params(params: dict, architecture: str, where: str) -> ModelCon
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{where}: missing or invalid {exc} (params.json needs dim, n_layers, n_heads, "
                               "vocab_size)") from None
-    if vocab < 1:
-        raise CheckpointError(f"{where}: vocab_size {vocab} (Llama 2 leaves it to the tokenizer): set it in "
-                              "params.json to the embedding's row count")
     return ModelConfig(
         architecture=architecture, hidden=dim, layers=layers, heads=heads,
         kv_heads=int(params.get("n_kv_heads") or heads), head_dim=dim // heads, ffn=ffn_from_params(params),
@@ -181,9 +180,13 @@ def open_source(path: str, opts: Options) -> Source:
     loc = files[0].tensors.get(emb.meta)
     if loc is None:
         raise CheckpointError(f"{files[0].path}: no '{emb.meta}'")
-    if n > 1 and loc.shape[0] == meaning.vocab:
+    if n > 1 and len(loc.shape) == 2 and loc.shape[1] * n == meaning.hidden:
         raise CheckpointError(f"{files[0].path}: '{emb.meta}' is split over the hidden size (Llama 1/2's "
-                              "ParallelEmbedding); reshard reads vocab-split (Llama 3) consolidated files")
+                              "ParallelEmbedding); reshard reads vocab-split (Llama 3) consolidated files: convert "
+                              "it with transformers' convert_llama_weights_to_hf.py first")
+    if meaning.vocab < 1:
+        raise CheckpointError(f"{where}: vocab_size {meaning.vocab} (Llama 2 leaves it to the tokenizer): set it in "
+                              f"params.json to the embedding's row count ({loc.shape[0] * n})")
     config = write_config(meaning, {"torch_dtype": "bfloat16"}, family, ConfigLoss("record"))
     model = build_canonical(family, config, set(), tied=False)
     model.meaning = meaning
