@@ -62,7 +62,9 @@ def parse_size(text: str) -> int:
 
 
 VocabOpt = typer.Option(None, "--vocab-size", help="True (unpadded) vocab size, if the Megatron source lacks it.")
-ArchOpt = typer.Option(None, "--architecture", help="HF architecture for a Megatron source (default: from args).")
+ArchOpt = typer.Option(None, "--architecture", help="HF architecture for a source that records none, such as a "
+                       "Megatron run without hf_config (default: the checkpoint's own; naming another needs "
+                       "--allow-lossy-config architecture).")
 MappingOpt = typer.Option(None, "--mapping", help="A mapping TOML file for your own architecture family.")
 JsonOpt = typer.Option(False, "--json", help="Print a JSON report.")
 TargetOpt = typer.Option(..., "--to", help="Target layout.", callback=_target_layout)
@@ -135,9 +137,11 @@ def convert(
                                           "bytes); default: 2 for 256 MiB or more in 2+ files on 2+ cores, else 1."),
     push_to: Optional[str] = typer.Option(None, "--push-to", help="Upload the output to this Hub repo (ORG/NAME)."),
     revision: Optional[str] = typer.Option(None, "--revision", help="Branch for --push-to (created when missing)."),
-    allow_lossy_config: Optional[list[str]] = typer.Option(None, "--allow-lossy-config", help="Let the target "
-                                                           "drop this canonical config field (repeatable); "
-                                                           "default: refuse what it cannot express."),
+    allow_lossy_config: Optional[list[str]] = typer.Option(None, "--allow-lossy-config", metavar="FIELD",
+                                                           help="Let the output "
+                                                           "drop this canonical config field, or a source setting "
+                                                           "reshard does not carry such as logit_scale "
+                                                           "(repeatable); default: refuse what it cannot express."),
     allow_cast_overflow: bool = typer.Option(False, "--allow-cast-overflow", help="Let a --dtype cast turn finite "
                                              "values into inf (default: refuse)."),
     follow_symlinks: bool = typer.Option(False, "--follow-symlinks", help="Copy side files (tokenizer, generation "
