@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import math
 import os
 import re
@@ -26,23 +25,22 @@ from reshard.errors import CheckpointError, PlanError
 from reshard.io import dtypes
 from reshard.io.partial import replace_with_text
 from reshard.io.heads import read_heads_while_torch_imports
-from reshard.io.regular import open_regular
 from reshard.io.torch_format import MegatronEnum, TensorSlot, TorchFile, torch_dtype_global
-from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, check_shape, chosen_architecture,
-                                  find_side_files)
+from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, check_shape,
+                                  chosen_architecture)
 from reshard.layouts.hf import write_config
 from reshard.layouts.hf_config import read_meaning, write_config as write_hf_config
+from reshard.layouts.megatron_folders import (  # noqa: F401  (_checkpoint_root, _label: for torch_dist, verify)
+    _RANK_DIR, _REMOTE_RANK_FILE, TRACKER, _checkpoint_root, _iteration_dir, _label, find_side_files_in,
+    iteration_folder, iteration_folder_name, side_folders, true_vocab_size)
 from reshard.layouts.megatron_args import RECORD_ONLY, args_from_meaning, meaning_from_args
 from reshard.mapping import Family, WeightSpec, family_for_architecture
 
 NAME = "megatron"
-TRACKER = "latest_checkpointed_iteration.txt"
 RANK_FILE = "model_optim_rng.pt"
-_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 GROUPED = re.compile(r"\.mlp\.experts\.linear_fc[12]\.weight\d+$")  # TEGroupedMLP
 LEGACY_GROUPED = re.compile(r"\.mlp\.experts\.weight[12]$")  # legacy GroupedMLP
-_REMOTE_RANK_FILE = re.compile(r"^(iter_\d{7}|release)/mp_rank_\d{2}(_\d{3})?/model_optim_rng\.pt$")
 
 
 # ----------------------------------------------------------------------------------------- shared rules
@@ -131,122 +129,6 @@ def extra_state_names(family: Family, spec_name: str, num_local_layers: int, ten
 
 
 # ---------------------------------------------------------------------------------------------- reading
-
-def _label(folder_name: str) -> str:
-    """'iter_0000100' -> '100'; 'release' (or anything else) -> 'release'."""
-    digits = folder_name.removeprefix("iter_")
-    return str(int(digits)) if folder_name.startswith("iter_") and digits.isdigit() else "release"
-
-
-def iteration_folder_name(label: str) -> str | None:
-    """The folder of an iteration label (a tracker's text): 'release' or 'iter_%07d'; None for anything else."""
-    label = label.strip()
-    return "release" if label == "release" else f"iter_{int(label):07d}" if label.isdigit() else None
-
-
-def _iteration_dir(path: str) -> tuple[str, str]:
-    """The folder holding rank folders, and the iteration label (a number or 'release')."""
-    if any(_RANK_DIR.match(n) for n in os.listdir(path)):
-        base = os.path.basename(os.path.normpath(path))
-        return path, _label(base)
-    tracker = os.path.join(path, TRACKER)
-    if os.path.isfile(tracker):
-        with open_regular(tracker) as f:
-            label = f.read().strip()
-        sub = iteration_folder_name(label)
-        if sub is None:
-            raise CheckpointError(f"{tracker} holds '{label}', not an iteration number or 'release'")
-        folder = os.path.join(path, sub)
-        if not os.path.isdir(folder):
-            raise CheckpointError(f"{tracker} points at {sub}, which does not exist")
-        return folder, label
-    candidates = sorted(n for n in os.listdir(path) if n.startswith("iter_") or n == "release")
-    if len(candidates) == 1:
-        return os.path.join(path, candidates[0]), _label(candidates[0])
-    raise CheckpointError(f"{path} has no {TRACKER} and {len(candidates)} iteration folders; "
-                          "pass the iteration folder itself")
-
-
-def iteration_folder(tracker_text: str | None, names) -> str | None:
-    """The iteration folder of a repo listing to download: the tracker's, else the only one present."""
-    if tracker_text is not None:
-        return iteration_folder_name(tracker_text)
-    folders = sorted({p.split("/")[0] for p in names if _REMOTE_RANK_FILE.match(p)})
-    return folders[0] if len(folders) == 1 else None
-
-
-def side_folders(path: str, iter_dir: str) -> list[str]:
-    """Where the side files (tokenizer, config.json) of the checkpoint the user named as ``path`` are: ``path``
-    itself; for an iteration folder named directly, also its parent, but only where that is the Megatron root
-    whose tracker names this iteration (else the parent's files belong to something else)."""
-    if os.path.normpath(path) != os.path.normpath(iter_dir):
-        return [path]
-    parent = os.path.dirname(os.path.abspath(iter_dir))
-    try:
-        with open_regular(os.path.join(parent, TRACKER)) as f:
-            label = f.read(64).strip()
-    except (OSError, UnicodeDecodeError, CheckpointError):
-        return [path]
-    return [path, parent] if iteration_folder_name(label) == os.path.basename(os.path.abspath(iter_dir)) else [path]
-
-
-_checkpoint_root = side_folders  # the forward verifier's name for it
-
-
-def find_side_files_in(folders: list[str]) -> list[str]:
-    """The side files of ``folders``, the first folder's where several hold the same name."""
-    found: dict[str, str] = {}
-    for folder in folders:
-        for path in find_side_files(folder):
-            found.setdefault(os.path.basename(path), path)
-    return list(found.values())
-
-
-def true_vocab_size(args, opts: Options, folders: str | list[str]) -> int:
-    """The unpadded vocab: the recorded HF config's or ``args.vocab_size`` (``--vocab-size`` must then agree),
-    else ``--vocab-size``, config.json or tokenizer.json in ``folders`` (:func:`side_folders`)."""
-    hf_config = getattr(args, "hf_config", None)
-    recorded = None
-    if isinstance(hf_config, dict) and hf_config.get("vocab_size"):
-        recorded = int(hf_config["vocab_size"])
-    elif isinstance(getattr(args, "vocab_size", None), int):
-        recorded = args.vocab_size
-    if recorded is not None:
-        if opts.vocab_size and int(opts.vocab_size) != recorded:
-            raise CheckpointError(f"--vocab-size {opts.vocab_size} disagrees with the vocab size {recorded} the "
-                                  f"checkpoint records ({'dropping' if opts.vocab_size < recorded else 'adding'} "
-                                  f"{abs(recorded - int(opts.vocab_size))} rows of the embedding); omit --vocab-size")
-        return recorded
-    if opts.vocab_size:
-        return int(opts.vocab_size)
-    for folder in [folders] if isinstance(folders, str) else folders:
-        found = _side_vocab_size(folder)
-        if found:
-            return found
-    raise CheckpointError("the Megatron checkpoint does not record its true (unpadded) vocab size; pass "
-                          "--vocab-size N or put the tokenizer.json / config.json next to the checkpoint")
-
-
-def _side_vocab_size(folder: str) -> int | None:
-    """The vocab size config.json or tokenizer.json in ``folder`` gives, if any."""
-    cfg = os.path.join(folder, "config.json")
-    if os.path.isfile(cfg):
-        try:
-            with open_regular(cfg) as f:
-                return int(json.load(f)["vocab_size"])
-        except (KeyError, ValueError, TypeError, json.JSONDecodeError):
-            pass
-    tok = os.path.join(folder, "tokenizer.json")
-    if os.path.isfile(tok):
-        with open_regular(tok) as f:
-            data = json.load(f)
-        vocab = data.get("model", {}).get("vocab", {})
-        ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
-        ids += [t["id"] for t in data.get("added_tokens", [])]
-        if ids:
-            return max(ids) + 1
-    return None
-
 
 def read_args(args, opts: Options, folders: str | list[str], where: str) -> tuple[ModelConfig, Family, dict]:
     """A Megatron run's meaning (its args decide; a recorded ``hf_config`` only names the architecture and
