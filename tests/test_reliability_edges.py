@@ -104,10 +104,11 @@ def _reshard_subprocess(*args, timeout=60) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("command, fifo", [("inspect", "config.json"), ("convert", "config.json"),
-                                           ("convert", "model.safetensors")])
+                                           ("convert", "model.safetensors"),
+                                           ("convert", "model-00002-of-00002.safetensors")])
 def test_a_fifo_in_place_of_a_file_reshard_reads_is_refused(tmp_path, command, fifo):
     src = tmp_path / "src"
-    make_hf(str(src), vocab=1004)
+    make_hf(str(src), shards=2 if "-of-" in fifo else 1, vocab=1004)
     os.remove(src / fifo)
     os.mkfifo(src / fifo)
     args = [src] if command == "inspect" else [src, tmp_path / "out", "--to", "megatron"]

@@ -8,7 +8,7 @@ import json
 import os
 
 from reshard.errors import CheckpointError
-from reshard.io.regular import open_regular
+from reshard.io.regular import check_regular, open_regular
 
 INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -34,8 +34,9 @@ def weight_files(path: str) -> list[str]:
                 raise CheckpointError(f"{index_path}: 'weight_map' must map tensor names to file names")
             files = sorted(set(weight_map.values()))
             for f in files:
-                if not os.path.isfile(os.path.join(path, f)):
+                if not os.path.exists(os.path.join(path, f)):
                     raise CheckpointError(f"{index_path} names {f}, which does not exist: the download is incomplete")
+                check_regular(os.path.join(path, f))
             return [os.path.join(path, f) for f in files]
     found = [p for p in sorted(glob.glob(os.path.join(path, "*.safetensors")))
              if not is_other_format(os.path.basename(p))]
