@@ -29,15 +29,6 @@ from reshard.verification.forward.planning import plan_job
 BASELINE_BYTES = 200 << 20
 
 
-def _tensors(weights) -> list[torch.Tensor]:
-    """The tensors of one step's weights (a tuple, or a LayerWeights with its experts), in reading order."""
-    if isinstance(weights, tuple):
-        return [t for t in weights if t is not None]
-    out = [getattr(weights, name) for name in weights.__dataclass_fields__ if name != "experts"]
-    out += [t for parts in weights.experts.values() for t in parts]
-    return [t for t in out if t is not None]
-
-
 def _nbytes(t: torch.Tensor, dtype: torch.dtype | None = None) -> int:
     return t.numel() * (dtype or t.dtype).itemsize
 
@@ -54,7 +45,7 @@ def side_steps(side: Side, rank: int, job: ForwardJob) -> dict:
                 weights = stream.head()
             else:
                 weights = stream.layer(int(name.split()[1]))
-            tensors = _tensors(weights)
+            tensors = [t for _, t in streamed.named_tensors(name, weights)]
             held = sum(_nbytes(t, compute) for t in tensors)
             stored = sum(_nbytes(t) for t in tensors)
             reading = stored if all(t.dtype == compute for t in tensors) else _casting_peak(tensors, compute)

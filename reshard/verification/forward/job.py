@@ -99,6 +99,7 @@ def run_job(job: ForwardJob, rank: int, world: int) -> dict | None:
     ids = torch.tensor(job.input_ids, dtype=torch.long, device=device)
     groups = _groups({job.a.degree, job.b.degree}, world)
     runs = {}
+    findings: dict = {"problems": [], "copies": []}  # this rank's, per side: gathered on rank 0
     for label, side in (("a", job.a), ("b", job.b)):
         if rank >= side.degree:
             continue
@@ -106,9 +107,15 @@ def run_job(job: ForwardJob, rank: int, world: int) -> dict | None:
             out, stored = forward_streamed(stream, ids, groups[side.degree], compute, device, record=rank == 0)
             info = {"world": side.degree, "padded_vocab": stream.padded_vocab, "dtype": stored,
                     "files_rank0": stream.files, "vocab": stream.config.vocab}
+            findings["problems"] += [f"{label.upper()}: {p}" for p in stream.problems]
+            findings["copies"] += [{**c, "key": f"{label.upper()}: {c['key']}"} for c in stream.copies]
         gc.collect()
         if rank == 0:
             runs[label] = {**info, "logits": out.logits, "states": out.states}
+    every = [findings]
+    if world > 1:
+        every = [None] * world
+        dist.all_gather_object(every, findings)
     if rank != 0:
         return None
     a, b = runs["a"], runs["b"]
@@ -118,7 +125,9 @@ def run_job(job: ForwardJob, rank: int, world: int) -> dict | None:
         "backend": job.backend, "compute_dtype": _name(compute), "batch": len(job.input_ids),
         "seq_len": len(job.input_ids[0]), "vocab": job.vocab, "tolerance": tol,
     }
-    result.update(report.compare(a, b, job.vocab, tol))
+    problems = [p for f in every for p in f["problems"]]
+    problems += report.copy_problems([c for f in every for c in f["copies"]])
+    result.update(report.compare(a, b, job.vocab, tol, problems))
     return result
 
 

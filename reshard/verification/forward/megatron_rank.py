@@ -101,10 +101,15 @@ class MegatronRankStream(RankStream):
                 opened[file_path] = self.opened(TorchFile(file_path))
             return opened[file_path]
 
+        self.path = path
         try:
             # per stage: the rank's own file (everything but the routed experts), then one file per EP rank
             self.expert_files = [[open_once(dense[p])] + [open_once(holder(p, e)) for e in range(ep)]
                                  for p in range(pp)]
+            # the other EP folders of this TP rank hold their own copies of its dense tensors
+            self.dense_copies = {dense[p]: [open_once(ranks[(rank, p, e)]) for e in range(ep)
+                                            if (rank, p, e) in ranks and ranks[(rank, p, e)] != dense[p]]
+                                 for p in range(pp)}
             self._setup(path, folder, args, opts)
         except BaseException:
             self.close()
@@ -164,10 +169,25 @@ class MegatronRankStream(RankStream):
         if (f.path, key) not in self._cache:
             self._cache.clear()  # a fused tensor's slots are read one after another
             self._cache[(f.path, key)] = f.read(key)
+            if expert is None:  # a routed expert has one copy (its EP folder's); dense tensors one per EP folder
+                self._check_dense_copies(f, key)
         config = self.config
         q_per_group = config.heads // config.kv_heads
         return unpack(spec, self._cache[(f.path, key)],
                       lambda t: split_grouped_qkv(t, q_per_group, config.head_dim))
+
+    def _check_dense_copies(self, f, key: str) -> None:
+        """Every other EP folder's copy of a dense tensor read from ``f`` must be identical to it (read one at a
+        time): a real run computes each EP rank's tokens with its own copy."""
+        name = key.split("/", 1)[1]
+        for other in self.dense_copies.get(f.path, ()):
+            where = os.path.relpath(other.path, self.path)
+            if key not in other.tensors:
+                self.problems.append(f"replicated copy missing: '{name}' is not in {where} (every EP folder holds "
+                                     "the dense tensors)")
+                continue
+            self.check_copy(name, self._cache[(f.path, key)], os.path.relpath(f.path, self.path), other.read(key),
+                            where, "each EP rank computes with its own copy")
 
     def layer(self, index: int) -> LayerWeights:
         chunk, stage, i = self.places[index]

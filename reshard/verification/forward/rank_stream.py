@@ -83,6 +83,32 @@ class RankStream:
         self.rank, self.world, self.metered = rank, world, metered
         self.files: list[str] = []
         self._opened: list = []
+        self.problems: list[str] = []  # replicated copies found to differ, non-finite weights (for the report)
+        self.copies: list[dict] = []  # digests of copies held by several ranks (compared across ranks)
+
+    def check_copy(self, name: str, used: torch.Tensor, used_where: str, other: torch.Tensor, other_where: str,
+                   why: str) -> None:
+        """Prove ``other`` (a replica a real run computes with) identical, byte for byte, to ``used`` (the copy this
+        check computes with); a difference becomes a problem naming both places and the tensor."""
+        if self.metered or (used.dtype == other.dtype and used.shape == other.shape
+                            and torch.equal(used.contiguous().view(-1).view(torch.uint8),
+                                            other.contiguous().view(-1).view(torch.uint8))):
+            return
+        how = f"max abs diff {(used.double() - other.double()).abs().max().item():g}" \
+            if used.shape == other.shape else f"shape {tuple(other.shape)} vs {tuple(used.shape)}"
+        self.problems.append(f"replicated copy differs: '{name}' in {other_where} vs the copy in {used_where} "
+                             f"({how}); {why}")
+
+    def record_copy(self, key: str, data: torch.Tensor, where: str, used: bool, why: str) -> None:
+        """Note the SHA-256 of ``data``, one of several ranks' copies of ``key`` (``used``: the copy this check
+        computes with); rank 0 compares the copies of every key (:func:`~.report.copy_problems`)."""
+        if self.metered:
+            return
+        import hashlib
+
+        raw = data.contiguous().view(-1).view(torch.uint8).numpy()
+        self.copies.append({"key": key, "sha256": hashlib.sha256(raw).hexdigest(), "where": where, "used": used,
+                            "why": why})
 
     def opened(self, file):
         """Keep ``file`` (a TensorFile) to close with the stream; with ``metered``, wrap it in a MeteredFile."""

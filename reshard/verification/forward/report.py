@@ -70,8 +70,52 @@ def _within(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> bool:
     return bool(((a - b).abs() <= atol + rtol * a.abs()).all())
 
 
-def compare(a: dict, b: dict, vocab: int, tol: dict) -> dict:
-    """``a``/``b``: {"logits", "states", "world"}; returns the comparison part of the report."""
+def copy_problems(copies: list[dict]) -> list[str]:
+    """Copies of one key (``key``, ``sha256``, ``where``, ``used``, ``why`` from every rank) that differ from the
+    copy the check computed with (else the first)."""
+    by_key: dict[str, list[dict]] = {}
+    for c in copies:
+        by_key.setdefault(c["key"], []).append(c)
+    out = []
+    for key, found in by_key.items():
+        ref = next((c for c in found if c["used"]), found[0])
+        out += [f"replicated copy differs: {key} in {c['where']} vs the copy in {ref['where']} (SHA-256 differs); "
+                f"{c['why']}" for c in found if c["sha256"] != ref["sha256"]]
+    return out
+
+
+def first_non_finite(label: str, run: dict) -> str | None:
+    """Where ``run``'s hidden state (after each block), else its logits, first hold a NaN or an infinity."""
+    for name, state in run["states"]:
+        if not torch.isfinite(state).all():
+            return f"{label}: non-finite values first appear after {describe_block(name)}"
+    if not torch.isfinite(run["logits"]).all():
+        return f"{label}: non-finite values first appear in the logits ({BLOCK_TENSORS['head']})"
+    return None
+
+
+def compare(a: dict, b: dict, vocab: int, tol: dict, findings: list[str] = ()) -> dict:
+    """``a``/``b``: {"logits", "states", "world"}; returns the comparison part of the report. ``findings``: what
+    the ranks found while reading (non-finite weights, replicated copies that differ), each a problem. Non-finite
+    values (weights, hidden states or logits) are reported as such, first: the comparisons that follow them
+    (padding, divergence) are not."""
+    non_finite = [f for f in findings if "non-finite" in f]
+    non_finite += [m for m in (first_non_finite("A", a), first_non_finite("B", b)) if m]
+    others = [f for f in findings if "non-finite" not in f]
+    if non_finite:
+        result = compare_finite(a, b, vocab, tol)
+        result.update(problems=non_finite + others, first_divergence=non_finite[0], ok=False)
+        return result
+    result = compare_finite(a, b, vocab, tol)
+    if others:
+        result["problems"] += others
+        result["first_divergence"] = result["first_divergence"] or others[0]
+        result["ok"] = False
+    return result
+
+
+def compare_finite(a: dict, b: dict, vocab: int, tol: dict) -> dict:
+    """The comparison of two runs whose values are finite."""
     la, lb = a["logits"].double(), b["logits"].double()
     ra, rb = la[..., :vocab], lb[..., :vocab]
     diff = (ra - rb).abs()

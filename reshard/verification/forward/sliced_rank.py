@@ -10,13 +10,14 @@ hold them), by each weight's decoder role: q heads ``[r*nh/w, (r+1)*nh/w)``, KV 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
 from reshard.core.canonical import instance
 from reshard.core.plan import CanonicalIndex, TargetTensor
 from reshard.errors import ReshardError
-from reshard.execute import assemble
+from reshard.execute import assemble, read_op
 from reshard.io import dtypes
 from reshard.layouts.base import Options
 from reshard.layouts.registry import open_checkpoint
@@ -74,6 +75,10 @@ class SlicedRankStream(RankStream):
         self.files = [f.path for f in source.files]
         self.meters = [MeteredFile(f) for f in source.files] if self.metered else []
         self._opened = self.meters
+        self.replica_checks: dict[str, list] = {}  # canonical name -> this rank's share of the stored replicas
+        for i, check in enumerate(self.index.checks):
+            if i % world == rank:
+                self.replica_checks.setdefault(check.canonical, []).append(check)
 
     def close(self) -> None:
         self.source.close()
@@ -84,12 +89,24 @@ class SlicedRankStream(RankStream):
         length = tensor.shape[axis] - start if length is None else length
         shape = tuple(length if i == axis else n for i, n in enumerate(tensor.shape))
         reads = self.index.reads_for(name, start, start + length, 0)
+        self._check_replicas(name)
         if self.metered:  # the bytes each read op takes from its source tensor, in the stored dtype
             row = math.prod(shape) // length if length else 0
             for op in reads:
                 self.meters[op.source].count((op.length * row,), self.source.files[op.source].tensors[op.tensor].dtype)
             return torch.empty(shape, dtype=dtypes.to_torch(self.model.dtypes[name]), device="meta")
         return assemble(TargetTensor(name, shape, self.model.dtypes[name], axis, reads), self.source.files)
+
+    def _check_replicas(self, name: str) -> None:
+        """Where the source stores ``name`` more than once (Meta's norms in every consolidated file, replicated
+        torch_dist chunks), each copy a real run computes with must equal the one read here: this rank proves its
+        share of them (one pair at a time, when ``name`` is read)."""
+        files = self.meters or self.source.files
+        for check in self.replica_checks.pop(name, ()):
+            used, other = (read_op(op, check.axis, files) for op in (check.first, check.other))
+            where = [os.path.relpath(files[op.source].path, self.source.root) for op in (check.first, check.other)]
+            self.check_copy(name, used, where[0], other, where[1], "each rank of a real run computes with its own "
+                            "copy")
 
     def _role_tensors(self, layer: int) -> dict:
         out: dict = {}

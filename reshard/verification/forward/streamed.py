@@ -22,14 +22,40 @@ def steps(config) -> list[str]:
     return ["embedding"] + [f"layer {i}" for i in range(config.layers)] + ["head"]
 
 
-def read_step(stream: RankStream, step: str, dtype: torch.dtype, device):
-    """One step's weights, read and cast: (table, positions) for the embedding, a LayerWeights for a layer,
-    (final norm, its bias, lm_head or None) for the head."""
+_END_NAMES = {"embedding": ("embedding", "position embedding"), "head": ("final norm", "final norm bias", "lm_head")}
+
+
+def named_tensors(step: str, weights) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of one step's weights, as :func:`read_step` returns them: ``embedding``, ``layer 3 q``,
+    ``layer 3 expert 5 down``, ``lm_head``, ..."""
+    if isinstance(weights, tuple):
+        return [(n, t) for n, t in zip(_END_NAMES[step], weights) if t is not None]
+    out = [(f"{step} {name}", getattr(weights, name)) for name in weights.__dataclass_fields__ if name != "experts"]
+    out += [(f"{step} expert {e} {part}", t) for e, parts in weights.experts.items()
+            for part, t in zip(("gate", "up", "down"), parts)]
+    return [(n, t) for n, t in out if t is not None]
+
+
+def read_step(stream: RankStream, step: str, dtype: torch.dtype, device, stored: list | None = None):
+    """One step's weights, read and cast: (table, positions) for the embedding (its stored dtype appended to
+    ``stored``), a LayerWeights for a layer, (final norm, its bias, lm_head or None) for the head. Non-finite
+    values in any of them are noted in ``stream.problems``, naming the tensor."""
     if step == "embedding":
-        return tuple(decoder.cast(t, dtype, device) for t in stream.embedding())
-    if step == "head":
-        return tuple(decoder.cast(t, dtype, device) for t in stream.head())
-    return decoder.cast_layer(stream.layer(int(step.split()[1])), dtype, device)
+        raw = stream.embedding()
+        if stored is not None:
+            stored.append(raw[0].dtype)
+        weights = tuple(decoder.cast(t, dtype, device) for t in raw)
+        del raw
+    elif step == "head":
+        weights = tuple(decoder.cast(t, dtype, device) for t in stream.head())
+    else:
+        weights = decoder.cast_layer(stream.layer(int(step.split()[1])), dtype, device)
+    for name, t in named_tensors(step, weights):
+        bad = t.numel() - int(torch.isfinite(t).sum())
+        if bad:
+            stream.problems.append(f"non-finite values in the weights: {name} on rank {stream.rank} ({bad} of "
+                                   f"{t.numel()} elements, as {str(dtype).removeprefix('torch.')})")
+    return weights
 
 
 def forward_streamed(stream: RankStream, ids: torch.Tensor, tp: decoder.TPGroup, dtype: torch.dtype, device,
@@ -41,18 +67,11 @@ def forward_streamed(stream: RankStream, ids: torch.Tensor, tp: decoder.TPGroup,
     states = out.states if record else None
     stored: list[torch.dtype] = []
 
-    def read(step: str):
-        if step == "embedding":  # the stored dtype, before the cast
-            table, positions = stream.embedding()
-            stored.append(table.dtype)
-            return decoder.cast(table, dtype, device), decoder.cast(positions, dtype, device)
-        return read_step(stream, step, dtype, device)
-
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="reshard-forward-read") as reader:
-        pending = reader.submit(read, names[0])
+        pending = reader.submit(read_step, stream, names[0], dtype, device, stored)
         for k, step in enumerate(names):
             weights = pending.result()
-            pending = reader.submit(read, names[k + 1]) if k + 1 < len(names) else None
+            pending = reader.submit(read_step, stream, names[k + 1], dtype, device) if k + 1 < len(names) else None
             if step == "embedding":
                 table, positions = weights
                 decoder.check_ends(config, positions, None)

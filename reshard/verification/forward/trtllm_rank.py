@@ -49,7 +49,7 @@ class TrtllmRankStream(RankStream):
             raise
 
     def _setup(self, path: str, trt: dict, files: list, opts: Options) -> None:
-        self.stage_files = files
+        self.stage_files, self.path = files, path
         architecture = opts.architecture or trt.get("architecture")
         family = self.family = family_for_architecture(architecture, opts.mapping)
         config, present = read_trtllm_config(trt, family, architecture, files, path)
@@ -82,8 +82,18 @@ class TrtllmRankStream(RankStream):
         return LayerWeights(**{s.role: self._get(f, s, index % self.per_stage) for s in self.layer_specs})
 
     def embedding(self):
-        """The rank's vocab-parallel rows of the whole table (read whole: the rank file holds all of it)."""
-        table = self._get(self.stage_files[0], self.family.role_spec("embedding"))
+        """The rank's vocab-parallel rows of the whole table (read whole: the rank file holds all of it). Every
+        rank's copy serves all of a real run's lookups, so each vocab slice of this copy is noted
+        (:meth:`RankStream.record_copy`) for rank 0 to compare with the copy of the rank that computes with it."""
+        spec = self.family.role_spec("embedding")
+        table = self._get(self.stage_files[0], spec)
+        per = self.padded_vocab // self.world
+        where = os.path.relpath(self.stage_files[0].path, self.path)
+        for r in range(self.world):
+            lo, hi = r * per, min((r + 1) * per, self.config.vocab)
+            if lo < hi:
+                self.record_copy(f"'{spec.trtllm}' rows {lo}..{hi - 1}", table[lo:hi], where, used=r == self.rank,
+                                 why="every rank's whole copy serves its own lookups in a real run")
         start, real, pad = self.vocab_start, self.real_rows, self.pad_rows
         rows = table[start:start + real]
         return (torch.cat([rows, table.new_zeros(pad, self.config.hidden)]) if pad else rows.clone()), None
