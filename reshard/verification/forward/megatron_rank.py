@@ -6,7 +6,8 @@ global layer order is chunk-major (chunk 0 of every stage, then chunk 1, ...). F
 Megatron-Core runs them: ``linear_qkv`` per local KV group ``[q heads of the group; k; v]``, ``linear_fc1`` =
 ``[gate_r; up_r]``; embedding and output layer hold rows ``[r*Vp/tp, (r+1)*Vp/tp)`` of the padded vocab.
 The process count must equal the checkpoint's TP degree (a Megatron rank file is only meaningful at its own
-degree); convert first to check another degree.
+degree); convert first to check another degree. With expert parallelism every EP folder ``mp_rank_{r:02d}_{e:03d}``
+holds its own copy of the dense tensors: the rank computes with EP folder 0's and proves the others identical.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """One tensor-parallel rank's weights in decoder form, read from a checkpoint's own rank files.
 
-A layout's ``rank_loader`` (``load_rank(path, rank, world, opts) -> RankWeights``, named on its
-:class:`~reshard.layouts.base.Layout`) reads only what rank ``rank`` of ``world`` holds: Megatron reads its own
-``mp_rank_{rank:02d}[_{stage:03d}]`` files, vLLM its own ``model-rank-{rank}-part-*.safetensors``, an HF
-checkpoint (TP=1 on disk) is sliced by row / column ranges. The decoder never sees a layout: only these plain
-local tensors. This module imports no loader: loaders import it (no import cycle).
+A layout's ``rank_loader`` (a :class:`~reshard.verification.forward.rank_stream.RankStream` named on its
+:class:`~reshard.layouts.base.Layout`) reads only what rank ``rank`` of ``world`` holds, one layer at a time:
+Megatron reads its own ``mp_rank_{rank:02d}[_{stage:03d}]`` files, vLLM its own
+``model-rank-{rank}-part-*.safetensors``, an HF checkpoint (TP=1 on disk) is sliced by row / column ranges. The
+decoder never sees a layout: only these plain local tensors. This module imports no loader: loaders import it (no
+import cycle).
 
 Local tensors (``nh``/``ng`` heads, ``d`` head dim, ``H`` hidden, ``F`` intermediate, over ``world`` ranks):
 ``q`` ``[nh/world*d, H]``; ``k``, ``v`` ``[max(ng/world, 1)*d, H]`` (one replicated KV head when
