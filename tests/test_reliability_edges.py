@@ -145,7 +145,7 @@ def test_forcing_another_architecture_on_an_hf_source_is_refused(capsys, tmp_pat
     assert code == 0, err
     written = json.loads((out / "config.json").read_text())
     assert written["architectures"] == ["LlamaForCausalLM"] and not set(GRANITE) & set(written)
-    assert "embedding_multiplier" in err  # the drop is noted
+    assert "embedding_multiplier" in err and "relabelled GraniteForCausalLM" in err  # both are noted
 
 
 def test_naming_the_source_architecture_is_not_forcing(llama, capsys, tmp_path):

@@ -118,8 +118,8 @@ def chosen_architecture(named: str | None, opts: Options, where: str) -> str | N
     if forced and named and forced != named and "architecture" not in opts.allow_lossy_config:
         raise PlanError(f"{where} names {named}, and --architecture {forced} would relabel it: {forced} ignores "
                         f"what {named} computes differently, so the output would compute a different function. "
-                        f"Drop --architecture (pass --mapping FILE for a family reshard does not ship), or pass "
-                        f"--allow-lossy-config architecture to relabel it knowingly")
+                        f"Drop --architecture (pass --mapping FILE for a family reshard does not ship), or relabel "
+                        f"it knowingly with convert's --allow-lossy-config architecture")
     return forced or named
 
 

@@ -91,6 +91,14 @@ def architecture_of(config: dict, opts: Options, where: str = "config.json") -> 
     raise CheckpointError("config.json has no 'architectures'; pass --architecture (e.g. LlamaForCausalLM)")
 
 
+def relabel_notes(config: dict, architecture: str) -> list[str]:
+    """A note when ``architecture`` (forced, allowed lossy) is not the one ``config`` names."""
+    archs = config.get("architectures")
+    named = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+    return [f"relabelled {named} as {architecture} (--allow-lossy-config architecture)"] \
+        if named and named != architecture else []
+
+
 def open_source(path: str, opts: Options) -> Source:
     config = read_config(path)
     paths = weight_files(path)
@@ -111,7 +119,9 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
     architecture = architecture_of(config, opts, os.path.join(path, "config.json"))
     check_unquantized(path, config, files)
     family = family_for_architecture(architecture, opts.mapping)
-    config, notes = without_dropped_settings(config, family, opts.allow_lossy_config)
+    notes = relabel_notes(config, architecture)
+    config, dropped_settings = without_dropped_settings(config, family, opts.allow_lossy_config)
+    notes += dropped_settings
     paths = [f.path for f in files]
     where: dict[str, int] = {}
     for i, f in enumerate(files):

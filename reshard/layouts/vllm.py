@@ -184,7 +184,9 @@ def open_source(path: str, opts: Options) -> Source:
     config = hf.read_config(path)
     architecture = hf.architecture_of(config, opts, os.path.join(path, "config.json"))
     family = family_for_architecture(architecture, opts.mapping)
-    config, notes = without_dropped_settings(config, family, opts.allow_lossy_config)
+    notes = hf.relabel_notes(config, architecture)
+    config, dropped_settings = without_dropped_settings(config, family, opts.allow_lossy_config)
+    notes += dropped_settings
     ranks = _rank_files(path)
     tp = len(ranks)
     files: list[SafetensorsFile] = []
