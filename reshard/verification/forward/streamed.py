@@ -36,6 +36,15 @@ def named_tensors(step: str, weights) -> list[tuple[str, torch.Tensor]]:
     return [(n, t) for n, t in out if t is not None]
 
 
+def non_finite_count(t: torch.Tensor) -> int:
+    """How many elements of ``t`` are NaN or infinite. A NaN or an infinity makes the sum non-finite, so the sum
+    (one pass, no temporary; in fp32 at least, where finite weights cannot overflow it) screens each tensor and only
+    a tensor that fails is counted element by element (``isfinite`` makes full-size temporaries)."""
+    if not t.is_floating_point() or bool(torch.isfinite(t.sum(dtype=torch.promote_types(t.dtype, torch.float32)))):
+        return 0
+    return t.numel() - int(torch.isfinite(t).sum())
+
+
 def read_step(stream: RankStream, step: str, dtype: torch.dtype, device, stored: list | None = None):
     """One step's weights, read and cast: (table, positions) for the embedding (its stored dtype appended to
     ``stored``), a LayerWeights for a layer, (final norm, its bias, lm_head or None) for the head. Non-finite
@@ -51,7 +60,7 @@ def read_step(stream: RankStream, step: str, dtype: torch.dtype, device, stored:
     else:
         weights = decoder.cast_layer(stream.layer(int(step.split()[1])), dtype, device)
     for name, t in named_tensors(step, weights):
-        bad = t.numel() - int(torch.isfinite(t).sum())
+        bad = non_finite_count(t)
         if bad:
             stream.problems.append(f"non-finite values in the weights: {name} on rank {stream.rank} ({bad} of "
                                    f"{t.numel()} elements, as {str(dtype).removeprefix('torch.')})")
