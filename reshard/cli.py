@@ -441,10 +441,12 @@ def mappings_new(
 
 
 @app.command()
-def demo(workdir: Optional[str] = typer.Option(None, "--workdir", help="Keep the demo checkpoints here."),
-         keep: bool = typer.Option(False, "--keep", help="Keep the temporary folder.")):
+def demo(workdir: Optional[str] = typer.Option(None, "--workdir", help="Write the demo checkpoints into this "
+                                               "folder and keep them."),
+         keep: bool = typer.Option(False, "--keep", help="Keep the temporary folder (its path is printed).")):
     """Make a tiny Llama checkpoint and run hf -> megatron tp4 -> vllm tp8 -> megatron tp2 pp2 -> torch_dist -> hf,
-    verifying each step."""
+    verifying each step. The checkpoints go to a temporary folder deleted at the end unless --keep or --workdir
+    keeps them; the last lines name three commands to try on them."""
     from reshard.demo import run_demo
 
     if not run_demo(workdir, keep):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import tempfile
 import time
@@ -64,35 +65,62 @@ def _forward_check(src: str, dst: str) -> bool:
     return bool(r["ok"])
 
 
-def run_demo(workdir: str | None = None, keep: bool = False) -> bool:
+DEMO_STEPS = [("megatron-tp4", "megatron", 4, 1), ("vllm-tp8", "vllm", 8, 1), ("megatron-tp2-pp2", "megatron", 2, 2),
+              ("torch-dist", "torch_dist", 2, 1), ("hf-roundtrip", "hf", 1, 1)]
+
+
+def next_commands(base: str | None) -> list[str]:
+    """Three commands to try on the kept demo folder ``base`` (spelt ``DIR`` where it was not kept)."""
+    def path(name: str) -> str:
+        return shlex.quote(os.path.join(base, name)) if base else f"DIR/{name}"
+
+    return [f"reshard inspect {path('megatron-tp2-pp2')}",
+            f"reshard convert {path('hf')} {path('my-vllm-tp2')} --to vllm --tp 2",
+            f"reshard verify {path('hf')} {path('my-vllm-tp2')} --forward"]
+
+
+def _run_steps(base: str) -> bool:
+    """Make the demo model in ``base``, convert it through every step, verify each; True when all agree."""
     from reshard.conversion import convert
     from reshard.verification.digest import verify
 
+    src = make_demo_checkpoint(os.path.join(base, "hf"))
+    print(f"{'step':<34}{'layout':<10}{'tp':>3}{'pp':>4}{'files':>7}{'MiB':>8}{'seconds':>9}  verify vs source")
+    ok = True
+    prev = src
+    for name, layout, tp, pp in DEMO_STEPS:
+        dst = os.path.join(base, name)
+        t0 = time.perf_counter()
+        result = convert(prev, dst, to=layout, tp=tp, pp=pp, overwrite=True)
+        took = time.perf_counter() - t0
+        report = verify(src, dst)
+        matched = sum(t.ok for t in report.tensors)
+        verdict = f"{matched}/{len(report.tensors)} tensors bit-exact" if report.equal else "MISMATCH"
+        ok &= report.equal
+        print(f"{prev.split(os.sep)[-1] + ' -> ' + name:<34}{layout:<10}{tp:>3}{pp:>4}{len(result.plan.files):>7}"
+              f"{result.plan.nbytes / 2**20:>8.2f}{took:>9.2f}  {verdict}")
+        prev = dst
+    ok &= _forward_check(src, prev)
+    return ok
+
+
+def run_demo(workdir: str | None = None, keep: bool = False) -> bool:
+    """Run the demo in ``workdir`` (kept), or in a temporary folder deleted at the end unless ``keep``; print each
+    step, then where the checkpoints are (or how to keep them) and three commands to try on them."""
+    temporary = workdir is None and not keep
     base = workdir or tempfile.mkdtemp(prefix="reshard-demo-")
+    print(f"demo model: Llama, 4 layers, 8 heads / 4 KV heads, vocab 1003 (Megatron pads it), fp32, in {base}"
+          + (" (temporary: deleted at the end; --keep keeps it)" if temporary else ""))
     try:
-        src = make_demo_checkpoint(os.path.join(base, "hf"))
-        steps = [("megatron-tp4", "megatron", 4, 1), ("vllm-tp8", "vllm", 8, 1),
-                 ("megatron-tp2-pp2", "megatron", 2, 2), ("torch-dist", "torch_dist", 2, 1),
-                 ("hf-roundtrip", "hf", 1, 1)]
-        print(f"demo model: Llama, 4 layers, 8 heads / 4 KV heads, vocab 1003 (Megatron pads it), fp32, in {base}")
-        print(f"{'step':<34}{'layout':<10}{'tp':>3}{'pp':>4}{'files':>7}{'MiB':>8}{'seconds':>9}  verify vs source")
-        ok = True
-        prev = src
-        for name, layout, tp, pp in steps:
-            dst = os.path.join(base, name)
-            t0 = time.perf_counter()
-            result = convert(prev, dst, to=layout, tp=tp, pp=pp, overwrite=True)
-            took = time.perf_counter() - t0
-            report = verify(src, dst)
-            matched = sum(t.ok for t in report.tensors)
-            verdict = f"{matched}/{len(report.tensors)} tensors bit-exact" if report.equal else "MISMATCH"
-            ok &= report.equal
-            print(f"{prev.split(os.sep)[-1] + ' -> ' + name:<34}{layout:<10}{tp:>3}{pp:>4}{len(result.plan.files):>7}"
-                  f"{result.plan.nbytes / 2**20:>8.2f}{took:>9.2f}  {verdict}")
-            prev = dst
-        ok &= _forward_check(src, prev)
-        print("demo passed: every step is bit-exact and computes the same logits" if ok else "demo FAILED")
-        return ok
+        ok = _run_steps(base)
     finally:
-        if workdir is None and not keep:
+        if temporary:
             shutil.rmtree(base, ignore_errors=True)
+    print("demo passed: every step is bit-exact and computes the same logits" if ok else "demo FAILED")
+    if temporary:
+        print(f"deleted {base}; to keep the checkpoints run `reshard demo --keep` (or `--workdir DIR`), then try:")
+    else:
+        print(f"the checkpoints are kept in {base}; try next:")
+    for command in next_commands(None if temporary else base):
+        print(f"  {command}")
+    return ok
