@@ -115,7 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--verify", action="store_true", help="also time `reshard verify` of each source against its "
                     "conversion, next to reading both and to that conversion (scripts/bench_verify.py)")
     ap.add_argument("--keep", action="store_true", help="keep the outputs of the last repeat under OUT/outputs")
-    ap.add_argument("--plot", action="store_true", help="write OUT/bench.png (needs matplotlib)")
+    ap.add_argument("--plot", action="store_true", help="write OUT/bench.png (needs matplotlib: pip install -e '.[bench]')")
     ap.add_argument("--cache-dir", type=Path, default=None, help="where generated sources are cached (default: OUT/sources)")
     ap.add_argument("--shard-gib", type=float, default=2.0, help="max safetensors shard size in GiB (default: 2)")
     ap.add_argument("--timeout", type=float, default=None, help="kill a run after this many seconds")
@@ -378,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             plot(result, out / "bench.png")
         except ImportError:
-            log("[bench] --plot needs matplotlib (pip install matplotlib); bench.json/bench.md were written")
+            log("[bench] --plot needs matplotlib, which is not installed: pip install -e '.[bench]' "
+                "(bench.json and bench.md were written)")
             return 3
         log(f"[bench] wrote {out / 'bench.png'}")
     return 0
