@@ -39,12 +39,7 @@ def side_steps(side: Side, rank: int, job: ForwardJob) -> dict:
     with open_rank_stream(side.layout, side.path, rank, side.degree, job.opts, metered=True) as stream:
         steps, f_local = [], 0
         for name in streamed.steps(stream.config):
-            if name == "embedding":
-                weights = stream.embedding()
-            elif name == "head":
-                weights = stream.head()
-            else:
-                weights = stream.layer(int(name.split()[1]))
+            weights = streamed.read_stored(stream, name)
             tensors = [t for _, t in streamed.named_tensors(name, weights)]
             held = sum(_nbytes(t, compute) for t in tensors)
             stored = sum(_nbytes(t) for t in tensors)

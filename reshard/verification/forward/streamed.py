@@ -45,20 +45,26 @@ def non_finite_count(t: torch.Tensor) -> int:
     return t.numel() - int(torch.isfinite(t).sum())
 
 
-def read_step(stream: RankStream, step: str, dtype: torch.dtype, device, stored: list | None = None):
-    """One step's weights, read and cast: (table, positions) for the embedding (its stored dtype appended to
-    ``stored``), a LayerWeights for a layer, (final norm, its bias, lm_head or None) for the head. Non-finite
-    values in any of them are noted in ``stream.problems``, naming the tensor."""
+def read_stored(stream: RankStream, step: str):
+    """One step's weights as stored: (table, positions) for the embedding, a LayerWeights for a layer, (final
+    norm, its bias, lm_head or None) for the head."""
     if step == "embedding":
-        raw = stream.embedding()
+        return stream.embedding()
+    if step == "head":
+        return stream.head()
+    return stream.layer(int(step.split()[1]))
+
+
+def read_step(stream: RankStream, step: str, dtype: torch.dtype, device, stored: list | None = None):
+    """One step's weights (:func:`read_stored`), cast; the embedding's stored dtype is appended to ``stored``.
+    Non-finite values in any of them are noted in ``stream.problems``, naming the tensor."""
+    weights = read_stored(stream, step)
+    if isinstance(weights, tuple):
         if stored is not None:
-            stored.append(raw[0].dtype)
-        weights = tuple(decoder.cast(t, dtype, device) for t in raw)
-        del raw
-    elif step == "head":
-        weights = tuple(decoder.cast(t, dtype, device) for t in stream.head())
+            stored.append(weights[0].dtype)
+        weights = tuple(decoder.cast(t, dtype, device) for t in weights)
     else:
-        weights = decoder.cast_layer(stream.layer(int(step.split()[1])), dtype, device)
+        weights = decoder.cast_layer(weights, dtype, device)
     for name, t in named_tensors(step, weights):
         bad = non_finite_count(t)
         if bad:
