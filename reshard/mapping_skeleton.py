@@ -43,15 +43,15 @@ SECTION_NOTES = {
     "hf": ("# ignore: HF tensor names dropped on read; optional_prefix: a name prefix old files omit."),
     "moe": ("# Mixture of Experts: the dims symbols of the expert count and FFN sizes, and the config keys of top-k,\n"
             "# renormalisation and which layers are sparse."),
-    "megatron": ("# Megatron-Core `_extra_state` entries (Transformer Engine spec / local spec): written as None, ignored\n"
-                 "# on read. Rename them with the module names of your model's Megatron spec."),
+    "megatron": ("# Megatron-Core `_extra_state` entries (Transformer Engine spec / local spec): written as None,\n"
+                 "# ignored on read. Rename them with the module names of your model's Megatron spec."),
     "vllm": ("# vLLM: per-layer scalars its Attention modules keep in the state dict, and where it keeps tied\n"
              "# embeddings; rename them with your vLLM model's module names."),
-    "decoder": ("# How the family computes, for verify --forward's reference decoder: norm = rms | layer, mlp = gated |\n"
-                "# plain, position = rope | learned, activation (when config.json has none), norm_offset, "
-                "embedding_scaled."),
-    "config": ("# How config.json spells the model: the keys of norm epsilon, activation and positions (and soft-capping,\n"
-               "# query scale, local RoPE base where the family has them)."),
+    "decoder": ("# How the family computes, for verify --forward's reference decoder: norm = rms | layer,\n"
+                "# mlp = gated | plain, position = rope | learned, activation (when config.json has none),\n"
+                "# norm_offset, embedding_scaled."),
+    "config": ("# How config.json spells the model: the keys of norm epsilon, activation and positions (and\n"
+               "# soft-capping, query scale, local RoPE base where the family has them)."),
     "config.bias_groups": "# Optional bias weights, by group: which HF weights each group switches on together.",
 }
 ARCHITECTURE_NOTE = (
