@@ -117,6 +117,16 @@ def test_a_fifo_in_place_of_a_file_reshard_reads_is_refused(tmp_path, command, f
     assert not (tmp_path / "out").exists()
 
 
+def test_a_fifo_in_place_of_a_torch_dist_file_is_refused(llama, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    reshard.convert(llama, str(ckpt), to="torch_dist")
+    os.remove(ckpt / "release" / "common.pt")
+    os.mkfifo(ckpt / "release" / "common.pt")
+    result = _reshard_subprocess("convert", ckpt, tmp_path / "out", "--to", "hf")
+    _one_line_refusal(result.returncode, result.stderr, "common.pt", "not a regular file")
+    assert not (tmp_path / "out").exists()
+
+
 # ------------------------------------------------------------------------------------------ item 4: forcing
 
 GRANITE = {"embedding_multiplier": 12.0, "attention_multiplier": 0.0078125, "residual_multiplier": 0.22,

@@ -127,7 +127,9 @@ def read_meaning(config: dict, family: Family, architecture: str, dims: dict[str
                  tied: bool, where: str) -> ModelConfig:
     """The meaning of an HF-style ``config`` whose weights include the optional templates ``present``; a setting
     the family does not carry (:func:`uncarried_settings`) is refused."""
-    for key, value in uncarried_settings(config, family):
+    uncarried = uncarried_settings(config, family)
+    if uncarried:
+        key, value = uncarried[0]
         raise PlanError(f"{where}: config.json sets {key} = {json.dumps(value)}, which changes what the model "
                         f"computes and which mapping '{family.name}' ({architecture}) does not carry: the output "
                         f"would compute a different function. Pass --allow-lossy-config {key} to drop it knowingly")

@@ -160,7 +160,7 @@ def open_source(path: str, opts: Options) -> Source:
     folders = megatron.side_folders(path, folder)
     _check_backend(folder)
     common_path = os.path.join(folder, COMMON)
-    if not os.path.isfile(common_path):
+    if not os.path.exists(common_path):  # a FIFO or device there is refused by name when read
         raise CheckpointError(f"{folder} has no {COMMON} (megatron-core 0.19+ keeps the run's args inside the "
                               "data files): not supported yet")
     read_heads_while_torch_imports(sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".distcp")))
