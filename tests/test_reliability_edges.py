@@ -50,7 +50,7 @@ def test_output_folder_gets_the_mode_a_plain_mkdir_would(llama, capsys, tmp_path
 
 # ------------------------------------------------------------------------------------------ item 3: side files
 
-def test_side_file_symlink_out_of_the_source_is_skipped_with_a_warning(llama, capsys, tmp_path):
+def test_side_file_symlink_out_of_the_source_is_skipped_with_a_warning(capsys, tmp_path):
     src = tmp_path / "src"
     make_hf(str(src), vocab=1004)
     secret = tmp_path / "outside" / "secret.txt"
