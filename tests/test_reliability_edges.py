@@ -179,6 +179,22 @@ def test_a_setting_the_mapping_does_not_carry_is_refused(capsys, tmp_path, key, 
     assert code == 0, err
 
 
+def test_a_setting_a_megatron_record_holds_is_refused_unless_dropped(llama, capsys, tmp_path):
+    """A Megatron run whose args' hf_config record holds logit_scale (which the llama mapping does not carry)."""
+    ckpt = tmp_path / "ckpt"
+    reshard.convert(llama, str(ckpt), to="megatron")
+    rank_file = ckpt / "release" / "mp_rank_00" / "model_optim_rng.pt"
+    state = torch.load(rank_file, weights_only=False)
+    state["args"].hf_config["logit_scale"] = 0.0625
+    torch.save(state, rank_file)
+    code, _, err = run_cli(capsys, "convert", ckpt, tmp_path / "hf", "--to", "hf")
+    _one_line_refusal(code, err, "logit_scale = 0.0625", "--allow-lossy-config logit_scale")
+    code, _, err = run_cli(capsys, "convert", ckpt, tmp_path / "hf", "--to", "hf", "--allow-lossy-config",
+                           "logit_scale")
+    assert code == 0, err
+    assert "logit_scale" not in json.loads((tmp_path / "hf" / "config.json").read_text())
+
+
 # ------------------------------------------------------------------------------------------ item 5: options
 
 @pytest.mark.parametrize("to, args, hint", [

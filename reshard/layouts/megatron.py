@@ -29,7 +29,7 @@ from reshard.io.torch_format import MegatronEnum, TensorSlot, TorchFile, torch_d
 from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, check_shape,
                                   chosen_architecture)
 from reshard.layouts.hf import write_config
-from reshard.layouts.hf_config import read_meaning, write_config as write_hf_config
+from reshard.layouts.hf_config import read_meaning, without_dropped_settings, write_config as write_hf_config
 from reshard.layouts.megatron_folders import (  # noqa: F401  (_checkpoint_root, _label: for torch_dist, verify)
     _RANK_DIR, _REMOTE_RANK_FILE, TRACKER, _checkpoint_root, _iteration_dir, _label, find_side_files_in,
     iteration_folder, iteration_folder_name, side_folders, true_vocab_size)
@@ -142,6 +142,8 @@ def read_args(args, opts: Options, folders: str | list[str], where: str) -> tupl
                                        f"{where}: the args' hf_config")
     meaning = meaning_from_args(args, vocab, architecture, where)
     family = family_for_architecture(meaning.architecture, opts.mapping)
+    if recorded:  # settings the record holds that the family does not carry: refused unless allowed lossy
+        recorded = without_dropped_settings(recorded, family, opts.allow_lossy_config)[0]
     meaning = _with_record_only(meaning, family, recorded, where)
     base = recorded or {"torch_dtype": _args_dtype(args)}
     if not recorded and "d" in family.dims:
