@@ -154,3 +154,18 @@ def test_meta_norm_copies_in_every_consolidated_file_must_agree(tmp_path):
     blob[name] = blob[name] + 0.25
     torch.save(blob, path)
     assert_fails_naming(verify_forward(src, str(tmp_path / "meta")), "consolidated.01.pth", "0.25")
+
+
+def test_megatron_expert_copies_below_expert_tp_must_agree(tmp_path):
+    """tp 2 with expert-TP 1: TP rank 1's folders hold copies of the experts TP rank 0 computes with."""
+    src = mixtral_hf(tmp_path / "hf")
+    reshard.convert(src, str(tmp_path / "m"), to="megatron", tp=2, ep=2, etp=1)
+    assert verify_forward(src, str(tmp_path / "m"))["ok"]
+    name = "decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.weight"
+
+    def shift(sd):
+        sd[name] = sd[name] + 0.25
+
+    edit_megatron(tmp_path / "m" / "release" / "mp_rank_01_001" / "model_optim_rng.pt", shift)
+    # EP rank 1's local expert 1 is global expert 3 (4 experts over 2 EP ranks); fc2 is its down projection
+    assert_fails_naming(verify_forward(src, str(tmp_path / "m")), "mp_rank_01_001", "layer 1 expert 3 down")

@@ -111,6 +111,9 @@ class MegatronRankStream(RankStream):
             self.dense_copies = {dense[p]: [open_once(ranks[(rank, p, e)]) for e in range(ep)
                                             if (rank, p, e) in ranks and ranks[(rank, p, e)] != dense[p]]
                                  for p in range(pp)}
+            # with expert-TP below tp, this rank's own EP folders hold copies of its expert-TP shard's experts
+            self.own_expert_files = [[open_once(ranks[(rank, p, e)]) if (rank, p, e) in ranks else None
+                                      for e in range(ep)] for p in range(pp)]
             self._setup(path, folder, args, opts)
         except BaseException:
             self.close()
@@ -195,19 +198,35 @@ class MegatronRankStream(RankStream):
         f, sparse = self.stage_files[stage], index in self.sparse_layers
         held = [s for s in self.layer_specs if s.on_layer(sparse)]
         weights = LayerWeights(**{s.role: self._get(f, chunk, s, i, global_layer=index) for s in held})
-        if sparse and self.rank < self.etp:
+        computes = self.rank < self.etp
+        copies = self.etp < self.world  # every TP rank sharing an expert-TP shard holds (and runs) a copy
+        if sparse and (computes or copies):
             for e, ef in enumerate(self.expert_files[stage][1:]):
-                if self.legacy:
-                    weights.experts.update(_legacy_experts(ef, chunk, self.expert_specs, i, e,
-                                                           self.experts_per_rank, self.config.hidden))
-                    continue
-                for j in range(self.experts_per_rank):
-                    parts = {s.role: self._get(ef, chunk, s, i, global_layer=index, expert=j)
-                             for s in self.expert_specs}
-                    weights.experts[e * self.experts_per_rank + j] = (parts["expert_gate"], parts["expert_up"],
-                                                                      parts["expert_down"])
+                own = self.own_expert_files[stage][e]
+                experts = self._experts(ef if computes else own, chunk, i, index, e) if computes or own else {}
+                if copies and own is not None:
+                    where = os.path.relpath(own.path, self.path)
+                    for g, parts in experts.items():
+                        for part, t in zip(("gate", "up", "down"), parts):
+                            self.record_copy(f"layer {index} expert {g} {part} (expert-TP shard "
+                                             f"{self.rank % self.etp})", t, where, used=computes,
+                                             why="each TP rank of an expert-TP shard computes its tokens with its "
+                                                 "own copy")
+                if computes:
+                    weights.experts.update(experts)
         self._cache.clear()
         return weights
+
+    def _experts(self, f, chunk: str, i: int, index: int, e: int) -> dict:
+        """The routed experts EP rank ``e``'s file ``f`` holds for local layer ``i`` (global ``index``), by
+        global expert index: (gate, up, down) each."""
+        if self.legacy:
+            return _legacy_experts(f, chunk, self.expert_specs, i, e, self.experts_per_rank, self.config.hidden)
+        out = {}
+        for j in range(self.experts_per_rank):
+            parts = {s.role: self._get(f, chunk, s, i, global_layer=index, expert=j) for s in self.expert_specs}
+            out[e * self.experts_per_rank + j] = (parts["expert_gate"], parts["expert_up"], parts["expert_down"])
+        return out
 
     def embedding(self):
         role, first = self.family.role_spec, self.stage_files[0]
