@@ -2,7 +2,8 @@
 
 Every copy a real run computes with must either be run by the check or proven identical to the copy it runs:
 Megatron EP folders each hold the dense weights (attention, norms, router) and each EP rank computes with its own
-copy; every TensorRT-LLM rank file holds the whole embedding table. TP-replicated norms (vLLM, Megatron) and the
+copy; with expert-TP below tp, TP ranks share an expert-TP shard's experts; every TensorRT-LLM rank file holds the
+whole embedding table; every Meta consolidated file holds the norms. TP-replicated norms (vLLM, Megatron) and the
 last pipeline stage's copy of a tied embedding are run by the rank that holds them: a change there must fail too.
 NaN weights must be reported as non-finite, naming the tensor, not as a padding or divergence problem.
 Tiny seeded fp32 models; one tensor changed in one file per test."""
