@@ -480,7 +480,19 @@ def run() -> None:
             pass
     if "reshard.verification.forward.launch" in sys.modules:  # a forward check's worker server, if it started
         sys.modules["reshard.verification.forward.launch"].stop_worker_server()
+    _remove_multiprocessing_temp_folder()
     os._exit(code)
+
+
+def _remove_multiprocessing_temp_folder() -> None:
+    """Delete the ``pymp-*`` folder multiprocessing made in the system temp folder for this process (where a
+    forkserver's socket lives): its exit hook would, but ``os._exit`` skips it."""
+    import shutil
+
+    process = sys.modules.get("multiprocessing.process")
+    folder = process.current_process()._config.get("tempdir") if process else None
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _error_line(text: str) -> None:
