@@ -12,7 +12,8 @@ from reshard.core.model_config import SEMANTIC_FIELDS, UNCARRIED_SETTINGS
 from reshard.core.plan import CanonicalIndex, Plan, TargetFile, plan_tensor
 from reshard.errors import OutputError, PlanError, ReshardError, os_error_message
 from reshard.distributed import ProgressRelay, World, log_prefix, world_size_from_env
-from reshard.execute import ensure_replicas_agree, execute, partition, run_units
+from reshard.execute import execute, partition, run_units
+from reshard.replicas import ensure_replicas_agree
 from reshard.io import dtypes
 from reshard.hub import open_source
 from reshard.layouts.base import Options, Source, escapes_source, stored_dtype

@@ -17,14 +17,14 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
 from reshard.core.blocks import row_blocks
-from reshard.core.plan import Plan, ReadOp, ReplicaCheck, TargetFile, TargetTensor
-from reshard.errors import CheckpointError
+from reshard.core.plan import Plan, TargetFile, TargetTensor
 from reshard.io import dtypes
+from reshard.io.assemble import CastOverflowError, assemble, bits_equal, check_cast, read_op, rope_rows  # noqa: F401
 from reshard.io.copy_ranges import Ranges, as_ranges, data_phase
 from reshard.io.gather import Gatherer, direct
 from reshard.io.heads import read_ahead_window
@@ -34,95 +34,6 @@ from reshard.io.tensorfile import TensorFile
 from reshard.io.torch_format import TensorSlot, TorchZipWriter, crc32
 
 _ALIGN = 64
-
-
-class CastOverflowError(CheckpointError):
-    """A cast turned finite source values into inf (e.g. 1e6 to fp16)."""
-
-
-def check_cast(name: str, source, cast) -> None:
-    """Refuse a cast of ``source`` into ``cast`` that turned finite values into inf or NaN."""
-    import torch
-
-    if source.dtype == cast.dtype or not cast.is_floating_point():
-        return
-    lost = ~torch.isfinite(cast) & torch.isfinite(source)
-    if bool(lost.any()):
-        worst = source[lost].abs().max().item()
-        raise CastOverflowError(f"casting '{name}' to {dtypes.from_torch(cast.dtype)} turns finite values into inf "
-                                f"(|value| up to {worst:g} > {torch.finfo(cast.dtype).max:g}): keep the source dtype "
-                                "or cast to bf16, or pass --allow-cast-overflow to write inf knowingly")
-
-
-def assemble(tensor: TargetTensor, files: list[TensorFile], allow_overflow: bool = True):
-    """Build one target tensor as a torch tensor: zeros where it is padding, source slices elsewhere (cast if
-    dtypes differ; ``allow_overflow=False`` refuses a cast that makes finite values infinite). Used for casts and
-    by the verifier; the executor's byte path is :mod:`reshard.io.gather`."""
-    import torch
-
-    dtype = dtypes.to_torch(tensor.dtype)
-    if tensor.fill is not None:
-        return torch.full(tensor.shape, tensor.fill, dtype=dtype)
-    if len(tensor.reads) == 1 and not tensor.has_padding and not tensor.reads[0].blocked:  # (reorders: torch)
-        op = tensor.reads[0]
-        data = read_op(op, tensor.axis, files)
-        if tuple(data.shape) == tuple(tensor.shape):
-            cast = data.to(dtype)
-            if not allow_overflow:
-                check_cast(tensor.name, data, cast)
-            return cast
-    buf = torch.zeros(tensor.shape, dtype=dtype) if tensor.has_padding else torch.empty(tensor.shape, dtype=dtype)
-    for op in tensor.reads:
-        data = read_op(op, tensor.axis, files)
-        if op.dst_block is not None:
-            part = buf[op.dst_block].narrow(tensor.axis - 1, op.dst_start, op.length)
-        else:
-            part = buf.narrow(tensor.axis, op.dst_start, op.length)
-        part.copy_(data)
-        if not allow_overflow:
-            check_cast(tensor.name, data, part)
-    return buf
-
-
-def rope_rows(data, head_dim: int):
-    """Reorder rows inside each head: ``head_dim > 0`` from interleaved-RoPE order (row ``2i + j`` of a head) to
-    rotate-half order (row ``j * d/2 + i``), ``< 0`` back (transformers' Llama conversion ``permute`` and its
-    inverse)."""
-    d = abs(head_dim)
-    rest = data.shape[1:]
-    if head_dim > 0:
-        return data.reshape(-1, d // 2, 2, *rest).transpose(1, 2).reshape(data.shape)
-    return data.reshape(-1, 2, d // 2, *rest).transpose(1, 2).reshape(data.shape)
-
-
-def read_op(op: ReadOp, axis: int, files: list[TensorFile]):
-    """``op``'s slice of its source tensor, in the target's orientation (a transposed op reads along the
-    source's other axis and is transposed; a RoPE reorder permutes rows inside each head)."""
-    if op.interleave:
-        return rope_rows(read_op(replace(op, interleave=0), axis, files), op.interleave)
-    if op.src_block is not None:  # the slice within one block of a stacked source (rows: of that block)
-        data = files[op.source].read_block(op.tensor, op.src_block, op.source_axis(axis) - 1, op.src_start,
-                                           op.length, op.rows)
-    else:
-        data = files[op.source].read(op.tensor, op.source_axis(axis), op.src_start, op.length, op.rows)
-    return data.t() if op.transposed else data
-
-
-def bits_equal(a, b) -> bool:
-    import torch
-
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
-
-
-def run_replica_checks(checks: list[ReplicaCheck], files: list[TensorFile], source_names: list[str]) -> list[str]:
-    """Compare every replica against the copy that will be read, streamed in row blocks; one message per
-    mismatch."""
-    from reshard.verification.block_stream import replica_problem, replica_tasks, run_pairs
-
-    results = run_pairs(replica_tasks(checks, files))
-    return [p for check, r in zip(checks, results) if (p := replica_problem(check, r, source_names)) is not None]
 
 
 def _fill_slots(payload, tensors: dict[str, TargetTensor]):
@@ -473,12 +384,3 @@ def partition(plan: Plan, files: list[TensorFile], parts: int) -> list[list[list
     so every process of a distributed run computes the same split (``--workers`` and torchrun)."""
     groups = lockstep_groups(plan.files, largest_tensor(plan, files), files)
     return assign(_split_for_workers(groups, parts), plan.files, parts)
-
-
-def ensure_replicas_agree(plan: Plan, files: list[TensorFile], allow_mismatch: bool, warn) -> None:
-    problems = run_replica_checks(plan.checks, files, plan.source_files)
-    if problems and not allow_mismatch:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise CheckpointError(problems[0] + more + "; pass --allow-replica-mismatch to take rank 0's copy")
-    for p in problems:
-        warn(p + "; taking the first rank's copy")

@@ -3,7 +3,7 @@ a source checkpoint without writing anything.
 
 ``load_rank(src, to="vllm", tp=4, rank=3)`` plans the conversion exactly as ``convert`` does (same planner, same
 target names, padding, packing and dtype), keeps the target files that belong to the rank, and assembles each of
-their tensors from positioned reads of only the source byte ranges it needs (:func:`reshard.execute.assemble`).
+their tensors from positioned reads of only the source byte ranges it needs (:func:`reshard.io.assemble.assemble`).
 Memory is the rank's tensors plus one source slice at a time. A column (dim 1) slice of a row-parallel weight is
 read row by row when each row's piece is at least 4 KiB (narrower pieces are read as whole rows, in bounded
 blocks: one call per tiny piece would cost more than the bytes), so the bytes read stay close to the rank's
@@ -66,7 +66,7 @@ def load_rank(src: str, to: str = "vllm", *, tp: int = 1, pp: int = 1, rank: int
     does: the same module tensors, by their state-dict names.
     """
     from reshard.conversion import make_plan
-    from reshard.execute import assemble
+    from reshard.io.assemble import assemble
     from reshard.hub import open_source
     from reshard.layouts.registry import get_layout
 

@@ -331,10 +331,11 @@ def test_the_command_leaves_no_process_behind(megatron_tp2, tmp_path):
 
 def test_bf16_compute_uses_the_bf16_tolerance(tmp_path):
     """--compute-dtype bf16 runs both sides in bf16: the report says so, judges with the bf16 rule, and passes for
-    an exact conversion (while still far from fp32-exact)."""
+    an exact conversion (while still far from fp32-exact). A is the Megatron TP2 folder (run at its own degree)
+    and B the HF source at TP1: an HF reference would be sliced at B's degree and round exactly as B does."""
     src = seeded_hf(tmp_path / "hf", "llama")
     reshard.convert(src, str(tmp_path / "m"), to="megatron", tp=2)
-    r = verify_forward(src, str(tmp_path / "m"), compute_dtype="bf16")
+    r = verify_forward(str(tmp_path / "m"), src, compute_dtype="bf16")
     assert r["tolerance"]["basis"] == "bfloat16"
     assert r["ok"], r["problems"]
     assert r["argmax_agreement"] >= 0.99

@@ -7,7 +7,7 @@ order, are each tensor's row-major bytes. The cutting is the converter's (:mod:`
 heads for interleaved-RoPE ops, source rows restricted for a column slice. A pair that cannot be cut (a tensor
 read transposed along its dim 1: GPT-2's row-parallel Conv1D weights from Megatron; a scalar; shapes that
 differ) is one block of whole tensors. Pure arithmetic plus positioned reads; no torch unless a block needs a
-cast or a transpose (:func:`reshard.execute.assemble`).
+cast or a transpose (:func:`reshard.io.assemble.assemble`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import numpy as np
 from reshard.core.blocks import head_rows, row_spans, block, splittable
 from reshard.core.plan import ReadOp, TargetTensor
 from reshard.io import dtypes
+from reshard.io.assemble import assemble
 from reshard.io.gather import Gatherer, direct
 from reshard.io.readahead import source_extents
 from reshard.io.tensorfile import TensorFile
@@ -56,8 +57,6 @@ def read_block(tensor: TargetTensor, files: list[TensorFile], gatherer: Gatherer
     if direct(tensor, files):
         gatherer.fill([(tensor, out)])
     else:
-        from reshard.execute import assemble
-
         out[:] = assemble(tensor, files).contiguous().reshape(-1).view(dtypes.to_torch("U8")).numpy()
     return out
 

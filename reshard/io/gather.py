@@ -11,7 +11,7 @@ from one pass over them: blocks of whole rows are mapped
 Two reorderings are byte moves too: a stacked tensor's block (vLLM's ``[E, rows, cols]`` experts, as source or
 target) is a tensor of its own at a byte offset (:class:`Part`), and an interleaved-RoPE row order (Meta's
 ``wq`` / ``wk``, ops along dim 0) permutes whole rows inside each head, copied from a map of the source rows.
-Transposes and casts go through torch (:func:`reshard.execute.assemble`).
+Transposes and casts go through torch (:func:`reshard.io.assemble.assemble`).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from reshard.core.model_config import differences
 from reshard.core.plan import CanonicalIndex, TargetTensor
 from reshard.hub import open_source
 from reshard.layouts.base import Options, Source
-from reshard.verification.block_stream import (BLOCK_BYTES, PairTask, replica_problem, replica_tasks, run_pairs)
+from reshard.verification.block_stream import BLOCK_BYTES, PairTask, replica_problem, replica_tasks
 from reshard.verification.compare import BlockComparison, TensorResult
 
 __all__ = ["TensorResult", "VerifyReport", "verify", "verify_dry_run", "verify_sources"]

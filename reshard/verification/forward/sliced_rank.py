@@ -17,7 +17,7 @@ import torch
 from reshard.core.canonical import instance
 from reshard.core.plan import CanonicalIndex, TargetTensor
 from reshard.errors import ReshardError
-from reshard.execute import assemble, read_op
+from reshard.io.assemble import assemble, read_op
 from reshard.io import dtypes
 from reshard.layouts.base import Options
 from reshard.layouts.registry import open_checkpoint
