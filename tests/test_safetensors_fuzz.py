@@ -7,8 +7,10 @@ type, never a hang (an alarm turns one into a failure), never a silent success t
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import signal
 import struct
 import tempfile
@@ -44,6 +46,7 @@ BASE_HEADER = json.loads(BASE[8:8 + BASE_LEN])
 BODY = BASE[8 + BASE_LEN:]
 NAMES = [n for n in BASE_HEADER if n != "__metadata__"]
 WORK = tempfile.mkdtemp(prefix="reshard-fuzz-")
+atexit.register(shutil.rmtree, WORK, ignore_errors=True)  # made at import: removed whichever tests ran
 
 
 class Hang(Exception):

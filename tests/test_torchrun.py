@@ -58,9 +58,10 @@ def single(src, tmp_path_factory):
     return out
 
 
-def _env(tag: str) -> dict:
+def _env(tag: str, dst) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}
-    env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", RESHARD_TEST_TAG=tag, RESHARD_DEBUG="0")
+    env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", RESHARD_TEST_TAG=tag, RESHARD_DEBUG="0",
+               TMPDIR=os.path.dirname(str(dst)))  # the agent's torchelastic_* folder, which torch leaves behind
     return env
 
 
@@ -89,7 +90,7 @@ def _two_nodes(src, dst, args, tag: str, limit_node1: int | None = None) -> list
                 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
                 resource.setrlimit(resource.RLIMIT_FSIZE, (cap, cap))
 
-        procs.append(subprocess.Popen(_torchrun(*launcher) + [str(src), str(dst), *args], env=_env(tag),
+        procs.append(subprocess.Popen(_torchrun(*launcher) + [str(src), str(dst), *args], env=_env(tag, dst),
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                       preexec_fn=limit))
     return [_finish(p) for p in procs]
@@ -107,7 +108,7 @@ def _finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
 
 def _standalone(src, dst, args, tag: str) -> subprocess.CompletedProcess:
     proc = subprocess.Popen(_torchrun("--standalone", "--nproc-per-node", "2") + [str(src), str(dst), *args],
-                            env=_env(tag), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(tag, dst), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=os.setsid)
     return _finish(proc)
 
