@@ -97,17 +97,19 @@ def megatron_rank_files(folder: str) -> list[str]:
 
 def read_source_heads_early(argv: list[str]) -> None:
     """For ``reshard convert SRC ...`` with SRC a local folder, or ``reshard verify A B ...`` (the digest check)
-    with local folders: start reading the heads of their top-level weight files (at most ``EARLY_BUDGET`` bytes
-    in all, round-robin) while the CLI imports its parser and layouts and plans. Only the documented order (the
-    folders first after the command) is recognised; anything else is left alone. A hint: it raises nothing, and a
+    with local folders: start reading the heads of their weight files (round-robin; at most ``EARLY_BUDGET`` bytes
+    in all for convert, the read-ahead window for verify, which reads every byte) while the CLI imports its parser
+    and layouts and plans. Only the documented order (the folders first after the command) is recognised; anything else is left alone. A hint: it raises nothing, and a
     wrong guess only reads pages nobody uses."""
     if len(argv) < 2 or argv[0] not in ("convert", "verify") or "--forward" in argv or "--dry-run" in argv:
         return
     folders = argv[1:2] if argv[0] == "convert" else argv[1:3]
     if any(f.startswith("-") or not os.path.isdir(f) for f in folders):
         return
+    # verify reads every byte of both folders: their heads are never wasted, so up to the read-ahead window
+    budget = read_ahead_window() if argv[0] == "verify" else min(EARLY_BUDGET, read_ahead_window())
     read_heads_in_background([p for f in folders for p in top_level_weight_files(f) or megatron_rank_files(f)],
-                             min(EARLY_BUDGET, read_ahead_window()))
+                             budget)
 
 
 def _advise_heads(paths: list[str], per_file: int) -> None:
