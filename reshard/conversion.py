@@ -183,7 +183,7 @@ def convert_in_world(world: World, src: str, to: str, opts: Options, dst: str, o
     """One rank's part of a distributed conversion (see :mod:`reshard.distributed`): open and plan, agree on rank
     0's staging folder, write this rank's share of the files, agree, and rank 0 finishes and publishes. An error
     anywhere, opening the source included, is agreed on, so no rank waits for one that gave up."""
-    from tqdm import tqdm
+    from reshard.progress import byte_bar
 
     leader = world.rank == 0
     source = plan = state = None
@@ -204,8 +204,7 @@ def convert_in_world(world: World, src: str, to: str, opts: Options, dst: str, o
         def write() -> None:
             shares = partition(plan, source.files, world.size)
             share = shares[world.rank] if world.rank < len(shares) else []
-            with tqdm(total=plan.nbytes, unit="B", unit_scale=True, unit_divisor=1024, desc="converting",
-                      disable=not (progress and leader), leave=False) as bar:
+            with byte_bar(plan.nbytes, "converting", disable=not (progress and leader)) as bar:
                 relay = ProgressRelay(world, bar if leader else None)
                 try:
                     run_units(plan, source.files, staging, share, relay)

@@ -361,7 +361,7 @@ def run_units(plan: Plan, files: list[TensorFile], out_dir: str, units: list[lis
 def execute(plan: Plan, files: list[TensorFile], out_dir: str, progress: bool = True, workers: int = 1) -> None:
     """Write every target file of ``plan`` under ``out_dir``; with ``workers > 1`` files are split over that
     many processes (see :mod:`reshard.workers`). The bytes written do not depend on ``workers``."""
-    from tqdm import tqdm
+    from reshard.progress import byte_bar
 
     if workers > 1:
         from reshard.workers import run_in_workers
@@ -374,8 +374,7 @@ def execute(plan: Plan, files: list[TensorFile], out_dir: str, progress: bool = 
         groups = shares[0] if shares else []
     else:
         groups = lockstep_groups(plan.files, largest_tensor(plan, files), files)
-    with tqdm(total=plan.nbytes, unit="B", unit_scale=True, unit_divisor=1024, desc="converting",
-              disable=not progress, leave=False) as bar:
+    with byte_bar(plan.nbytes, "converting", disable=not progress) as bar:
         run_units(plan, files, out_dir, groups, bar.update)
 
 

@@ -62,7 +62,7 @@ def run_in_workers(shares: list, work, files: list[TensorFile], total_bytes: int
     """Fork one worker per share, running ``work(share, report)``; raise the first worker's error. ``work`` may
     return JSON-able items (each well under PIPE_BUF once encoded): all workers' items come back, in no set
     order."""
-    from tqdm import tqdm
+    from reshard.progress import byte_bar
 
     rfd, wfd = os.pipe()
     pids = []
@@ -79,8 +79,7 @@ def run_in_workers(shares: list, work, files: list[TensorFile], total_bytes: int
     finished = 0
     results = []
     try:
-        with os.fdopen(rfd, "rb") as pipe, tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024,
-                                                 desc=desc, disable=not progress, leave=False) as bar:
+        with os.fdopen(rfd, "rb") as pipe, byte_bar(total_bytes, desc, disable=not progress) as bar:
             for line in pipe:
                 message = json.loads(line)
                 if "bytes" in message:

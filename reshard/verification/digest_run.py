@@ -34,7 +34,7 @@ def shares_of(tasks: list[PairTask], workers: int) -> list[list[int]]:
 def run_tasks(tasks: list[PairTask], files: list[TensorFile], workers: int, progress: bool,
               block_bytes: int = BLOCK_BYTES) -> list[TensorResult]:
     """Results of ``tasks`` in order; ``files``: every source file the tasks read (closed in forked workers)."""
-    from tqdm import tqdm
+    from reshard.progress import byte_bar
 
     total = sum(t.nbytes for t in tasks)
     shares = shares_of(tasks, workers)
@@ -48,8 +48,7 @@ def run_tasks(tasks: list[PairTask], files: list[TensorFile], workers: int, prog
         items = run_in_workers(shares, work, files, total, progress, desc="verifying")
         by_index = {item.pop("index"): TensorResult(**item) for item in items}
         return [by_index[i] for i in range(len(tasks))]
-    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="verifying", disable=not progress,
-              leave=False) as bar:
+    with byte_bar(total, "verifying", disable=not progress) as bar:
         return run_pairs(tasks, block_bytes, bar.update)
 
 
