@@ -18,11 +18,13 @@ import tempfile
 
 TEMP_GROWTH_LIMIT = 10 * 2**20
 _private_temp: str | None = None
+_summary: list[tuple[str, dict]] = []
 
 
 def disk_usage(path: str) -> int:
-    """Bytes allocated under ``path`` (as ``du``: sparse files count what they hold), symlinks not followed."""
-    total = 0
+    """Bytes allocated to ``path`` and all under it (as ``du``: a sparse file counts what it holds), symlinks not
+    followed."""
+    total = os.lstat(path).st_blocks * 512
     for root, dirs, files in os.walk(path):
         for name in dirs + files:
             try:
@@ -33,13 +35,12 @@ def disk_usage(path: str) -> int:
 
 
 def largest_entries(path: str, count: int = 5) -> list[tuple[int, str]]:
-    sizes = [(disk_usage(os.path.join(path, name)) or 0, name) for name in os.listdir(path)]
-    return sorted(sizes, reverse=True)[:count]
+    return sorted(((disk_usage(os.path.join(path, name)), name) for name in os.listdir(path)), reverse=True)[:count]
 
 
 def pytest_configure(config):
     global _private_temp
-    if _private_temp is not None or hasattr(config, "workerinput"):  # once per session (an xdist worker: its own)
+    if _private_temp is not None or hasattr(config, "workerinput"):  # an xdist worker inherits its TMPDIR
         return
     os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())  # pytest's basetemp stays put
     _private_temp = tempfile.mkdtemp(prefix="reshard-tests-")
@@ -53,16 +54,22 @@ def pytest_sessionfinish(session, exitstatus):
         return
     folder, _private_temp = _private_temp, None
     left = disk_usage(folder)
+    limit = f"limit {TEMP_GROWTH_LIMIT / 2**20:.0f} MiB"
     if left > TEMP_GROWTH_LIMIT:
         entries = ", ".join(f"{name} ({size / 2**20:.1f} MiB)" for size, name in largest_entries(folder))
-        message = (f"the suite left {left / 2**20:.1f} MiB in the temp folder (limit {TEMP_GROWTH_LIMIT / 2**20:.0f} "
-                   f"MiB): {entries}; kept in {folder}. Write under tmp_path, or remove what a test makes")
-        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-        if reporter is not None:
-            reporter.write_line(f"TEMP FOLDER GREW: {message}", red=True, bold=True)
+        _summary.append((f"TEMP FOLDER GREW: the suite left {left / 2**20:.1f} MiB in the temp folder ({limit}): "
+                         f"{entries}; kept in {folder}. Write under tmp_path, or remove what a test makes",
+                         {"red": True, "bold": True}))
         session.exitstatus = 1
     else:
+        _summary.append((f"temp folder: the session's processes left {left / 2**20:.2f} MiB outside tmp_path "
+                         f"({limit}), removed", {}))
         _remove_at_exit(folder)
+
+
+def pytest_terminal_summary(terminalreporter):
+    for line, markup in _summary:  # the verdict of pytest_sessionfinish, which runs just before
+        terminalreporter.write_line(line, **markup)
 
 
 def _remove_at_exit(folder: str) -> None:

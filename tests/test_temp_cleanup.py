@@ -56,6 +56,8 @@ def test_a_session_leaving_more_than_10_mb_fails_and_names_it(tmp_path):
 def test_a_session_that_cleans_up_passes_and_leaves_nothing(tmp_path):
     proc = run_session(tmp_path, 2**20, cleanup=True)
     assert proc.returncode == 0 and "TEMP FOLDER" not in proc.stdout, proc.stdout + proc.stderr
+    assert "temp folder: the session's processes left 0.00 MiB outside tmp_path (limit 10 MiB), removed" in \
+        proc.stdout.splitlines()
     assert list((tmp_path / "temp").iterdir()) == []
 
 
