@@ -320,29 +320,31 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+def _print_version(asked: bool) -> None:
+    if asked:
+        from reshard.version import __version__
+
+        print(f"reshard {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                          help="Print reshard's version and exit.")):
+    """Options that come before the command (``--version``)."""
+
+
 @app.command()
 def inspect(path: str = typer.Argument(...), vocab_size: Optional[int] = VocabOpt,
             architecture: Optional[str] = ArchOpt, mapping: Optional[str] = MappingOpt, as_json: bool = JsonOpt,
             files: bool = typer.Option(False, "--files", help="List every file of every rank (--json always "
                                        "does).")):
-    """Show a checkpoint's layout, architecture, degrees, dtype, parameters, bytes and files per rank."""
-    from reshard.inspection import inspect as run_inspect, summarize_files
+    """Show a checkpoint's layout, architecture, degrees, dtype, parameters, size and files per rank (a table;
+    --json for machines)."""
+    from reshard.inspection import format_inspection, inspect as run_inspect
 
     info = run_inspect(path, vocab_size=vocab_size, architecture=architecture, mapping=mapping)
-    if as_json:
-        print(json.dumps(info, indent=2))
-        return
-    for key, value in info.items():
-        if key != "files_per_rank":
-            print(f"{key}: {value}")
-        elif files:
-            print("files per rank:")
-            for rank, names in value.items():
-                print(f"  {rank}: {', '.join(names)}")
-        else:
-            print("files per rank (every name: --files or --json):")
-            for line in summarize_files(value):
-                print(f"  {line}")
+    print(json.dumps(info, indent=2) if as_json else format_inspection(info, every_file=files))
 
 
 @app.command()

@@ -1,14 +1,17 @@
-"""Inspect a checkpoint: layout, architecture, degrees, dtypes, parameters, bytes, files per rank."""
+"""Inspect a checkpoint: layout, architecture, degrees, dtypes, parameters, bytes, files per rank; as a dict
+(``--json``) and as a table for people (:func:`format_inspection`: sizes in KiB / MiB / GiB, no dict reprs)."""
 
 from __future__ import annotations
 
 import collections
 import math
 import os
+import textwrap
 
 from reshard.hub import open_source
 from reshard.layouts.base import Options
 from reshard.layouts.registry import get_layout
+from reshard.progress import binary_size
 
 
 def inspect(path: str, *, vocab_size: int | None = None, architecture: str | None = None,
@@ -43,7 +46,12 @@ def inspect(path: str, *, vocab_size: int | None = None, architecture: str | Non
             "bytes": sum(os.path.getsize(f.path) for f in source.files),
             "files_per_rank": dict(files_per_rank),
         }
-        info.update(layout.describe(source))
+        extra = layout.describe(source)
+        info.update(extra)
+        # "tp"/"pp" are the degrees the files are split at (torch_dist: 1, its files hold whole tensors);
+        # saved_degrees are those of the run that saved them (torch_dist: its saved_tp / saved_pp)
+        saved = {key[len("saved_"):]: value for key, value in extra.items() if key.startswith("saved_")}
+        info["saved_degrees"] = {**source.degrees, **saved}
         return info
 
 
@@ -65,3 +73,115 @@ def summarize_files(files_per_rank: dict[str, list[str]]) -> list[str]:
     return [f"{len(ranks)} ranks ({ranks[0]} … {ranks[-1]}), {per} file{'s' if per != 1 else ''} each, "
             f"{per * len(ranks)} in all",
             f"{ranks[0]}: {_span(first)}", f"{ranks[-1]}: {_span(last)}"]
+
+
+# -- the table for people --------------------------------------------------------------------------------------------
+
+_SHOWN = {"architecture", "hidden", "layers", "heads", "kv_heads", "head_dim", "ffn", "vocab", "tied", "experts",
+          "experts_per_token", "expert_ffn", "moe_layers"}  # model_config fields with a row of their own
+_DEGREE_NAMES = {"tp": "TP", "pp": "PP", "ep": "EP", "etp": "expert TP"}
+_WIDTH = 100
+_BASE_KEYS = {"path", "layout", "architecture", "family", "tp", "pp", "ep", "etp", "dtype", "dtypes", "parameters",
+              "tensors", "layers", "hidden_size", "heads", "kv_heads", "vocab_size", "experts", "moe_layers",
+              "tied_embeddings", "model_config", "bytes", "files_per_rank"}  # the keys every layout has
+
+
+def _count(n: int) -> str:
+    """``185,664 (185.7K)``; ``8,030,261,248 (8.0B)``."""
+    for suffix, scale in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= scale:
+            return f"{n:,} ({n / scale:.1f}{suffix})"
+    return f"{n:,}"
+
+
+def _ranges(numbers: list[int]) -> str:
+    """``0-3, 5, 7-8``."""
+    runs: list[list[int]] = []
+    for n in sorted(numbers):
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _value(value) -> str:
+    """A setting's value in words: lists of layers as ranges, dicts as ``key=value`` pairs."""
+    if isinstance(value, dict):
+        return " ".join(f"{k}={_value(v)}" for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return _ranges(value) if all(isinstance(v, int) for v in value) else ", ".join(map(_value, value))
+    return str(value)
+
+
+def _degrees(degrees: dict) -> str:
+    return ", ".join(f"{_DEGREE_NAMES.get(k, k)} {'?' if v is None else v}" for k, v in degrees.items())
+
+
+def _parallelism(info: dict) -> str:
+    split = {k: info[k] for k in ("tp", "pp", "ep", "etp") if k in info}
+    saved = info.get("saved_degrees", split)
+    if saved == split:
+        return _degrees(split)
+    return f"saved at {_degrees(saved)}; its files hold whole tensors, readable at any degree"
+
+
+def _dtypes(info: dict) -> str:
+    counts = info.get("dtypes") or {}
+    if len(counts) <= 1:
+        return str(info.get("dtype") or "none")
+    return ", ".join(f"{d} ({n} tensors)" for d, n in sorted(counts.items(), key=lambda item: -item[1]))
+
+
+def _rows(info: dict) -> list[tuple[str, str]]:
+    config = info.get("model_config", {})
+    head_dim = config.get("head_dim")
+    files = sum(len(names) for names in info["files_per_rank"].values())
+    vocab = f"{info['vocab_size']:,}"
+    if info.get("padded_vocab_size") not in (None, info["vocab_size"]):
+        vocab += f" (padded to {info['padded_vocab_size']:,} in the files)"
+    rows = [("layout", info["layout"]),
+            ("model", f"{info['architecture']} ({info['family']} family)"),
+            ("parallelism", _parallelism(info)),
+            ("dtype", _dtypes(info)),
+            ("parameters", f"{_count(info['parameters'])} in {info['tensors']} tensors"),
+            ("size", f"{binary_size(info['bytes'])} in {files} file{'s' if files != 1 else ''}"),
+            ("shape", f"{info['layers']} layers, hidden {info['hidden_size']}, {info['heads']} heads"
+                      + (f" of {head_dim}" if head_dim else "") + f", {info['kv_heads']} KV heads"
+                      + (f", FFN {config['ffn']}" if config.get("ffn") else "")),
+            ("vocab", f"{vocab}, embeddings {'tied' if info['tied_embeddings'] else 'untied'}")]
+    if info.get("experts"):
+        moe = config.get("moe_layers")
+        rows.append(("experts", f"{info['experts']} per MoE layer"
+                     + (f", {config['experts_per_token']} per token" if config.get("experts_per_token") else "")
+                     + (f", FFN {config['expert_ffn']}" if config.get("expert_ffn") else "")
+                     + f"; {info['moe_layers']} of {info['layers']} layers are MoE"
+                     + (f" ({_ranges(moe)})" if moe else "")))
+    settings = [key.replace("_", " ") + ("" if value is True else f" {_value(value)}")
+                for key, value in config.items() if key not in _SHOWN]
+    if settings:
+        rows.append(("settings", ", ".join(settings)))
+    layout = info["layout"]
+    details = [f"{key.removeprefix(layout + '_').replace('_', ' ')} {_value(value)}" for key, value in info.items()
+               if key not in _BASE_KEYS and key != "padded_vocab_size" and not key.startswith("saved_")]
+    if details:
+        rows.append((layout, ", ".join(details)))
+    return rows
+
+
+def format_inspection(info: dict, every_file: bool = False) -> str:
+    """:func:`inspect`'s dict as a table for people: one labelled row per aspect, long rows wrapped, the files per
+    rank folded (``every_file``: every name)."""
+    rows = _rows(info)
+    label = max(len(name) for name, _ in rows) + 2
+    lines = [info["path"]]
+    for name, text in rows:
+        lines += textwrap.wrap(text, _WIDTH, initial_indent="  " + name.ljust(label),
+                               subsequent_indent=" " * (label + 2), break_on_hyphens=False)
+    if every_file:
+        lines.append("  files per rank:")
+        lines += [f"    {rank}: {', '.join(names)}" for rank, names in info["files_per_rank"].items()]
+    else:
+        lines.append("  files per rank (every name: --files or --json):")
+        lines += [f"    {line}" for line in summarize_files(info["files_per_rank"])]
+    return "\n".join(lines)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 from reshard.errors import ReshardError
 
@@ -11,14 +12,27 @@ class HubError(ReshardError):
     """The Hub refused a request, could not be reached, or the local cache lacks what is needed."""
 
 
+@dataclass(frozen=True)
+class Upload:
+    """A push in progress: the complete folder it uploads and the ``reshard push ...`` command that retries it."""
+
+    folder: str
+    retry: str
+
+
 def _cache_hint() -> str:
     from huggingface_hub import constants
 
     return f"cache: {constants.HF_HUB_CACHE}"
 
 
-def translate(exc: BaseException, what: str, revision: str | None) -> HubError | None:
-    """The HubError for ``exc`` raised while working on ``what`` (a repo id), or None if it is not a Hub error."""
+def _upload_failed(reason: str, upload: Upload) -> HubError:
+    return HubError(f"{reason}; {upload.folder} is complete and kept: retry with `{upload.retry}`")
+
+
+def translate(exc: BaseException, what: str, revision: str | None, upload: Upload | None = None) -> HubError | None:
+    """The HubError for ``exc`` raised while working on ``what`` (a repo id), or None if it is not a Hub error;
+    ``upload``: a push, whose network, offline and server errors name the command that retries it."""
     import httpx2
     from huggingface_hub import constants, errors
 
@@ -43,8 +57,15 @@ def translate(exc: BaseException, what: str, revision: str | None) -> HubError |
             return HubError(f"permission denied on {what} (HTTP 403): use a token with write access to its "
                             "namespace (HF_TOKEN or `hf auth login`)")
         first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        if upload is not None and (status is None or status == 429 or status >= 500):
+            return _upload_failed(f"the Hub answered HTTP {status} while uploading to {what}: {first}", upload)
         return HubError(f"the Hub answered HTTP {status} for {what}: {first}")
     offline = constants.is_offline_mode()
+    if upload is not None and isinstance(exc, errors.OfflineModeIsEnabled):
+        return _upload_failed(f"HF_HUB_OFFLINE=1 forbids uploading to {what}: unset HF_HUB_OFFLINE", upload)
+    if upload is not None and isinstance(exc, (httpx2.TransportError, ConnectionError)):
+        return _upload_failed(f"cannot reach the Hub at {constants.ENDPOINT} to upload to {what} "
+                              f"({type(exc).__name__}): check the network or HF_ENDPOINT", upload)
     if isinstance(exc, (errors.OfflineModeIsEnabled, errors.LocalEntryNotFoundError, errors.RevisionResolutionError,
                         errors.CachedRepoTreeNotFoundError)) and offline:
         return HubError(f"{what}@{rev} is not (completely) in the local cache and HF_HUB_OFFLINE=1 forbids "
@@ -58,14 +79,14 @@ def translate(exc: BaseException, what: str, revision: str | None) -> HubError |
 
 
 @contextlib.contextmanager
-def hub_errors(what: str, revision: str | None = None):
+def hub_errors(what: str, revision: str | None = None, upload: Upload | None = None):
     """Re-raise huggingface_hub and network errors inside the block as one-line HubErrors."""
     try:
         yield
     except ReshardError:
         raise
     except Exception as exc:  # noqa: BLE001 - translated or re-raised unchanged
-        mapped = translate(exc, what, revision)
+        mapped = translate(exc, what, revision, upload)
         if mapped is None:
             raise
         raise mapped from exc

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from dataclasses import dataclass, field
 
 from reshard.errors import CheckpointError, ReshardError
 from reshard.hub.refs import parse_repo_id
-from reshard.hub.errors import hub_errors
+from reshard.hub.errors import Upload, hub_errors
 from reshard.hub.manifest import CARD, MANIFEST, build_manifest, model_card
 
 STAGING_MARK = ".reshard-partial-"
@@ -55,9 +56,19 @@ def checked_output(folder: str) -> tuple[str, dict, list[str]]:
     return layout, degrees, files
 
 
+def retry_command(folder: str, repo: str, *, revision: str | None = None, private: bool = False,
+                  create_pr: bool = False, commit_message: str | None = None, replace: bool = False) -> str:
+    """The ``reshard push`` command line that does what :func:`push` was asked to, shell-quoted."""
+    args = ["reshard", "push", folder, repo, *(["--revision", revision] if revision else []),
+            *(["--private"] if private else []), *(["--create-pr"] if create_pr else []),
+            *(["--commit-message", commit_message] if commit_message else []), *(["--replace"] if replace else [])]
+    return shlex.join(args)
+
+
 def push(folder: str, repo: str, *, revision: str | None = None, private: bool = False, create_pr: bool = False,
          commit_message: str | None = None, replace: bool = False) -> Pushed:
-    """Upload ``folder`` to ``repo`` (ORG/NAME) at branch ``revision`` (default: the default branch)."""
+    """Upload ``folder`` to ``repo`` (ORG/NAME) at branch ``revision`` (default: the default branch). A failed
+    upload's error names the ``reshard push`` command that retries it."""
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, hf_hub_download
     from huggingface_hub.errors import RemoteEntryNotFoundError, RevisionNotFoundError
 
@@ -70,7 +81,9 @@ def push(folder: str, repo: str, *, revision: str | None = None, private: bool =
     manifest = build_manifest(folder, content, layout, degrees)
     branch = ref.revision or "main"
     api = HfApi()
-    with hub_errors(ref.repo_id, ref.revision):
+    upload = Upload(folder, retry_command(folder, repo, revision=revision, private=private, create_pr=create_pr,
+                                          commit_message=commit_message, replace=replace))
+    with hub_errors(ref.repo_id, ref.revision, upload):
         api.create_repo(ref.repo_id, private=private, exist_ok=True)
         created = False
         if branch != "main":
