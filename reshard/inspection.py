@@ -16,6 +16,11 @@ from reshard.progress import binary_size
 
 def inspect(path: str, *, vocab_size: int | None = None, architecture: str | None = None,
             mapping: str | None = None) -> dict:
+    """What ``reshard inspect PATH --json`` prints. ``tp``, ``pp`` (``ep``, ``etp``): the degrees the files are
+    split at (torch_dist: 1, its files hold whole tensors); ``saved_degrees``: the degrees the checkpoint was saved
+    at (torch_dist: its run's, also ``saved_tp`` / ``saved_pp``); ``bytes``: the weight files' total size;
+    ``hub``: repo, revision and commit of an ``hf://`` path; plus the layout's own keys (``padded_vocab_size``,
+    ``iteration``, ...)."""
     opts = Options(vocab_size=vocab_size, architecture=architecture, mapping=mapping)
     with open_source(path, opts) as source:
         model = source.model
@@ -45,6 +50,7 @@ def inspect(path: str, *, vocab_size: int | None = None, architecture: str | Non
             "model_config": {k: v for k, v in model.meaning.as_dict().items() if v not in (None, False)},
             "bytes": sum(os.path.getsize(f.path) for f in source.files),
             "files_per_rank": dict(files_per_rank),
+            **({"hub": source.info["hub"]} if "hub" in source.info else {}),
         }
         extra = layout.describe(source)
         info.update(extra)
@@ -83,7 +89,7 @@ _DEGREE_NAMES = {"tp": "TP", "pp": "PP", "ep": "EP", "etp": "expert TP"}
 _WIDTH = 100
 _BASE_KEYS = {"path", "layout", "architecture", "family", "tp", "pp", "ep", "etp", "dtype", "dtypes", "parameters",
               "tensors", "layers", "hidden_size", "heads", "kv_heads", "vocab_size", "experts", "moe_layers",
-              "tied_embeddings", "model_config", "bytes", "files_per_rank"}  # the keys every layout has
+              "tied_embeddings", "model_config", "bytes", "files_per_rank", "hub"}  # the keys every layout has
 
 
 def _count(n: int) -> str:
@@ -140,7 +146,9 @@ def _rows(info: dict) -> list[tuple[str, str]]:
     vocab = f"{info['vocab_size']:,}"
     if info.get("padded_vocab_size") not in (None, info["vocab_size"]):
         vocab += f" (padded to {info['padded_vocab_size']:,} in the files)"
-    rows = [("layout", info["layout"]),
+    hub = info.get("hub")
+    rows = [*([("hub", f"{hub['repo']}@{hub['revision']} (commit {hub['commit'][:12]})")] if hub else []),
+            ("layout", info["layout"]),
             ("model", f"{info['architecture']} ({info['family']} family)"),
             ("parallelism", _parallelism(info)),
             ("dtype", _dtypes(info)),

@@ -183,3 +183,14 @@ def test_convert_push_to_without_a_network_keeps_the_output_and_names_the_retry(
         "convert", src, out, "--to", "megatron", "--tp", "2", "--push-to", "alice/tiny", ok=False),
         "cannot reach the Hub", f"retry with `reshard push {out} alice/tiny`")
     assert reshard.verify(src, str(out)).equal, line
+
+
+def test_inspect_names_the_hub_repo_and_commit(layouts, tmp_path, hubenv):
+    from hub_server import HubServer
+    from test_hub import folder_files
+
+    with HubServer() as hub:
+        commit = hub.state.add_repo("org/tiny", folder_files(layouts["hf"]))
+        text = hubenv.at(hub.endpoint, token=None).run("inspect", "hf://org/tiny").stdout
+    assert text.startswith("hf://org/tiny\n  hub          org/tiny@main (commit " + commit[:12] + ")\n"), text
+    assert "{" not in text and "  layout       hf\n" in text
