@@ -139,6 +139,14 @@ def _dtypes(info: dict) -> str:
     return ", ".join(f"{d} ({n} tensors)" for d, n in sorted(counts.items(), key=lambda item: -item[1]))
 
 
+def _dense_ffn(info: dict, config: dict) -> str:
+    """``, FFN 96``; ``, dense FFN 96`` beside MoE layers; nothing where every layer is MoE."""
+    dense = info["layers"] - info.get("moe_layers", 0)
+    if not config.get("ffn") or not dense:
+        return ""
+    return f", {'dense ' if info.get('experts') else ''}FFN {config['ffn']}"
+
+
 def _rows(info: dict) -> list[tuple[str, str]]:
     config = info.get("model_config", {})
     head_dim = config.get("head_dim")
@@ -156,7 +164,7 @@ def _rows(info: dict) -> list[tuple[str, str]]:
             ("size", f"{binary_size(info['bytes'])} in {files} file{'s' if files != 1 else ''}"),
             ("shape", f"{info['layers']} layers, hidden {info['hidden_size']}, {info['heads']} heads"
                       + (f" of {head_dim}" if head_dim else "") + f", {info['kv_heads']} KV heads"
-                      + (f", FFN {config['ffn']}" if config.get("ffn") else "")),
+                      + _dense_ffn(info, config)),
             ("vocab", f"{vocab}, embeddings {'tied' if info['tied_embeddings'] else 'untied'}")]
     if info.get("experts"):
         moe = config.get("moe_layers")
