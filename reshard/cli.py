@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import inspect as inspect_module
 import json
 import os
-import re
 import sys
 from enum import Enum
 from typing import Optional
 
 import typer
+import typer.core
 
 from reshard.errors import ReshardError
 
@@ -24,6 +25,16 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 mappings_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
                            help="List, show, check and start architecture mapping files.")
 app.add_typer(mappings_app, name="mappings")
+
+
+def _plain_usage_name(argument) -> str:
+    """An argument in the usage line as ``SRC`` (optional: ``[SRC]``), not typer's ``{SRC}``."""
+    name = argument.display_name_raw if argument.required else f"[{argument.display_name_raw}]"
+    return name + ("..." if argument.nargs != 1 else "")
+
+
+if hasattr(typer.core.TyperArgument, "_usage_display_name"):  # typer >= 0.2x; older versions print SRC already
+    typer.core.TyperArgument._usage_display_name = _plain_usage_name
 
 
 def _target_layout(value: str) -> str:
@@ -48,17 +59,7 @@ class Spec(str, Enum):
     local = "local"
 
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
-
-
-def parse_size(text: str) -> int:
-    m = _SIZE.match(text)
-    unit = (m.group(2) or "").upper() if m else None
-    if not m or unit not in _UNITS:
-        raise ReshardError(f"cannot read size '{text}': use e.g. 5GB, 500MB or 2GiB")
-    return int(float(m.group(1)) * _UNITS[unit])
+from reshard.api import parse_size  # noqa: E402,F401 - one definition, shared with the Python API
 
 
 VocabOpt = typer.Option(None, "--vocab-size", help="True (unpadded) vocab size, if the Megatron source lacks it.")
@@ -104,8 +105,9 @@ def _plan_json(plan) -> dict:
 
 @app.command()
 def convert(
-    src: str = typer.Argument(..., help="Source checkpoint folder (layout detected)."),
-    dst: str = typer.Argument(..., help="Output folder."),
+    src: str = typer.Argument(..., metavar="SRC", help="Source checkpoint folder or hf://ORG/NAME[@REV] (layout "
+                              "detected)."),
+    dst: str = typer.Argument(..., metavar="DST", help="Output folder."),
     to: str = TargetOpt,
     tp: int = typer.Option(1, "--tp", help="Target tensor-parallel degree."),
     pp: int = typer.Option(1, "--pp", help="Target pipeline-parallel degree."),
@@ -126,7 +128,7 @@ def convert(
     max_shard_size: Optional[str] = typer.Option(None, "--max-shard-size", help="HF shard / vLLM part size "
                                                  "(default: 5GB)."),
     vocab_size: Optional[int] = VocabOpt,
-    vocab_divisor: Optional[int] = typer.Option(None, "--make-vocab-size-divisible-by",
+    make_vocab_size_divisible_by: Optional[int] = typer.Option(None, "--make-vocab-size-divisible-by",
                                                 help="Megatron vocab padding divisor (default: source's, else 128)."),
     architecture: Optional[str] = ArchOpt,
     mapping: Optional[str] = MappingOpt,
@@ -148,29 +150,17 @@ def convert(
                                          "config) that are symlinks out of the source too (default: skip, warn)."),
 ):
     """Convert SRC (a folder or hf://ORG/NAME[@REV]) to another layout and/or TP/PP degree, streaming."""
-    from reshard.conversion import convert as run_convert
+    from reshard import api
 
-    if megatron_format not in ("torch", "torch_dist"):
-        raise typer.BadParameter(f"'{megatron_format}' is not a Megatron format: use torch or torch_dist",
-                                 param_hint="'--megatron-format'")
-    if megatron_format == "torch_dist":
-        if to != "megatron":
-            raise typer.BadParameter("--megatron-format applies to --to megatron", param_hint="'--megatron-format'")
-        to = "torch_dist"
-    if push_to:
-        from reshard.hub import parse_repo_id
-
-        parse_repo_id(push_to, revision)  # a bad repo id fails before anything is written
-    result = run_convert(src, dst, to=to, tp=tp, pp=pp, ep=ep, etp=etp, expert_parallel=expert_parallel,
-                         moe_grouped_gemm=moe_grouped_gemm,
-                         dtype=dtype, overwrite=overwrite, dry_run=dry_run,
+    result = api.convert(src, dst, to=to, tp=tp, pp=pp, ep=ep, etp=etp, expert_parallel=expert_parallel,
+                         moe_grouped_gemm=moe_grouped_gemm, dtype=dtype, overwrite=overwrite, dry_run=dry_run,
                          megatron_spec=megatron_spec.value if megatron_spec else None,
-                         max_shard_size=parse_size(max_shard_size) if max_shard_size is not None else None,
-                         vocab_size=vocab_size, vocab_divisor=vocab_divisor, architecture=architecture,
-                         mapping=mapping, allow_replica_mismatch=allow_replica_mismatch,
-                         progress=not as_json and sys.stderr.isatty(), workers=workers,
-                         allow_lossy_config=tuple(allow_lossy_config or ()), allow_cast_overflow=allow_cast_overflow,
-                         follow_symlinks=follow_symlinks)
+                         megatron_format=megatron_format, max_shard_size=max_shard_size, vocab_size=vocab_size,
+                         make_vocab_size_divisible_by=make_vocab_size_divisible_by, architecture=architecture,
+                         mapping=mapping, allow_replica_mismatch=allow_replica_mismatch, workers=workers,
+                         push_to=push_to, revision=revision, allow_lossy_config=tuple(allow_lossy_config or ()),
+                         allow_cast_overflow=allow_cast_overflow, follow_symlinks=follow_symlinks,
+                         progress=not as_json and sys.stderr.isatty())
     if dry_run:
         if as_json:
             print(json.dumps({**_plan_json(result.plan), "download": result.download}, indent=2))
@@ -185,42 +175,39 @@ def convert(
         return  # under torchrun rank 0 reports the run and pushes
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
+    degrees = {"tp": tp, "pp": pp, **({"ep": ep} if ep != 1 else {}), **({"etp": etp} if etp is not None else {}),
+               **({"expert_parallel": True} if expert_parallel else {})}
     if as_json:
-        print(json.dumps({"output": dst, "layout": to, "tp": tp, "pp": pp, "files": len(result.plan.files),
+        print(json.dumps({"output": dst, "layout": result.layout, **degrees, "files": len(result.plan.files),
                           "bytes": result.plan.nbytes}))
     else:
-        print(f"wrote {dst}: {to} tp={tp} pp={pp}, {len(result.plan.files)} files, "
+        shown = " ".join(f"{k}={v}" if v is not True else k.replace("_", "-") for k, v in degrees.items())
+        print(f"wrote {dst}: {result.layout} {shown}, {len(result.plan.files)} files, "
               f"{result.plan.nbytes / 2**20:.1f} MiB")
-    if push_to:
-        push(folder=dst, repo_id=push_to, revision=revision, private=False, create_pr=False, commit_message=None,
-             replace=False)
+    if result.pushed is not None:
+        _report_push(dst, result.pushed)
 
 
-@app.command()
-def plan(
-    src: str = typer.Argument(...), to: str = TargetOpt, tp: int = typer.Option(1, "--tp"),
-    pp: int = typer.Option(1, "--pp"), ep: int = typer.Option(1, "--ep"), etp: Optional[int] = typer.Option(None, "--etp"),
-    expert_parallel: bool = typer.Option(False, "--expert-parallel"),
-    moe_grouped_gemm: bool = typer.Option(False, "--moe-grouped-gemm"),
-    dtype: Optional[str] = typer.Option(None, "--dtype"),
-    megatron_spec: Optional[Spec] = typer.Option(None, "--megatron-spec"),
-    max_shard_size: Optional[str] = typer.Option(None, "--max-shard-size"), vocab_size: Optional[int] = VocabOpt,
-    architecture: Optional[str] = ArchOpt, mapping: Optional[str] = MappingOpt, as_json: bool = JsonOpt,
-    allow_lossy_config: Optional[list[str]] = typer.Option(None, "--allow-lossy-config"),
-):
+#: convert's options that only make sense when writing: ``plan`` has all the others (one definition serves both).
+_WRITE_ONLY = ("dst", "overwrite", "dry_run", "push_to", "revision")
+
+
+def plan(**options):
     """Print the conversion plan (what `convert --dry-run` prints); write nothing."""
-    convert(src=src, dst="", to=to, tp=tp, pp=pp, ep=ep, etp=etp, expert_parallel=expert_parallel,
-            moe_grouped_gemm=moe_grouped_gemm, dtype=dtype, overwrite=False, dry_run=True,
-            megatron_spec=megatron_spec, megatron_format="torch", max_shard_size=max_shard_size,
-            vocab_size=vocab_size, vocab_divisor=None,
-            architecture=architecture, mapping=mapping, allow_replica_mismatch=False, as_json=as_json, workers=1,
-            push_to=None, revision=None, allow_lossy_config=allow_lossy_config, allow_cast_overflow=False,
-            follow_symlinks=False)
+    convert(dst="", overwrite=False, dry_run=True, push_to=None, revision=None, **options)
+
+
+_convert_signature = inspect_module.signature(convert)
+plan.__signature__ = _convert_signature.replace(
+    parameters=[p for p in _convert_signature.parameters.values() if p.name not in _WRITE_ONLY])
+plan.__annotations__ = {k: v for k, v in convert.__annotations__.items() if k not in _WRITE_ONLY}
+app.command()(plan)
 
 
 @app.command()
 def verify(
-    a: str = typer.Argument(..., help="Reference checkpoint."), b: str = typer.Argument(..., help="Checkpoint to check."),
+    a: str = typer.Argument(..., metavar="A", help="Reference checkpoint."),
+    b: str = typer.Argument(..., metavar="B", help="Checkpoint to check."),
     atol: Optional[float] = typer.Option(None, "--atol", help="Absolute tolerance when dtypes differ (--forward: on "
                                          "logits)."),
     rtol: Optional[float] = typer.Option(None, "--rtol", help="Relative tolerance when dtypes differ (--forward: on "
@@ -232,13 +219,15 @@ def verify(
     nproc: Optional[int] = typer.Option(None, "--nproc", help="--forward: TP degree for B (default: B's own)."),
     backend: Optional[str] = typer.Option(None, "--backend", help="--forward: gloo or nccl (default: nccl when "
                                           "CUDA is available)."),
-    seq_len: int = typer.Option(16, "--seq-len", help="--forward: tokens per sequence."),
-    batch: int = typer.Option(2, "--batch", help="--forward: sequences."),
-    seed: int = typer.Option(0, "--seed", help="--forward: seed of the random token ids."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="--forward: tokens per sequence (default 16)."),
+    batch: Optional[int] = typer.Option(None, "--batch", help="--forward: sequences (default 2)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="--forward: seed of the random token ids (default 0)."),
     prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="--forward: token ids file (JSON list(s) "
                                              "or whitespace-separated ints per line)."),
-    compute_dtype: str = typer.Option("fp32", "--compute-dtype", help="--forward: fp32, bf16 or fp16."),
-    timeout: float = typer.Option(300.0, "--timeout", help="--forward: seconds before hung workers are killed."),
+    compute_dtype: Optional[str] = typer.Option(None, "--compute-dtype", help="--forward: fp32 (default), bf16 or "
+                                                "fp16."),
+    timeout: Optional[float] = typer.Option(None, "--timeout", help="--forward: seconds before hung workers are "
+                                            "killed (default 300)."),
     workers: int = typer.Option(1, "--workers", help="Processes that compare tensors (digest check; same report)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the bytes each process will read and its peak "
                                  "memory estimate; read no tensor data."),
@@ -246,56 +235,47 @@ def verify(
     """Compare two checkpoints' canonical tensors (bit-exact unless dtypes differ). Exit 0 only when equal.
 
     With --forward: compare the logits of a tensor-parallel forward pass instead (exit 0 only within tolerance)."""
-    if workers < 1:
-        raise ReshardError(f"--workers must be at least 1 (got {workers})")
+    from reshard import api
+
+    result = api.verify(a, b, atol=atol, rtol=rtol, vocab_size=vocab_size, architecture=architecture,
+                        mapping=mapping, forward=forward, nproc=nproc, backend=backend, seq_len=seq_len, batch=batch,
+                        seed=seed, prompt_ids=prompt_ids, compute_dtype=compute_dtype, timeout=timeout,
+                        workers=workers, dry_run=dry_run, progress=not as_json and sys.stderr.isatty())
+    if dry_run:
+        print(json.dumps(result, indent=2) if as_json else _format_estimate(result))
+        return
     if forward:
-        if dry_run:
-            from reshard.verification.forward import forward_estimate
+        from reshard.verification.forward import format_report
 
-            estimate = forward_estimate(a, b, nproc=nproc, seq_len=seq_len, batch=batch,
-                                        compute_dtype=compute_dtype, vocab_size=vocab_size,
-                                        architecture=architecture, mapping=mapping)
-            print(json.dumps(estimate, indent=2) if as_json else _format_estimate(estimate))
-            return
-        from reshard.verification.forward import format_report, verify_forward
-
-        result = verify_forward(a, b, nproc=nproc, backend=backend, seq_len=seq_len, batch=batch, seed=seed,
-                                prompt_ids=prompt_ids, compute_dtype=compute_dtype, atol=atol, rtol=rtol,
-                                timeout=timeout, vocab_size=vocab_size, architecture=architecture, mapping=mapping)
         print(json.dumps(result, indent=2) if as_json else format_report(result))
         if not result["ok"]:
             raise typer.Exit(1)
         return
-    if dry_run:
-        from reshard.verification.digest import verify_dry_run
+    _print_digest_report(result, a, b, as_json)
+    if not result.equal:
+        raise typer.Exit(1)
 
-        estimate = verify_dry_run(a, b, vocab_size=vocab_size, architecture=architecture, mapping=mapping,
-                                  workers=workers)
-        print(json.dumps(estimate, indent=2) if as_json else _format_estimate(estimate))
-        return
-    from reshard.verification.digest import checked_lines, verify as run_verify
 
-    report = run_verify(a, b, atol=atol, rtol=rtol, vocab_size=vocab_size, architecture=architecture,
-                        mapping=mapping, workers=workers, progress=not as_json and sys.stderr.isatty())
+def _print_digest_report(report, a: str, b: str, as_json: bool) -> None:
+    from reshard.verification.digest import checked_lines
+
     if as_json:
         print(json.dumps(report.to_dict(), indent=2))
-    else:
-        print(f"A {report.layout_a} {a}\nB {report.layout_b} {b}")
-        for line in checked_lines(report):
-            print(f"  {line}")
-        for d in report.config_differences:
-            print(f"  config {d['key']}: {d['a']} != {d['b']}")
-        for problem in report.replica_differences[:20]:
-            print(f"  {problem}")
-        bad = [t for t in report.tensors if not t.ok]
-        for t in bad[:20]:
-            extra = f" (max abs {t.max_abs:g}, max rel {t.max_rel:g})" if t.max_abs is not None else ""
-            print(f"  {t.status}: {t.name}{extra}")
-        if len(bad) > 20:
-            print(f"  ... and {len(bad) - 20} more (--json lists all)")
-        print("EQUAL" if report.equal else "DIFFERENT")
-    if not report.equal:
-        raise typer.Exit(1)
+        return
+    print(f"A {report.layout_a} {a}\nB {report.layout_b} {b}")
+    for line in checked_lines(report):
+        print(f"  {line}")
+    for d in report.config_differences:
+        print(f"  config {d['key']}: {d['a']} != {d['b']}")
+    for problem in report.replica_differences[:20]:
+        print(f"  {problem}")
+    bad = [t for t in report.tensors if not t.ok]
+    for t in bad[:20]:
+        extra = f" (max abs {t.max_abs:g}, max rel {t.max_rel:g})" if t.max_abs is not None else ""
+        print(f"  {t.status}: {t.name}{extra}")
+    if len(bad) > 20:
+        print(f"  ... and {len(bad) - 20} more (--json lists all)")
+    print("EQUAL" if report.equal else "DIFFERENT")
 
 
 def _format_estimate(estimate: dict) -> str:
@@ -379,8 +359,11 @@ def push(
     """Upload a converted checkpoint with a reshard.json manifest and a model-card section."""
     from reshard.hub.push import push as run_push
 
-    pushed = run_push(folder, repo_id, revision=revision, private=private, create_pr=create_pr,
-                      commit_message=commit_message, replace=replace)
+    _report_push(folder, run_push(folder, repo_id, revision=revision, private=private, create_pr=create_pr,
+                                  commit_message=commit_message, replace=replace))
+
+
+def _report_push(folder: str, pushed) -> None:
     if pushed.others:
         print(f"warning: {len(pushed.others)} file(s) on {pushed.repo_id}@{pushed.revision} are not part of this "
               f"checkpoint (e.g. {pushed.others[0]}); pass --replace to delete them", file=sys.stderr)

@@ -28,6 +28,8 @@ class ConvertResult:
     written: bool
     notes: list[str] = field(default_factory=list)
     download: dict | None = None  # hf:// plans: {"files", "bytes"} a conversion would download
+    layout: str | None = None  # the layout written (``megatron_format="torch_dist"`` gives torch_dist)
+    pushed: object | None = None  # reshard.hub.push.Pushed, after ``push_to``
 
 
 def output_dtype(source: Source, opts: Options) -> str:

@@ -136,7 +136,7 @@ def test_inspect_summarises_long_file_lists(tmp_path):
 @pytest.mark.parametrize("args, option, fix", [
     (["convert", "a", "b", "--to", "tensorrt"], "--to", "choose one of hf, megatron, vllm"),
     (["convert", "a", "b", "--to", "hf", "--tp", "abc"], "--tp", "valid integer"),
-    (["convert", "a", "--to", "hf"], "dst", "Missing argument"),
+    (["convert", "a", "--to", "hf"], "DST", "Missing argument"),
     (["verify", "a", "b", "--nproc", "x"], "--nproc", "valid integer"),
     (["convertt", "a"], "convertt", "No such command"),
 ])

@@ -25,7 +25,7 @@ from checkpoints import hf_config, load_hf_tensors, make_hf
 from family_rules import load_megatron_rank, megatron_rank_path
 from helpers import run_cli
 from reshard.verification import block_stream
-from reshard.verification.digest import verify_dry_run
+from reshard.verification.digest import verify as verify_streamed, verify_dry_run
 
 
 def _bits(rows: range, cols: int, salt: int) -> np.ndarray:
@@ -94,7 +94,7 @@ def test_a_512_mib_tensor_is_verified_in_blocks_with_the_whole_tensor_digest(big
         return data
 
     monkeypatch.setattr(block_stream, "read_block", recording)
-    report = reshard.verify(str(root / "hf"), str(root / "meg"), block_bytes=budget)
+    report = verify_streamed(str(root / "hf"), str(root / "meg"), block_bytes=budget)
     assert report.equal, report.to_dict()
     assert max(largest) <= budget and len(largest) > 2 * (512 << 20) // budget  # both sides, in blocks
     results = {t.name: t for t in report.tensors}
@@ -133,7 +133,7 @@ def test_tiny_blocks_give_the_whole_tensor_digests(tmp_path, layout, degrees):
     expected = {n: hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
                 for n, t in load_hf_tensors(src).items()}
     for block in (96, 1000, 1 << 30):  # smaller than one row of the embedding: one row per block
-        report = reshard.verify(src, out, block_bytes=block)
+        report = verify_streamed(src, out, block_bytes=block)
         assert report.equal, (block, report.to_dict())
         got = {t.name: (t.sha256_a, t.sha256_b) for t in report.tensors}
         assert got == {n: (s, s) for n, s in expected.items()}, block
@@ -148,7 +148,7 @@ def test_one_flipped_element_is_found_in_its_block_with_its_error(tmp_path):
     fc2 = state["model"]["decoder.layers.1.mlp.linear_fc2.weight"]  # row-parallel: canonical columns 48..95
     fc2[63, 7] += 0.5
     torch.save(state, rank1)
-    report = reshard.verify(src, out, block_bytes=512)
+    report = verify_streamed(src, out, block_bytes=512)
     bad = [t for t in report.tensors if not t.ok]
     assert [t.name for t in bad] == ["model.layers.1.mlp.down_proj.weight"]
     assert bad[0].status == "different" and bad[0].max_abs == 0.5 and bad[0].sha256_a != bad[0].sha256_b
@@ -164,7 +164,7 @@ def test_a_cast_is_reported_as_a_cast_with_figures(tmp_path, capsys):
     tensors = len(load_hf_tensors(src))
     assert code == 0 and f"{tensors}/{tensors} tensors equal after a cast to BF16" in stdout, stdout
     assert "match" not in stdout and stdout.strip().endswith("EQUAL")
-    report = reshard.verify(src, out, block_bytes=256)
+    report = verify_streamed(src, out, block_bytes=256)
     assert all(t.status == "equal_after_cast" and t.max_abs is not None for t in report.tensors)
     assert report.to_dict()["checked"][0] == f"{tensors}/{tensors} tensors equal after a cast to BF16"
 
@@ -177,7 +177,7 @@ def test_a_differing_replica_is_found_streamed(tmp_path, capsys):
     state = load_megatron_rank(rank1)
     state["model"]["decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"][5] += 0.25
     torch.save(state, rank1)
-    report = reshard.verify(src, out, block_bytes=64)
+    report = verify_streamed(src, out, block_bytes=64)
     assert all(t.ok for t in report.tensors)  # the copy read (rank 0) is intact
     assert len(report.replica_differences) == 1 and "mp_rank_01" in report.replica_differences[0]
     assert "max difference 0.25" in report.replica_differences[0] and not report.equal
@@ -189,8 +189,8 @@ def test_workers_give_the_same_report(tmp_path):
     src = make_hf(tmp_path / "hf", vocab=1000, shards=2)
     out = str(tmp_path / "meg")
     reshard.convert(src, out, to="megatron", tp=2, pp=2)
-    one = reshard.verify(src, out, block_bytes=512).to_dict()
-    two = reshard.verify(src, out, block_bytes=512, workers=2).to_dict()
+    one = verify_streamed(src, out, block_bytes=512).to_dict()
+    two = verify_streamed(src, out, block_bytes=512, workers=2).to_dict()
     assert one == two and one["equal"] and one["replicas_checked"] > 0
 
 

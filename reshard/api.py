@@ -1,0 +1,130 @@
+"""The Python API: ``convert``, ``verify`` and ``inspect`` take the command line's options under the same names
+(dashes as underscores) and parse their values the same way (``max_shard_size="5GB"``, ``dtype="bf16"``). The
+CLI commands are thin printers over these functions, so the two cannot drift apart (``tests/test_api_parity.py``
+calls each function with every option of its command).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from reshard.errors import ReshardError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+#: Options that change what a forward check runs; given without ``forward``, they are refused.
+FORWARD_ONLY = ("nproc", "backend", "seq_len", "batch", "seed", "prompt_ids", "compute_dtype", "timeout")
+_FORWARD_DEFAULTS = {"seq_len": 16, "batch": 2, "seed": 0, "compute_dtype": "fp32", "timeout": 300.0}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes of ``"5GB"``, ``"500MB"``, ``"2GiB"`` (decimal and binary units) or of an int."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    m = _SIZE.match(str(text))
+    unit = (m.group(2) or "").upper() if m else None
+    if not m or unit not in _UNITS:
+        raise ReshardError(f"cannot read size '{text}': use e.g. 5GB, 500MB or 2GiB")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
+            expert_parallel: bool = False, moe_grouped_gemm: bool = False, dtype: str | None = None,
+            overwrite: bool = False, dry_run: bool = False, megatron_spec: Literal["te", "local"] | None = None,
+            megatron_format: Literal["torch", "torch_dist"] = "torch", max_shard_size: str | int | None = None,
+            vocab_size: int | None = None, make_vocab_size_divisible_by: int | None = None,
+            architecture: str | None = None, mapping: str | None = None, allow_replica_mismatch: bool = False,
+            workers: int | None = 1, push_to: str | None = None, revision: str | None = None,
+            allow_lossy_config: tuple[str, ...] | list[str] = (), allow_cast_overflow: bool = False,
+            follow_symlinks: bool = False, progress: bool = False):
+    """Convert ``src`` (a folder or ``hf://ORG/NAME[@REV]``) to layout ``to`` at the given degrees in ``dst``,
+    streaming; returns a :class:`reshard.conversion.ConvertResult` (its ``plan``; ``download`` for a remote
+    dry run). Options as ``reshard convert``: ``max_shard_size`` ``"5GB"`` or bytes; ``megatron_format``
+    ``"torch_dist"`` with ``to="megatron"`` writes torch_dist; ``push_to`` uploads the finished output
+    (``revision``: the branch); ``workers=None`` chooses as the CLI does."""
+    from reshard.conversion import convert as run_convert
+
+    if megatron_format not in ("torch", "torch_dist"):
+        raise ReshardError(f"'{megatron_format}' is not a Megatron format: use torch or torch_dist")
+    if megatron_format == "torch_dist":
+        if to != "megatron":
+            raise ReshardError("--megatron-format applies to --to megatron")
+        to = "torch_dist"
+    if megatron_spec is not None and megatron_spec not in ("te", "local"):
+        raise ReshardError(f"'{megatron_spec}' is not a Megatron spec: use te or local")
+    if push_to:
+        from reshard.hub import parse_repo_id
+
+        parse_repo_id(push_to, revision)  # a bad repo id fails before anything is written
+    result = run_convert(src, dst, to=to, tp=tp, pp=pp, ep=ep, etp=etp, expert_parallel=expert_parallel,
+                         moe_grouped_gemm=moe_grouped_gemm, dtype=dtype, overwrite=overwrite, dry_run=dry_run,
+                         megatron_spec=megatron_spec,
+                         max_shard_size=None if max_shard_size is None else parse_size(max_shard_size),
+                         vocab_size=vocab_size, vocab_divisor=make_vocab_size_divisible_by,
+                         architecture=architecture, mapping=mapping, allow_replica_mismatch=allow_replica_mismatch,
+                         progress=progress, workers=workers, allow_lossy_config=tuple(allow_lossy_config),
+                         allow_cast_overflow=allow_cast_overflow, follow_symlinks=follow_symlinks)
+    result.layout = to
+    if push_to and not dry_run:
+        import os
+
+        from reshard.distributed import world_size_from_env
+
+        if world_size_from_env() <= 1 or os.environ.get("RANK") == "0":
+            from reshard.hub.push import push as run_push
+
+            result.pushed = run_push(dst, push_to, revision=revision, private=False, create_pr=False,
+                                     commit_message=None, replace=False)
+    return result
+
+
+def verify(a: str, b: str, *, atol: float | None = None, rtol: float | None = None, vocab_size: int | None = None,
+           architecture: str | None = None, mapping: str | None = None, forward: bool = False,
+           nproc: int | None = None, backend: Literal["gloo", "nccl"] | None = None, seq_len: int | None = None,
+           batch: int | None = None, seed: int | None = None, prompt_ids: str | None = None,
+           compute_dtype: str | None = None, timeout: float | None = None, workers: int = 1,
+           dry_run: bool = False, progress: bool = False):
+    """Compare checkpoints ``a`` and ``b`` as ``reshard verify`` does. The digest check (default) returns a
+    :class:`reshard.verification.digest.VerifyReport` (``.equal``); ``forward=True`` runs the forward check and
+    returns its report dict (``["ok"]``; ``nproc``, ``backend``, ``seq_len`` (16), ``batch`` (2), ``seed`` (0),
+    ``prompt_ids``, ``compute_dtype`` ("fp32"), ``timeout`` (300 s) apply to it only and are refused
+    without it). ``dry_run=True`` returns what each process would read and its peak-memory estimate."""
+    given = {k: v for k, v in (("nproc", nproc), ("backend", backend), ("seq_len", seq_len), ("batch", batch),
+                                ("seed", seed), ("prompt_ids", prompt_ids), ("compute_dtype", compute_dtype),
+                                ("timeout", timeout)) if v is not None}
+    if workers < 1:
+        raise ReshardError(f"--workers must be at least 1 (got {workers})")
+    common = dict(vocab_size=vocab_size, architecture=architecture, mapping=mapping)
+    if not forward:
+        if given:
+            name = next(iter(given)).replace("_", "-")
+            raise ReshardError(f"--{name} applies to the forward check: add --forward, or leave it out")
+        if dry_run:
+            from reshard.verification.digest import verify_dry_run
+
+            return verify_dry_run(a, b, workers=workers, **common)
+        from reshard.verification.digest import verify as run_digest
+
+        return run_digest(a, b, atol=atol, rtol=rtol, workers=workers, progress=progress, **common)
+    if workers != 1:
+        raise ReshardError("--workers applies to the digest check; a forward check runs --nproc processes")
+    options = {**_FORWARD_DEFAULTS, **given, **common}
+    if dry_run:
+        from reshard.verification.forward import forward_estimate
+
+        return forward_estimate(a, b, atol=atol, rtol=rtol, **options)
+    from reshard.verification.forward import verify_forward
+
+    return verify_forward(a, b, atol=atol, rtol=rtol, **options)
+
+
+def inspect(path: str, *, vocab_size: int | None = None, architecture: str | None = None,
+            mapping: str | None = None) -> dict:
+    """What ``reshard inspect PATH --json`` prints: layout, architecture, degrees, dtype, parameters, bytes, files
+    per rank."""
+    from reshard.inspection import inspect as run_inspect
+
+    return run_inspect(path, vocab_size=vocab_size, architecture=architecture, mapping=mapping)
