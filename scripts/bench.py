@@ -113,7 +113,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="also time each conversion under `torchrun --standalone --nproc-per-node N` (op name "
                          "OP@torchrunN) and report its time over the 1-process run's (--workers defaults to 1)")
     ap.add_argument("--verify", action="store_true", help="also time `reshard verify` of each source against its "
-                    "conversion, next to reading both and to that conversion (scripts/bench_verify.py)")
+                    "conversion, next to reading both and to that conversion, and `verify --forward --nproc 2` "
+                    "with each process's peak RSS (scripts/bench_verify.py)")
     ap.add_argument("--keep", action="store_true", help="keep the outputs of the last repeat under OUT/outputs")
     ap.add_argument("--plot", action="store_true", help="write OUT/bench.png (needs matplotlib: pip install -e '.[bench]')")
     ap.add_argument("--cache-dir", type=Path, default=None, help="where generated sources are cached (default: OUT/sources)")
@@ -354,8 +355,12 @@ def main(argv: list[str] | None = None) -> int:
             if args.verify:
                 from bench_verify import measure_pair
 
+                from bench_verify import measure_forward_row
+
                 row = measure_pair(src, args.model, work, logs, args.repeat, args.cache, args.timeout, log)
                 result.setdefault("verify", []).append({"size": key, "model": args.model, **row})
+                forward = measure_forward_row(src, work, logs, 2, args.timeout)
+                result.setdefault("verify_forward", []).append({"size": key, "model": args.model, **forward})
                 save()
             for kind, folder in derived.items():
                 if args.keep:
@@ -371,7 +376,10 @@ def main(argv: list[str] | None = None) -> int:
     if result.get("verify"):
         from bench_verify import render as render_verify
 
+        from bench_verify import render_forward
+
         md += "\n\n## Verify (digest check, cold)\n\n" + render_verify(result["verify"]) + "\n"
+        md += "\n## Verify --forward (--nproc 2)\n\n" + render_forward(result["verify_forward"]) + "\n"
     (out / "bench.md").write_text(md)
     print(md)
     if args.plot:

@@ -11,7 +11,10 @@ For each pair (A = the generated HF checkpoint, B = its conversion) and repeat:
 The row gives the medians, verify / read and verify / convert, and verify's peak RSS against the 512 MiB goal
 and the largest tensor. Run on its own::
 
-    python scripts/bench_verify.py --sizes 1 2 4 --out bench-out
+    python scripts/bench_verify.py --sizes 1 2 4 --out bench-out [--forward 2]
+
+``--forward N`` adds a row per size: ``reshard verify --forward`` of the source against its Megatron TPN
+conversion at ``--nproc N``, with every process's peak RSS (goal: each at most 1.5 GiB).
 """
 
 from __future__ import annotations
@@ -91,6 +94,37 @@ def measure_pair(src: Path, model: str, work: Path, logs: Path, repeat: int, cac
     return row
 
 
+def measure_forward_row(src: Path, work: Path, logs: Path, nproc: int = 2, timeout: float | None = None) -> dict:
+    """``reshard verify --forward SRC MEG --nproc N`` against SRC's Megatron TPN conversion: wall time and each
+    process's peak RSS (VmHWM sampled from outside, :func:`bench_forward.measure_forward`)."""
+    from bench_forward import measure_forward
+
+    meg = work / f"forward-meg-tp{nproc}"
+    shutil.rmtree(meg, ignore_errors=True)
+    made = run_child([*default_reshard(), "convert", str(src), str(meg), "--to", "megatron", "--tp", str(nproc)],
+                     logs / f"forward-prepare-tp{nproc}.log", child_env(), timeout)
+    if made["rc"] != 0:
+        return {"status": f"preparing B failed (rc={made['rc']})", "nproc": nproc}
+    try:
+        row = measure_forward(src, meg, nproc)
+    finally:
+        shutil.rmtree(meg, ignore_errors=True)
+    peaks = [p["peak_rss_bytes"] for p in row["processes"]]
+    row.update(status="ok" if row["rc"] == 0 and row["ok"] else "failed", nproc=nproc,
+               max_process_peak_rss_bytes=max(peaks, default=0), within_goal=max(peaks, default=0) <= 1536 * MIB)
+    return row
+
+
+def render_forward(rows: list[dict]) -> str:
+    lines = ["| size | model | nproc | wall s | verdict | peak RSS of each process | max <= 1.5 GiB |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        peaks = ", ".join(f"{p['role']} {p['peak_rss_mib']:.0f} MiB" for p in r.get("processes", []))
+        lines.append(f"| {r['size']} GiB | {r['model']} | {r['nproc']} | {r.get('wall_s', '')} | {r['status']} | "
+                     f"{peaks} | {'yes' if r.get('within_goal') else 'no'} |")
+    return "\n".join(lines)
+
+
 def render(rows: list[dict]) -> str:
     lines = ["| size | model | pair | verify s | read A+B s | verify / read | convert s | verify / convert | "
              "verify peak RSS | / largest tensor |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -115,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache-dir", type=Path, default=None)
     ap.add_argument("--cache", default="data", choices=["data", "all", "warm"])
     ap.add_argument("--timeout", type=float, default=None)
+    ap.add_argument("--forward", type=int, default=0, metavar="N",
+                    help="also run verify --forward at --nproc N against a Megatron TPN conversion")
     args = ap.parse_args(argv)
     out = args.out.resolve()
     work, logs = out / "verify-work", out / "logs"
@@ -122,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     cache_dir = (args.cache_dir or out / "sources").resolve()
     cache_dir.mkdir(parents=True, exist_ok=True)
     compile_bytecode()
-    rows = []
+    rows, forward_rows = [], []
     try:
         for model in args.models:
             for size in args.sizes:
@@ -130,10 +166,14 @@ def main(argv: list[str] | None = None) -> int:
                 row = measure_pair(src, model, work, logs, args.repeat, args.cache, args.timeout,
                                    lambda m: print(m, file=sys.stderr))
                 rows.append({"size": f"{size:g}", "model": model, **row})
-                (out / "bench_verify.json").write_text(json.dumps(rows, indent=1) + "\n")
+                if args.forward:
+                    forward = measure_forward_row(src, work, logs, args.forward, args.timeout)
+                    forward_rows.append({"size": f"{size:g}", "model": model, **forward})
+                (out / "bench_verify.json").write_text(json.dumps({"digest": rows, "forward": forward_rows},
+                                                                   indent=1) + "\n")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    table = render(rows)
+    table = render(rows) + ("\n\n" + render_forward(forward_rows) if forward_rows else "")
     (out / "bench_verify.md").write_text(table + "\n")
     print(table)
     return 0
