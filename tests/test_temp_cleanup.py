@@ -85,3 +85,13 @@ def test_console_entry_point_removes_multiprocessing_temp_folder(tmp_path):
         assert list(temp.iterdir()) == []
     finally:
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_a_temp_folder_too_long_for_the_worker_socket_is_one_line_and_leaves_nothing(tmp_path):
+    src = make_hf(tmp_path / "hf", hidden=64, heads=8, kv_heads=2, ffn=96, vocab=1000)
+    long = tmp_path / ("x" * 110)  # AF_UNIX socket paths are limited to 108 bytes
+    long.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "reshard", "verify", src, src, "--forward", "--nproc", "2"],
+                          capture_output=True, text=True, env={**os.environ, "TMPDIR": str(long)}, timeout=300)
+    assert proc.returncode == 2 and "set TMPDIR to a shorter folder" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and list(long.iterdir()) == []

@@ -131,10 +131,16 @@ def _start_workers(job: ForwardJob, world: int) -> dict:
     procs = [ctx.Process(target=_worker, args=(r, world, store_path, job, results, env), daemon=True)
              for r in range(world)]
     deadline = time.monotonic() + job.timeout  # before any worker runs: a rank's own timeout ends after it
-    for p in procs:
-        p.start()
     done: dict[int, dict | None] = {}
     try:
+        for p in procs:
+            try:
+                p.start()
+            except OSError as exc:
+                if "AF_UNIX path too long" not in str(exc):
+                    raise
+                raise ReshardError(f"the temp folder {tempfile.gettempdir()} is too long a path for the forward "
+                                   "check's worker socket: set TMPDIR to a shorter folder", exit_code=2) from None
         while len(done) < world:
             try:
                 msg = results.get(timeout=0.2)
@@ -161,6 +167,8 @@ def _start_workers(job: ForwardJob, world: int) -> dict:
                                    "a hung rank", exit_code=1)
     finally:
         for p in procs:
+            if p.pid is None:  # never started
+                continue
             if p.is_alive():
                 p.join(timeout=1.0 if len(done) == world else 0)
             if p.is_alive():
