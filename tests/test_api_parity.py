@@ -147,3 +147,13 @@ def test_help_at_80_columns_reads_src_dst():
         text = subprocess.run([sys.executable, "-m", "reshard", command, "--help"], capture_output=True, text=True,
                               env=env, timeout=120).stdout
         assert f"[OPTIONS] {usage}\n" in text and "{" not in text.split("\n")[0], text[:300]
+
+
+def test_the_convert_summary_names_expert_parallelism(sources, tmp_path, capsys):
+    code, stdout, _ = run_cli(capsys, "convert", sources["moe"], tmp_path / "m", "--to", "megatron", "--tp", "2",
+                              "--ep", "2", "--etp", "1", "--json")
+    summary = json.loads(stdout)
+    assert code == 0 and (summary["layout"], summary["tp"], summary["ep"], summary["etp"]) == ("megatron", 2, 2, 1)
+    code, stdout, _ = run_cli(capsys, "convert", sources["moe"], tmp_path / "v", "--to", "vllm", "--tp", "2",
+                              "--expert-parallel")
+    assert code == 0 and "vllm tp=2 pp=1 expert-parallel," in stdout, stdout
