@@ -281,23 +281,18 @@ def _print_digest_report(report, a: str, b: str, as_json: bool) -> None:
 def _format_estimate(estimate: dict) -> str:
     """``verify --dry-run`` (digest or forward): what is read how, then one line per process (bytes read from A
     and B, peak memory estimate)."""
+    from reshard.progress import binary_size
+
     lines = [f"A {estimate['layout_a']} {estimate['a']}", f"B {estimate['layout_b']} {estimate['b']}"]
     if "tensors" in estimate:  # the digest check
         lines.append(f"{estimate['tensors']} canonical tensors and {estimate['replica_checks']} stored replicas, read "
-                     f"in blocks of at most {_size(estimate['block_bytes'])} a side, by "
+                     f"in blocks of at most {binary_size(estimate['block_bytes'])} a side, by "
                      f"{len(estimate['processes'])} process{'es' if len(estimate['processes']) > 1 else ''}:")
     lines += estimate.get("lines", [])
     for i, p in enumerate(estimate["processes"]):
-        lines.append(f"  process {i}: reads {_size(p['read_a'])} of A and {_size(p['read_b'])} of B, "
-                     f"peak memory about {_size(p['peak_estimate'])}")
+        lines.append(f"  process {i}: reads {binary_size(p['read_a'])} of A and {binary_size(p['read_b'])} of B, "
+                     f"peak memory about {binary_size(p['peak_estimate'])}")
     return "\n".join(lines)
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
 
 
 def _print_version(asked: bool) -> None:
