@@ -15,9 +15,9 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 
-#: Options that change what a forward check runs; given without ``forward``, they are refused.
+#: Options that change what a forward check runs; given without ``forward``, they are refused. Left as None,
+#: the forward check's own defaults apply.
 FORWARD_ONLY = ("nproc", "backend", "seq_len", "batch", "seed", "prompt_ids", "compute_dtype", "timeout")
-_FORWARD_DEFAULTS = {"seq_len": 16, "batch": 2, "seed": 0, "compute_dtype": "fp32", "timeout": 300.0}
 
 
 def parse_size(text: str | int) -> int:
@@ -92,9 +92,9 @@ def verify(a: str, b: str, *, atol: float | None = None, rtol: float | None = No
     returns its report dict (``["ok"]``; ``nproc``, ``backend``, ``seq_len`` (16), ``batch`` (2), ``seed`` (0),
     ``prompt_ids``, ``compute_dtype`` ("fp32"), ``timeout`` (300 s) apply to it only and are refused
     without it). ``dry_run=True`` returns what each process would read and its peak-memory estimate."""
-    given = {k: v for k, v in (("nproc", nproc), ("backend", backend), ("seq_len", seq_len), ("batch", batch),
-                                ("seed", seed), ("prompt_ids", prompt_ids), ("compute_dtype", compute_dtype),
-                                ("timeout", timeout)) if v is not None}
+    values = dict(nproc=nproc, backend=backend, seq_len=seq_len, batch=batch, seed=seed, prompt_ids=prompt_ids,
+                  compute_dtype=compute_dtype, timeout=timeout)
+    given = {k: values[k] for k in FORWARD_ONLY if values[k] is not None}
     if workers < 1:
         raise ReshardError(f"--workers must be at least 1 (got {workers})")
     common = dict(vocab_size=vocab_size, architecture=architecture, mapping=mapping)
@@ -111,7 +111,7 @@ def verify(a: str, b: str, *, atol: float | None = None, rtol: float | None = No
         return run_digest(a, b, atol=atol, rtol=rtol, workers=workers, progress=progress, **common)
     if workers != 1:
         raise ReshardError("--workers applies to the digest check; a forward check runs --nproc processes")
-    options = {**_FORWARD_DEFAULTS, **given, **common}
+    options = {**given, **common}
     if dry_run:
         from reshard.verification.forward import forward_estimate
 

@@ -85,10 +85,9 @@ class BlockComparison:
         if self.sha_b is not None:
             self.sha_b.update(memoryview(data))
 
-    def check(self, a: np.ndarray, b: np.ndarray, shape: tuple[int, ...], shape_b: tuple[int, ...] | None = None
-              ) -> None:
-        """Compare block ``a`` of A (of ``shape``) with block ``b`` of B (of ``shape_b``, default the same)."""
-        if shape_b is not None and tuple(shape_b) != tuple(shape):
+    def check(self, a: np.ndarray, b: np.ndarray, shape: tuple[int, ...], shape_b: tuple[int, ...]) -> None:
+        """Compare block ``a`` of A (of ``shape``) with block ``b`` of B (of ``shape_b``)."""
+        if tuple(shape_b) != tuple(shape):
             self.bytes_equal = self.cast_equal = False
             return
         if not self.cast:
