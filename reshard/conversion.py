@@ -15,6 +15,7 @@ from reshard.distributed import ProgressRelay, World, log_prefix, world_size_fro
 from reshard.execute import execute, partition, run_units
 from reshard.replicas import ensure_replicas_agree
 from reshard.io import dtypes
+from reshard.io.fp8 import refuse_keep_fp8
 from reshard.hub import open_source
 from reshard.layouts.base import Options, Source, escapes_source, stored_dtype
 from reshard.layouts.registry import get_layout, refuse_unused_options
@@ -105,7 +106,7 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
             architecture: str | None = None, mapping: str | None = None, allow_replica_mismatch: bool = False,
             progress: bool = False, workers: int | None = 1, allow_lossy_config: tuple[str, ...] = (),
             allow_cast_overflow: bool = False, distributed: bool | None = None,
-            follow_symlinks: bool = False) -> ConvertResult:
+            follow_symlinks: bool = False, keep_fp8: bool = False) -> ConvertResult:
     """Convert checkpoint ``src`` to layout ``to`` at degrees ``tp`` x ``pp`` in folder ``dst`` (a Megatron
     Mixture of Experts also at expert-parallel ``ep`` and expert-tensor-parallel ``etp``, default ``tp``; a vLLM
     one with ``expert_parallel``: whole experts split over the ranks).
@@ -119,7 +120,8 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
     cast turn finite values into inf (else refused). ``distributed``: split the files over the torchrun world
     this process belongs to (:mod:`reshard.distributed`); ``None`` does so when torchrun started 2 or more
     processes (``WORLD_SIZE``), ignoring ``workers``. ``follow_symlinks``: copy side files (tokenizer, ...) that
-    are symlinks out of the source too (else skipped with a warning).
+    are symlinks out of the source too (else skipped with a warning). ``keep_fp8`` (``to="hf"`` only): a block-FP8
+    source's fp8 weights and scales are copied as they are instead of dequantised (:mod:`reshard.io.fp8`).
     """
     unknown = sorted(set(allow_lossy_config) - set(SEMANTIC_FIELDS) - set(UNCARRIED_SETTINGS))
     if unknown:
@@ -128,15 +130,17 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
                         f"{', '.join(UNCARRIED_SETTINGS)})")
     if workers is not None and workers < 1:
         raise PlanError(f"--workers must be at least 1 (got {workers})")
+    refuse_keep_fp8(to, keep_fp8)
     refuse_unused_options(to, {"ep": ep, "etp": etp, "expert_parallel": expert_parallel,
                                "moe_grouped_gemm": moe_grouped_gemm, "megatron_spec": megatron_spec,
-                               "vocab_divisor": vocab_divisor, "max_shard_size": max_shard_size})
+                               "vocab_divisor": vocab_divisor, "max_shard_size": max_shard_size,
+                               "keep_fp8": keep_fp8})
     opts = Options(tp=tp, pp=pp, ep=ep, etp=etp, expert_parallel=expert_parallel, moe_grouped_gemm=moe_grouped_gemm,
                    dtype=dtypes.parse_user_dtype(dtype), megatron_spec=megatron_spec or Options.megatron_spec,
                    max_shard_size=Options.max_shard_size if max_shard_size is None else max_shard_size,
                    vocab_size=vocab_size, vocab_divisor=vocab_divisor, architecture=architecture, mapping=mapping,
                    allow_replica_mismatch=allow_replica_mismatch, allow_lossy_config=tuple(allow_lossy_config),
-                   follow_symlinks=follow_symlinks)
+                   follow_symlinks=follow_symlinks, keep_fp8=keep_fp8)
     world = None if dry_run or not distributed_run(distributed) else World.join()
     if world is not None:
         try:

@@ -12,6 +12,7 @@ from dataclasses import replace
 from reshard.core.plan import ReadOp, TargetTensor
 from reshard.errors import CheckpointError
 from reshard.io import dtypes
+from reshard.io.fp8 import is_dequantized
 from reshard.io.tensorfile import TensorFile
 
 
@@ -44,7 +45,7 @@ def assemble(tensor: TargetTensor, files: list[TensorFile], allow_overflow: bool
         return torch.full(tensor.shape, tensor.fill, dtype=dtype)
     if len(tensor.reads) == 1 and not tensor.has_padding and not tensor.reads[0].blocked:  # (reorders: torch)
         op = tensor.reads[0]
-        data = read_op(op, tensor.axis, files)
+        data = read_op(op, tensor.axis, files, tensor.dtype, allow_overflow)
         if tuple(data.shape) == tuple(tensor.shape):
             cast = data.to(dtype)
             if not allow_overflow:
@@ -52,7 +53,7 @@ def assemble(tensor: TargetTensor, files: list[TensorFile], allow_overflow: bool
             return cast
     buf = torch.zeros(tensor.shape, dtype=dtype) if tensor.has_padding else torch.empty(tensor.shape, dtype=dtype)
     for op in tensor.reads:
-        data = read_op(op, tensor.axis, files)
+        data = read_op(op, tensor.axis, files, tensor.dtype, allow_overflow)
         if op.dst_block is not None:
             part = buf[op.dst_block].narrow(tensor.axis - 1, op.dst_start, op.length)
         else:
@@ -74,14 +75,19 @@ def rope_rows(data, head_dim: int):
     return data.reshape(-1, 2, d // 2, *rest).transpose(1, 2).reshape(data.shape)
 
 
-def read_op(op: ReadOp, axis: int, files: list[TensorFile]):
+def read_op(op: ReadOp, axis: int, files: list[TensorFile], dtype: str | None = None, allow_overflow: bool = True):
     """``op``'s slice of its source tensor, in the target's orientation (a transposed op reads along the
-    source's other axis and is transposed; a RoPE reorder permutes rows inside each head)."""
+    source's other axis and is transposed; a RoPE reorder permutes rows inside each head). A block-FP8 weight
+    (:mod:`reshard.io.fp8`) is dequantised into ``dtype`` (the target's; None: fp32) band by band, the other
+    tensors come in their stored dtype."""
     if op.interleave:
-        return rope_rows(read_op(replace(op, interleave=0), axis, files), op.interleave)
+        return rope_rows(read_op(replace(op, interleave=0), axis, files, dtype, allow_overflow), op.interleave)
     if op.src_block is not None:  # the slice within one block of a stacked source (rows: of that block)
         data = files[op.source].read_block(op.tensor, op.src_block, op.source_axis(axis) - 1, op.src_start,
                                            op.length, op.rows)
+    elif is_dequantized(files, op.source, op.tensor):
+        data = files[op.source].read(op.tensor, op.source_axis(axis), op.src_start, op.length, op.rows, dtype,
+                                     allow_overflow)
     else:
         data = files[op.source].read(op.tensor, op.source_axis(axis), op.src_start, op.length, op.rows)
     return data.t() if op.transposed else data

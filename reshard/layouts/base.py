@@ -29,7 +29,8 @@ SIDE_FILES = (
 TARGET_OPTIONS = {"ep": ("--ep", 1), "etp": ("--etp", None), "expert_parallel": ("--expert-parallel", False),
                   "moe_grouped_gemm": ("--moe-grouped-gemm", False), "megatron_spec": ("--megatron-spec", None),
                   "vocab_divisor": ("--make-vocab-size-divisible-by", None),
-                  "max_shard_size": ("--max-shard-size", None)}
+                  "max_shard_size": ("--max-shard-size", None),
+                  "keep_fp8": ("--keep-fp8", False)}
 
 
 @dataclass
@@ -52,6 +53,7 @@ class Options:
     allow_replica_mismatch: bool = False
     allow_lossy_config: tuple[str, ...] = ()  # canonical config fields a target may drop (ConfigLoss)
     follow_symlinks: bool = False  # copy side files that are symlinks out of the source too
+    keep_fp8: bool = False  # HF -> HF: copy block-FP8 weights and their scales as they are (else dequantise)
 
 
 @dataclass

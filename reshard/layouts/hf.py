@@ -17,7 +17,7 @@ from reshard.core.pieces import StoredTensor
 from reshard.core.sharding import pack_members
 from reshard.core.model_config import ConfigLoss
 from reshard.errors import CheckpointError, PlanError
-from reshard.io import dtypes
+from reshard.io import dtypes, fp8
 from reshard.io.hf_files import BIN_INDEX, INDEX, is_other_format, is_weight_file, weight_files
 from reshard.io.partial import replace_with_text
 from reshard.io.regular import open_regular
@@ -52,16 +52,10 @@ def read_config(path: str) -> dict:
     return read_json_object(os.path.join(path, "config.json"), "an HF checkpoint")
 
 
-def check_unquantized(where: str, config: dict, files: list[TensorFile]) -> None:
-    """Refuse a quantized checkpoint by name (reshard moves full-precision weights)."""
-    quant = config.get("quantization_config")
-    method = quant.get("quant_method", "unknown method") if isinstance(quant, dict) else None
-    fp8 = next((f"{n} ({loc.dtype})" for f in files for n, loc in f.tensors.items() if loc.dtype.startswith("F8")),
-               None)
-    if method or fp8:
-        what = f"quantization_config: {method}" if method else f"tensor {fp8}"
-        raise CheckpointError(f"{where} is a quantized checkpoint ({what}); reshard converts unquantized "
-                              "weights: dequantize it first, or convert the original bf16/fp16 release")
+def check_unquantized(where: str, config: dict, files: list[TensorFile]) -> fp8.Fp8View | None:
+    """Refuse a quantized checkpoint by name, except block FP8 (:func:`reshard.io.fp8.find_fp8`: its FP8 weights
+    and their ``_scale_inv`` partners, returned; None for an unquantized checkpoint)."""
+    return fp8.find_fp8(where, config, files)
 
 
 def custom_code_files(path: str, config: dict) -> list[str]:
@@ -117,15 +111,25 @@ def open_source(path: str, opts: Options) -> Source:
 def build_source(path: str, config: dict, files: list[TensorFile], opts: Options, side_files: list[str]) -> Source:
     """The canonical view of HF tensor files whose headers are already parsed (local files or remote headers)."""
     architecture = architecture_of(config, opts, os.path.join(path, "config.json"))
-    check_unquantized(path, config, files)
+    quantized = check_unquantized(path, config, files)
     family = family_for_architecture(architecture, opts.mapping)
     notes = relabel_notes(config, architecture)
+    if opts.keep_fp8 and quantized is None:
+        raise PlanError(f"--keep-fp8: {path} has no FP8 weights; drop --keep-fp8")
+    if quantized is not None:
+        notes.append(fp8.note(quantized, None if opts.keep_fp8 else dtypes.torch_name(opts.dtype or "BF16")))
+        if not opts.keep_fp8:  # the output holds dequantised weights: it is not a quantized checkpoint
+            config = {k: v for k, v in config.items() if k != "quantization_config"}
+            files = fp8.wrap(files, quantized)
     config, dropped_settings = without_dropped_settings(config, family, opts.allow_lossy_config)
     notes += dropped_settings
     paths = [f.path for f in files]
     where: dict[str, int] = {}
+    scales = quantized.scales if quantized else set()
     for i, f in enumerate(files):
         for name in f.tensors:
+            if name in scales:
+                continue
             if name in where:
                 raise CheckpointError(f"tensor '{name}' is stored twice ({paths[where[name]]} and {paths[i]})")
             where[name] = i
@@ -166,7 +170,7 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
         loc = files[where[name]].tensors[tensor.name]
         check_shape(paths[where[name]], name, loc.shape, tensor.shape)
         for piece in tensor.pieces:
-            model.dtypes[piece.canonical] = loc.dtype
+            model.dtypes[piece.canonical] = "BF16" if loc.dtype == fp8.FP8 and not opts.keep_fp8 else loc.dtype
         stored.append((where[name], tensor))
     if tied and has_output:  # a tied model that still stores its head: a replica of the embedding, checked
         spec = next(s for s in family.weights if s.hf == output_spec.tied_to)
@@ -177,8 +181,13 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
     if extra:
         raise CheckpointError(f"{path}: tensor '{sorted(extra)[0]}' does not fit the config "
                               f"({model.num_layers} layers); the config does not match the weights")
+    info = {"config": config, "notes": notes}
+    if quantized is not None:
+        info["fp8"] = quantized.describe(None if opts.keep_fp8 else "bfloat16")
+        if opts.keep_fp8:
+            fp8.add_scales(model, quantized, stored, {t.name: t.pieces[0].canonical for _, t in stored})
     return Source(layout=NAME, root=path, model=model, files=files, stored=stored,
-                  degrees={"tp": 1, "pp": 1}, info={"config": config, "notes": notes}, side_files=side_files)
+                  degrees={"tp": 1, "pp": 1}, info=info, side_files=side_files)
 
 
 def _add_optional_prefix(family, where: dict[str, int]) -> dict[str, str]:
@@ -239,9 +248,9 @@ def targets(model: CanonicalModel, opts: Options) -> list[TargetSpec]:
     """The HF tensors (:func:`hf_tensors`) in canonical order, packed into shards of at most ``max_shard_size``
     bytes."""
     def nbytes(t: StoredTensor) -> int:
-        return dtypes.itemsize(opts.dtype or model.dtypes[t.pieces[0].canonical]) * math.prod(t.shape)
+        return dtypes.itemsize(t.dtype or opts.dtype or model.dtypes[t.pieces[0].canonical]) * math.prod(t.shape)
 
-    shards = pack_by_size(hf_tensors(model), nbytes, opts.max_shard_size)
+    shards = pack_by_size(fp8.keep_dtypes(model, hf_tensors(model)), nbytes, opts.max_shard_size)
     if len(shards) == 1:
         names = ["model.safetensors"]
     else:
@@ -311,7 +320,7 @@ class HFLayout(Layout):
     rank_loader = "reshard.verification.forward.sliced_rank:SlicedRankStream"
     completion_markers = (INDEX, "model.safetensors")
     remote_headers = True
-    uses_options = frozenset({"max_shard_size"})
+    uses_options = frozenset({"max_shard_size", "keep_fp8"})
 
     def detect(self, names) -> bool:
         return "config.json" in names and any(is_weight_file(n) for n in names)
@@ -333,3 +342,6 @@ class HFLayout(Layout):
 
     def remote_files(self, names: list[str], read_text) -> list[str]:
         return remote_weight_files(names, read_text)
+
+    def describe(self, source: Source) -> dict:
+        return {"quantization": source.info["fp8"]} if "fp8" in source.info else {}
