@@ -18,24 +18,46 @@ from reshard.errors import MappingError
 
 SPLIT_KINDS = ("replicated", "column", "row", "vocab", "qkv", "gate_up")
 PACK_SLOTS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
+#: Replicated weights may share one fused name in a layout (vLLM's ``fused_qkv_a_proj`` = ``[q_a; kv_a]``): each
+#: names its place with a free-form ``slot``; the pack is the members whole, in declaration order, on dim 0.
+REPLICATED_PACK = "replicated"
 WEIGHT_KEYS = {
     "hf", "split", "slot", "shape", "optional", "tied_to", "stage", "role", "hf_stored", "hf_transposed", "layers",
-    "hf_fused",
+    "hf_fused", "when", "split_megatron_local", "dtype", "copy_of",
     "megatron", "megatron_te", "megatron_local", "megatron_sparse", "megatron_grouped", "megatron_legacy_grouped",
-    "vllm", "trtllm", "meta",
+    "vllm", "vllm_unfused", "trtllm", "meta",
 }
-TOP_KEYS = {"family", "dims", "hf", "moe", "megatron", "vllm", "decoder", "config", "weight"}
+TOP_KEYS = {"family", "dims", "hf", "moe", "mla", "mtp", "megatron", "vllm", "decoder", "config", "weight"}
 #: Mixture of Experts ([moe]): the dims symbol of the expert count and the config keys that say which layers are
-#: sparse (every ``sparse_step``-th, except ``dense_layers``; all when neither is set).
-MOE_KEYS = {"experts", "expert_ffn", "shared_ffn", "top_k", "renormalize", "sparse_step", "dense_layers"}
-LAYER_KINDS = ("all", "sparse", "dense")
+#: sparse (every ``sparse_step``-th, except ``dense_layers`` and the first ``dense_prefix``; all when none is set).
+#: Routing: ``score`` (``softmax`` | ``sigmoid``, fixed per family), ``groups`` / ``group_topk`` (the config keys
+#: of group-limited routing: experts in ``groups`` equal groups, the best ``group_topk`` groups by
+#: ``group_score`` kept), ``group_score`` (``top2_sum``: the sum of each group's two best bias-corrected scores;
+#: ``max``: its best score), ``group_switch`` (``{key, on, off}``: the config key whose value ``on`` turns the groups
+#: on and ``off`` leaves them unused, DeepSeek-V2's ``topk_method``), ``scaling`` (the config key of the factor the
+#: routed weights are multiplied by). A selection bias is the weight with role ``router_bias``. ``shared_count``:
+#: the dims symbol of the number of shared experts, each ``expert_ffn`` wide (DeepSeek's ``n_shared_experts``),
+#: instead of a ``shared_ffn`` width.
+MOE_KEYS = {"experts", "expert_ffn", "shared_ffn", "shared_count", "top_k", "renormalize", "sparse_step",
+            "dense_layers", "dense_prefix", "score", "groups", "group_topk", "group_score", "group_switch", "scaling"}
+GROUP_SWITCH_KEYS = {"key", "on", "off"}
+ROUTER_SCORES = ("softmax", "sigmoid")
+GROUP_SCORES = ("top2_sum", "max")
+#: Multi-head latent attention ([mla], DeepSeek-V2/V3): the dims symbols of the q LoRA rank (0: none, q_proj),
+#: the compressed KV rank, the no-RoPE and RoPE parts of each query/key head and the value head dim.
+MLA_KEYS = {"q_lora_rank", "kv_lora_rank", "nope_dim", "rope_dim", "v_dim"}
+#: Multi-token prediction ([mtp], DeepSeek-V3): the config key of the number of MTP layers, stored in HF after the
+#: decoder layers (``model.layers.{L + k}``) and holding every MoE-layer weight plus the ``layers = "mtp"`` ones.
+MTP_KEYS = {"layers"}
+LAYER_KINDS = ("all", "sparse", "dense", "mtp")
 HF_KEYS = {"ignore", "optional_prefix"}
 #: What a weight is to the forward verifier's decoder (verification/forward/rank_weights.py): per-layer roles
 #: are LayerWeights fields, the others RankWeights fields. A plain (ungated) MLP's first linear is ``up``.
 LAYER_ROLES = ("input_norm", "input_norm_bias", "q", "k", "v", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm",
                "o", "o_bias", "attn_output_norm", "post_norm", "post_norm_bias", "gate", "gate_bias", "up", "up_bias",
-               "down", "down_bias", "mlp_output_norm", "router", "expert_gate", "expert_up", "expert_down",
-               "shared_gate", "shared_up", "shared_down", "shared_expert_gate")
+               "down", "down_bias", "mlp_output_norm", "router", "router_bias", "expert_gate", "expert_up",
+               "expert_down", "shared_gate", "shared_up", "shared_down", "shared_expert_gate",
+               "q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm", "kv_b")
 MODEL_ROLES = ("embedding", "position_embedding", "final_norm", "final_norm_bias", "lm_head")
 FAMILY_KEYS = {"name", "description", "architectures"}
 DIM_KEYS = {"key", "default"}
@@ -151,16 +173,28 @@ class WeightSpec:
     vllm: str | None = None
     trtllm: str | None = None  # its name in a TensorRT-LLM checkpoint (packs share one fused name)
     meta: str | None = None  # its name in Meta's consolidated files
+    vllm_unfused: str | None = None  # its vLLM name when the other members of its vLLM pack are absent
+    when: str | None = None  # a config condition (:func:`config_condition`) without which the model lacks it
+    split_megatron_local: str | None = None  # its split in Megatron's local spec when that differs (MLA down-projs)
+    dtype: str | None = None  # a dtype every layout stores it in, whatever --dtype says (a router's fp32 bias)
+    copy_of: str | None = None  # an HF-only copy of this weight (MTP's embedding / head): not a canonical tensor
 
-    layers: str = "all"  # which layers hold it: all | sparse (MoE layers) | dense
+    layers: str = "all"  # which layers hold it: all | sparse (MoE layers) | dense | mtp (MTP layers only)
 
     @property
     def per_layer(self) -> bool:
         return "{layer}" in self.hf
 
-    def on_layer(self, sparse: bool) -> bool:
-        """Whether a layer holds this weight (``sparse``: it is a Mixture-of-Experts layer)."""
-        return self.layers == "all" or sparse == (self.layers == "sparse")
+    def on_layer(self, sparse: bool, mtp: bool = False) -> bool:
+        """Whether a layer holds this weight (``sparse``: it is a Mixture-of-Experts layer; ``mtp``: a
+        multi-token-prediction layer, which is a MoE layer plus its own ``mtp`` weights)."""
+        if self.layers == "mtp":
+            return mtp
+        return self.layers == "all" or (sparse or mtp) == (self.layers == "sparse")
+
+    def split_in(self, layout: str) -> str:
+        """Its split kind in ``layout`` (``megatron_local`` may differ from the others)."""
+        return self.split_megatron_local if layout == "megatron_local" and self.split_megatron_local else self.split
 
     @property
     def per_expert(self) -> bool:
@@ -210,20 +244,31 @@ class Family:
     hf_ignore: tuple[str, ...] = ()  # HF tensor templates dropped on read (buffers old files saved)
     hf_optional_prefix: str = ""  # a name prefix old files omit (GPT-2's "transformer."): read either way
     moe: dict = field(default_factory=dict)  # the [moe] table (MOE_KEYS)
+    mla: dict = field(default_factory=dict)  # the [mla] table (MLA_KEYS): dims symbols
+    mtp: dict = field(default_factory=dict)  # the [mtp] table (MTP_KEYS)
 
     def sparse_layers(self, config: dict, layers: int) -> tuple[int, ...]:
         """The layers whose MLP is a Mixture of Experts (none for a dense family): every ``sparse_step``-th
-        (1-based) except the ``dense_layers`` list, as transformers' Qwen2-MoE decides."""
+        (1-based) except the ``dense_layers`` list (transformers' Qwen2-MoE) and the first ``dense_prefix``
+        layers (DeepSeek's ``first_k_dense_replace``)."""
         if not self.moe:
             return ()
         step = int(config.get(self.moe["sparse_step"], 1) or 1) if "sparse_step" in self.moe else 1
         dense = set(config.get(self.moe["dense_layers"]) or ()) if "dense_layers" in self.moe else set()
-        return tuple(i for i in range(layers) if (i + 1) % step == 0 and i not in dense)
+        prefix = int(config.get(self.moe["dense_prefix"]) or 0) if "dense_prefix" in self.moe else 0
+        return tuple(i for i in range(layers) if (i + 1) % step == 0 and i not in dense and i >= prefix)
 
-    def holds(self, template: str, present_optional: set[str]) -> bool:
-        """Whether a model with the optional weights ``present_optional`` has weight ``template``."""
+    def mtp_count(self, config: dict) -> int:
+        """How many multi-token-prediction layers ``config`` declares (0 for a family without them)."""
+        return int(config.get(self.mtp["layers"]) or 0) if self.mtp else 0
+
+    def holds(self, template: str, present_optional: set[str], config: dict | None = None) -> bool:
+        """Whether a model with the optional weights ``present_optional`` (and ``config``, for weights with a
+        ``when`` condition) has weight ``template``."""
         spec = next((w for w in self.weights if w.hf == template), None)
-        return spec is not None and (not spec.optional or template in present_optional)
+        if spec is None or (spec.optional and template not in present_optional):
+            return False
+        return spec.when is None or config is None or config_condition(spec.when, config)
 
     def role_spec(self, role: str) -> WeightSpec | None:
         return next((w for w in self.weights if w.role == role), None)
@@ -260,6 +305,29 @@ class Family:
 
     def shape_of(self, spec: WeightSpec, dims: dict[str, int]) -> tuple[int, ...]:
         return tuple(evaluate(expr, dims) for expr in spec.shape)
+
+
+def config_condition(condition: str, config: dict) -> bool:
+    """A mapping's config condition: ``KEY`` (set and not null, 0 or false), ``!KEY`` (the opposite), or
+    ``KEY == 'value'`` / ``KEY != 'value'`` (a JSON string, number or bool compared with the key's value)."""
+    condition = condition.strip()
+    for op in ("==", "!="):
+        if op in condition:
+            key, literal = (part.strip() for part in condition.split(op, 1))
+            try:
+                value = ast.literal_eval(literal)
+            except (ValueError, SyntaxError):
+                raise MappingError(f"condition '{condition}': '{literal}' is not a string, number or bool") from None
+            return (config.get(key) == value) == (op == "==")
+    if condition.startswith("!"):
+        return not config.get(condition[1:].strip())
+    return bool(config.get(condition))
+
+
+def _check_condition(source: str, where: str, condition) -> None:
+    if not isinstance(condition, str) or not condition.strip().lstrip("!").split("=")[0].split("!")[0].strip():
+        raise MappingError(f"{source}: {where} condition {condition!r} must be 'KEY', '!KEY' or \"KEY == 'value'\"")
+    config_condition(condition, {})
 
 
 _ALLOWED_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
@@ -326,11 +394,36 @@ def parse_family(data: dict, source: str) -> Family:
     _check_keys(source, "[hf]", hf_table, HF_KEYS)
     moe = data.get("moe", {})
     _check_keys(source, "[moe]", moe, MOE_KEYS)
-    for key in ("experts", "expert_ffn", "shared_ffn"):
+    for key in ("experts", "expert_ffn", "shared_ffn", "shared_count"):
         if key in moe and moe[key] not in dims:
             raise MappingError(f"{source}: [moe] {key} must name a dims symbol{_suggest(str(moe[key]), dims)}")
     if moe and not {"experts", "expert_ffn", "top_k"} <= set(moe):
         raise MappingError(f"{source}: [moe] needs experts, expert_ffn (dims symbols) and top_k (a config key)")
+    if moe.get("score", "softmax") not in ROUTER_SCORES:
+        raise MappingError(f"{source}: [moe] score '{moe['score']}' is not one of {', '.join(ROUTER_SCORES)}")
+    if moe.get("group_score", "top2_sum") not in GROUP_SCORES:
+        raise MappingError(f"{source}: [moe] group_score '{moe['group_score']}' is not one of "
+                           f"{', '.join(GROUP_SCORES)}")
+    if ("groups" in moe) != ("group_topk" in moe):
+        raise MappingError(f"{source}: [moe] groups and group_topk go together (the config keys of group-limited "
+                           "routing)")
+    if "group_switch" in moe:
+        switch = moe["group_switch"]
+        if not isinstance(switch, dict) or set(switch) != GROUP_SWITCH_KEYS:
+            raise MappingError(f"{source}: [moe] group_switch must be a table with key, on and off")
+    if "shared_ffn" in moe and "shared_count" in moe:
+        raise MappingError(f"{source}: [moe] shared_ffn and shared_count are two ways to say one width: keep one")
+    mla = data.get("mla", {})
+    _check_keys(source, "[mla]", mla, MLA_KEYS)
+    if mla and set(mla) != MLA_KEYS:
+        raise MappingError(f"{source}: [mla] needs {', '.join(sorted(MLA_KEYS - set(mla)))}")
+    for key, symbol in mla.items():
+        if symbol not in dims:
+            raise MappingError(f"{source}: [mla] {key} must name a dims symbol{_suggest(str(symbol), dims)}")
+    mtp = data.get("mtp", {})
+    _check_keys(source, "[mtp]", mtp, MTP_KEYS)
+    if mtp and not isinstance(mtp.get("layers"), str):
+        raise MappingError(f"{source}: [mtp] layers must name the config key of the MTP layer count")
     decoder = _parse_decoder(data.get("decoder", {}), source)
     config = _parse_config(data.get("config", {}), source, tuple(fam["architectures"]))
 
@@ -347,8 +440,18 @@ def parse_family(data: dict, source: str) -> Family:
         slots = PACK_SLOTS.get(w["split"])
         if slots and w.get("slot") not in slots:
             raise MappingError(f"{source}: {where} needs slot one of {', '.join(slots)} for split '{w['split']}'")
-        if not slots and "slot" in w:
+        if not slots and "slot" in w and w["split"] != REPLICATED_PACK:
             raise MappingError(f"{source}: {where} has a slot but split '{w['split']}' does not pack")
+        if w.get("split_megatron_local") not in (None, "replicated", "column", "row"):
+            raise MappingError(f"{source}: {where} split_megatron_local must be replicated, column or row")
+        if "when" in w:
+            _check_condition(source, where, w["when"])
+        if w.get("dtype") not in (None, "F32", "BF16", "F16"):
+            raise MappingError(f"{source}: {where} dtype must be a safetensors dtype name (F32, BF16, F16)")
+        if w.get("layers") == "mtp" and not mtp:
+            raise MappingError(f"{source}: {where} is an MTP weight (layers = 'mtp') but the file has no [mtp] table")
+        if "copy_of" in w and w.get("layers") != "mtp":
+            raise MappingError(f"{source}: {where} copy_of is for the copies MTP layers store (layers = 'mtp')")
         for expr in w["shape"]:
             unknown = _names_in(str(expr)) - set(dims)
             if unknown:
@@ -383,7 +486,7 @@ def parse_family(data: dict, source: str) -> Family:
         seen.add(w["hf"])
         te = w.get("megatron_te", w.get("megatron"))
         local = w.get("megatron_local", w.get("megatron"))
-        if te is None or local is None:
+        if (te is None or local is None) and not w.get("copy_of"):
             raise MappingError(f"{source}: {where} needs 'megatron' (or both 'megatron_te' and 'megatron_local')")
         weights.append(WeightSpec(
             hf=w["hf"], split=w["split"], shape=tuple(str(s) for s in w["shape"]), slot=w.get("slot"),
@@ -392,7 +495,9 @@ def parse_family(data: dict, source: str) -> Family:
             layers=w.get("layers", "all"), hf_fused=w.get("hf_fused"),
             megatron_te=te, megatron_local=local, megatron_sparse=w.get("megatron_sparse"),
             megatron_grouped=w.get("megatron_grouped"), megatron_legacy_grouped=w.get("megatron_legacy_grouped"),
-            vllm=w.get("vllm"), trtllm=w.get("trtllm"), meta=w.get("meta"),
+            vllm=w.get("vllm"), trtllm=w.get("trtllm"), meta=w.get("meta"), vllm_unfused=w.get("vllm_unfused"),
+            when=w.get("when"), split_megatron_local=w.get("split_megatron_local"), dtype=w.get("dtype"),
+            copy_of=w.get("copy_of"),
         ))
     roles = [w.role for w in weights if w.role]
     if len(roles) != len(set(roles)):
@@ -402,13 +507,15 @@ def parse_family(data: dict, source: str) -> Family:
     for w in weights:
         if w.tied_to and w.tied_to not in names:
             raise MappingError(f"{source}: {w.hf} is tied to unknown weight '{w.tied_to}'")
+        if w.copy_of and w.copy_of not in names:
+            raise MappingError(f"{source}: {w.hf} is a copy of unknown weight '{w.copy_of}'")
     _check_packs(weights, source)
     return Family(name=fam["name"], description=fam.get("description", ""),
                   architectures=tuple(fam["architectures"]), dims=dims, weights=tuple(weights),
                   extra_state=extra_state, source=source, vllm_scales=vllm_scales, decoder=decoder,
                   config=config, hf_ignore=tuple(hf_table.get("ignore", ())), moe=dict(moe),
                   hf_optional_prefix=hf_table.get("optional_prefix", ""),
-                  vllm_tied_name=vllm.get("tied_name"))
+                  vllm_tied_name=vllm.get("tied_name"), mla=dict(mla), mtp=dict(mtp))
 
 
 def _parse_decoder(table: dict, source: str) -> DecoderFeatures:
@@ -466,11 +573,18 @@ def _check_packs(weights: list[WeightSpec], source: str) -> None:
     for layout, name_of in namings:
         packs: dict[str, list[WeightSpec]] = {}
         for w in weights:
-            packs.setdefault(name_of(w), []).append(w)
+            if not w.copy_of:  # a copy has no name outside HF
+                packs.setdefault(name_of(w), []).append(w)
         for name, members in packs.items():
-            if len(members) == 1 and (not members[0].slot or layout in ("HF", "TensorRT-LLM")):
+            if len(members) == 1 and (not members[0].slot or layout in ("HF", "TensorRT-LLM")
+                                      or members[0].split == REPLICATED_PACK):
                 continue  # HF stores most packed weights unfused, TensorRT-LLM its gate and up apart
             kinds = {m.split for m in members}
+            if kinds == {REPLICATED_PACK}:
+                if any(not m.slot for m in members) or len({m.slot for m in members}) != len(members):
+                    raise MappingError(f"{source}: replicated weights {', '.join(m.hf for m in members)} share "
+                                       f"{layout} name '{name}': each needs a slot of its own")
+                continue
             if len(kinds) != 1 or next(iter(kinds)) not in PACK_SLOTS:
                 raise MappingError(f"{source}: weights {', '.join(m.hf for m in members)} share {layout} name "
                                    f"'{name}' but are not one qkv or gate_up pack")

@@ -210,7 +210,7 @@ def test_7_megatron_compute_args_are_not_ignored(arg, value, field, tmp_path):
 
 
 @pytest.mark.parametrize("arg, value", [("glu_linear_offset", 1.0), ("no_rope_freq", [1, 1]), ("qk_l2_norm", True),
-                                        ("squared_relu", True), ("moe_router_num_groups", 4)])
+                                        ("squared_relu", True), ("moe_router_topk_limited_devices", 4)])
 def test_7_args_reshard_does_not_carry_are_refused_on_read(arg, value, tmp_path):
     """megatron-core reads these (measured: glu_linear_offset 1.0 moves its logits by 1.8); a reader that ignores
     them would convert another function."""

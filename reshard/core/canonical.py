@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from reshard.core.model_config import ModelConfig
 from reshard.core.pieces import Piece, StoredTensor
 from reshard.errors import CheckpointError
-from reshard.mapping import Family, WeightSpec
+from reshard.mapping import Family, WeightSpec, config_condition
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,8 @@ class CanonicalModel:
     def vocab_size(self) -> int:
         return self.dims["V"]
 
-    sparse_layers: tuple[int, ...] = ()  # the Mixture-of-Experts layers
+    sparse_layers: tuple[int, ...] = ()  # the Mixture-of-Experts layers of the decoder
+    mtp_layers: tuple[int, ...] = ()  # the multi-token-prediction layers, indexed after the decoder's (L + k)
 
     @property
     def num_experts(self) -> int:
@@ -73,14 +74,20 @@ class CanonicalModel:
         return self.tensors.get(instance(spec.hf, layer, expert))
 
     def holds_layer(self, spec: WeightSpec, layer: int) -> bool:
-        """Whether ``layer`` has ``spec`` (sparse-only weights on MoE layers, dense-only ones elsewhere)."""
-        return spec.on_layer(layer in self.sparse_layers)
+        """Whether ``layer`` has ``spec`` (sparse-only weights on MoE layers, dense-only ones elsewhere, MTP
+        layers: MoE layers plus their own weights)."""
+        return spec.on_layer(layer in self.sparse_layers, layer in self.mtp_layers)
+
+    @property
+    def all_layers(self) -> range:
+        """The decoder layers, then the MTP layers."""
+        return range(self.num_layers + len(self.mtp_layers))
 
     def has_spec(self, spec: WeightSpec) -> bool:
         if not spec.per_layer:
             return self.get(spec, None) is not None
         return any(self.get(spec, layer, 0 if spec.per_expert else None) is not None
-                   for layer in range(self.num_layers) if self.holds_layer(spec, layer))
+                   for layer in self.all_layers if self.holds_layer(spec, layer))
 
 
 def instance(template: str, layer: int | None, expert: int | None = None) -> str:
@@ -90,11 +97,15 @@ def instance(template: str, layer: int | None, expert: int | None = None) -> str
     return template.format(layer=layer, expert=expert) if "{expert}" in template else template.format(layer=layer)
 
 
-def build_canonical(family: Family, config: dict, present_optional: set[str], tied: bool) -> CanonicalModel:
+def build_canonical(family: Family, config: dict, present_optional: set[str], tied: bool,
+                    mtp: int | None = None) -> CanonicalModel:
     """Lay out the canonical tensors of ``family`` for ``config``.
 
     ``present_optional`` holds the HF templates of optional weights the model has (e.g. q/k/v biases);
-    ``tied`` drops weights declared ``tied_to`` another (the output layer when embeddings are tied).
+    ``tied`` drops weights declared ``tied_to`` another (the output layer when embeddings are tied); weights
+    with a ``when`` condition exist where ``config`` meets it. ``mtp``: the number of multi-token-prediction
+    layers kept (default: what the config declares), laid out after the decoder layers; their ``copy_of``
+    weights are HF-only copies, not canonical tensors.
     """
     dims = family.resolve_dims(config)
     for sym in ("L", "V"):
@@ -109,16 +120,19 @@ def build_canonical(family: Family, config: dict, present_optional: set[str], ti
     def wanted(spec: WeightSpec) -> bool:
         if spec.optional and spec.hf not in present_optional:
             return False
-        return not (spec.tied_to and tied)
+        if spec.when and not config_condition(spec.when, config):
+            return False
+        return not (spec.tied_to and tied) and not spec.copy_of
 
     for spec in family.weights:
         if spec.stage == "first" and wanted(spec):
             add(spec, None)
     sparse = family.sparse_layers(config, dims["L"])
     experts = dims[family.moe["experts"]] if family.moe else 0
-    for layer in range(dims["L"]):
+    mtp_layers = tuple(range(dims["L"], dims["L"] + (family.mtp_count(config) if mtp is None else mtp)))
+    for layer in range(dims["L"] + len(mtp_layers)):
         for spec in family.weights:
-            if not (spec.per_layer and wanted(spec) and spec.on_layer(layer in sparse)):
+            if not (spec.per_layer and wanted(spec) and spec.on_layer(layer in sparse, layer in mtp_layers)):
                 continue
             for expert in range(experts) if spec.per_expert else [None]:
                 add(spec, layer, expert)
@@ -126,7 +140,7 @@ def build_canonical(family: Family, config: dict, present_optional: set[str], ti
         if spec.stage == "last" and wanted(spec):
             add(spec, None)
     return CanonicalModel(family=family, config=dict(config), dims=dims, tensors=tensors, tied=tied,
-                          sparse_layers=sparse)
+                          sparse_layers=sparse, mtp_layers=mtp_layers)
 
 
 @functools.lru_cache(maxsize=None)

@@ -21,7 +21,15 @@ residual add), ``attn_softcap`` / ``final_softcap`` (``cap * tanh(x / cap)`` on 
 experts (0: dense), ``experts_per_token`` (top-k), ``expert_ffn`` (each expert's intermediate size),
 ``router_renormalize`` (the top-k softmax weights renormalised to sum to 1, else taken from the softmax over all
 experts), ``moe_layers`` (``None``: every layer), ``shared_expert_ffn`` (0: none) and ``shared_expert_gate`` (its
-output times ``sigmoid(x @ gate)``, Qwen2-MoE).
+output times ``sigmoid(x @ gate)``, Qwen2-MoE). Routing: ``router_score`` (``softmax`` or ``sigmoid`` of the router
+logits), ``router_bias`` (a per-expert bias added to the scores for the choice of experts only, DeepSeek-V3's
+``e_score_correction_bias``), ``router_groups`` / ``router_group_topk`` (group-limited routing: the experts in
+``router_groups`` equal groups, the choice restricted to the ``router_group_topk`` best groups by
+``router_group_score``: ``topN_sum`` the sum of each group's N best choice scores, ``max`` its best), and
+``router_scaling`` (the routed weights' factor). Multi-head latent attention (DeepSeek, ``kv_lora_rank`` > 0):
+``q_lora_rank`` (0: a plain q projection), ``kv_lora_rank``, ``rope_head_dim`` (the RoPE part of each q / k head,
+whose pairs ``(2i, 2i+1)`` rotate) and ``v_head_dim``; ``head_dim`` is then the no-RoPE part. ``mtp_layers``:
+multi-token-prediction layers after the decoder (not part of the main model's function; kept or dropped).
 """
 
 from __future__ import annotations
@@ -39,7 +47,9 @@ SEMANTIC_FIELDS = ("architecture", "hidden", "layers", "heads", "kv_heads", "hea
                    "mlp_bias", "tied", "residual_post_norm", "position", "gated_mlp", "qk_norm", "norm_offset",
                    "embedding_scaled", "sandwich_norm", "attn_softcap", "final_softcap", "query_scale",
                    "rope_local_theta", "experts", "experts_per_token", "expert_ffn", "router_renormalize",
-                   "moe_layers", "shared_expert_ffn", "shared_expert_gate")
+                   "moe_layers", "shared_expert_ffn", "shared_expert_gate", "router_score", "router_bias",
+                   "router_groups", "router_group_topk", "router_group_score", "router_scaling", "q_lora_rank",
+                   "kv_lora_rank", "rope_head_dim", "v_head_dim", "mtp_layers")
 
 #: config.json keys known to change what a model computes that reshard's canonical config has no field for
 #: (Granite's multipliers, Cohere's logit scale and q/k norm, MiniCPM's scales, Gemma's soft-capping and query
@@ -97,6 +107,22 @@ class ModelConfig:
     moe_layers: tuple[int, ...] | None = None
     shared_expert_ffn: int = 0
     shared_expert_gate: bool = False
+    router_score: str = "softmax"
+    router_bias: bool = False
+    router_groups: int = 1
+    router_group_topk: int = 1
+    router_group_score: str | None = None  # top2_sum | topN_sum | max, when router_groups > 1
+    router_scaling: float = 1.0
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    rope_head_dim: int = 0
+    v_head_dim: int = 0
+    mtp_layers: int = 0
+
+    @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V2/V3)."""
+        return self.kv_lora_rank > 0
 
     @property
     def rope_type(self) -> str:

@@ -206,12 +206,14 @@ def pack_members(model: CanonicalModel, spec: WeightSpec, layer: int | None,
 
 
 def rank_slice(name: str, spec: WeightSpec, members: list[CanonicalTensor], rank: int, tp: int, groups: int,
-               padded_vocab: int, qkv_rule: QkvRule) -> StoredTensor:
-    """Rank ``rank``'s stored tensor ``name`` of ``members`` (one weight or a qkv / gate_up pack) by split kind."""
-    kind = spec.split
+               padded_vocab: int, qkv_rule: QkvRule, kind: str | None = None) -> StoredTensor:
+    """Rank ``rank``'s stored tensor ``name`` of ``members`` (one weight, a qkv / gate_up pack, or a pack of
+    replicated weights stored whole one after another) by split kind (``kind``: the layout's own, default the
+    spec's)."""
+    kind = kind or spec.split
     first = members[0]
     if kind == "replicated":
-        pieces = [Piece(first.name, 0, first.shape[first.axis])]
+        pieces = [Piece(m.name, 0, m.shape[m.axis]) for m in members]
     elif kind in ("column", "row"):
         pieces = even_pieces(first, rank, tp)
     elif kind == "vocab":

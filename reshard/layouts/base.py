@@ -129,7 +129,8 @@ def stored_dtype(model: CanonicalModel, tensor: StoredTensor, opts: Options, def
     """The dtype a target tensor is written in: its own fixed dtype (constants), else --dtype, else the dtype of
     the source tensor it comes from (``default`` for one without a canonical source)."""
     canon = next((p.canonical for p in tensor.pieces if p.canonical), None)
-    return tensor.dtype or opts.dtype or model.dtypes.get(canon, default)
+    pinned = model.tensors[canon].spec.dtype if canon in model.tensors else None  # a router's fp32 bias
+    return tensor.dtype or pinned or opts.dtype or model.dtypes.get(canon, default)
 
 
 def pack_by_size(tensors: list, nbytes_of, limit: int) -> list[list]:

@@ -157,12 +157,20 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
     if output_spec and "tie_word_embeddings" not in config and not has_output:
         notes.append(f"config.json has no tie_word_embeddings and there is no {output_spec.hf_name}: taken as tied "
                      "(transformers' default is untied; add \"tie_word_embeddings\": true to say so)")
-    model = build_canonical(family, config, present, tied)
-    model.meaning = read_meaning(config, family, architecture, model.dims, present, tied, path)
+    mtp = _mtp_layers_held(family, config, where, notes)
+    model = build_canonical(family, config, present, tied, mtp)
+    model.meaning = read_meaning(config, family, architecture, model.dims, present, tied, path).replace(
+        mtp_layers=len(model.mtp_layers))
     stored = []
     for tensor in hf_tensors(model, fused):
         name = tensor.name
         if name not in where:
+            layer = next((t.layer for p in tensor.pieces for t in [model.tensors.get(p.canonical)] if t), None)
+            if layer is not None and layer in model.mtp_layers:
+                raise CheckpointError(f"{path}: MTP layer {layer} (multi-token prediction) is partly present: "
+                                      f"tensor '{name}' is missing; complete the checkpoint, or set "
+                                      f"{family.mtp['layers']} to {layer - model.num_layers} in config.json to "
+                                      "read it without its MTP layers")
             raise CheckpointError(f"{path}: tensor '{name}' is missing (the config has "
                                   f"{model.num_layers} layers; is the checkpoint complete?)")
         if name in file_names:  # stored without the optional prefix: read under the file's own name
@@ -172,6 +180,11 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
         for piece in tensor.pieces:
             model.dtypes[piece.canonical] = "BF16" if loc.dtype == fp8.FP8 and not opts.keep_fp8 else loc.dtype
         stored.append((where[name], tensor))
+    for copy in mtp_copies(model):  # an MTP layer's embedding and head: replicas of the main ones, checked
+        if copy.name not in where:
+            raise CheckpointError(f"{path}: MTP tensor '{copy.name}' is missing; complete the checkpoint")
+        check_shape(paths[where[copy.name]], copy.name, files[where[copy.name]].tensors[copy.name].shape, copy.shape)
+        stored.append((where[copy.name], copy))
     if tied and has_output:  # a tied model that still stores its head: a replica of the embedding, checked
         spec = next(s for s in family.weights if s.hf == output_spec.tied_to)
         stored.append((where[output_spec.hf_name], model.tensors[spec.hf].whole(output_spec.hf_name,
@@ -188,6 +201,34 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
             fp8.add_scales(model, quantized, stored, {t.name: t.pieces[0].canonical for _, t in stored})
     return Source(layout=NAME, root=path, model=model, files=files, stored=stored,
                   degrees={"tp": 1, "pp": 1}, info=info, side_files=side_files)
+
+
+def _mtp_layers_held(family, config: dict, where: dict[str, int], notes: list[str]) -> int:
+    """How many of the MTP layers ``config`` declares the files hold: all of them, or none when no tensor of
+    those layers is stored (transformers' ``save_pretrained`` keeps ``num_nextn_predict_layers`` but writes no
+    MTP tensors), with a note; a partly stored set is refused when its missing tensors are looked up."""
+    declared = family.mtp_count(config)
+    if not declared:
+        return 0
+    layers = int(config[family.dim_key("L")])
+    held = {int(n.split(".")[2]) for n in where if n.startswith("model.layers.") and n.split(".")[2].isdigit()}
+    if not held & set(range(layers, layers + declared)):
+        notes.append(f"config.json declares {declared} MTP layer(s) ({family.mtp['layers']}) but the files hold no "
+                     "tensor of them (as transformers' save_pretrained writes): read as having none; every output "
+                     f"says {family.mtp['layers']} = 0")
+        return 0
+    return declared
+
+
+def mtp_copies(model: CanonicalModel) -> list[StoredTensor]:
+    """The copies HF stores in each MTP layer (``copy_of`` weights: the embedding and the head), each the main
+    tensor whole under the copy's name."""
+    out = []
+    for layer in model.mtp_layers:
+        for spec in model.family.weights:
+            if spec.copy_of and spec.copy_of in model.tensors:
+                out.append(model.tensors[spec.copy_of].whole(instance(spec.hf, layer)))
+    return out
 
 
 def _add_optional_prefix(family, where: dict[str, int]) -> dict[str, str]:
@@ -225,7 +266,7 @@ def hf_tensors(model: CanonicalModel, fused: bool = False) -> list[StoredTensor]
             continue
         name = instance(spec.hf_name, tensor.layer, tensor.expert)
         out.append(stored_whole(name, members, spec.hf_transposed))
-    return out
+    return out + mtp_copies(model)
 
 
 def _fused(model: CanonicalModel, tensor) -> StoredTensor | None:

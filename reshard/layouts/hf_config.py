@@ -157,9 +157,11 @@ def read_meaning(config: dict, family: Family, architecture: str, dims: dict[str
     def value(key: str | None) -> float | None:
         return float(config[key]) if key and config.get(key) is not None else None
 
+    mla = {field: dims[family.mla[key]] for field, key in MLA_FIELDS} if family.mla else {}
+    head_dim = mla.pop("head_dim") if mla else dims.get("d", dims["H"] // dims["nh"])
     return ModelConfig(
         architecture=architecture, hidden=dims["H"], layers=dims["L"], heads=dims["nh"],
-        kv_heads=dims.get("ng", dims["nh"]), head_dim=dims.get("d", dims["H"] // dims["nh"]), ffn=dims.get("F", 0),
+        kv_heads=dims.get("ng", dims["nh"]), head_dim=head_dim, ffn=dims.get("F", 0),
         vocab=dims["V"], max_positions=config.get(family.config.max_positions), norm=family.decoder.norm,
         norm_eps=float(config.get(family.config.norm_eps, 1e-6)), activation=ACTIVATIONS.get(act, act),
         rope_theta=theta, rope_scaling=scaling, rotary_fraction=fraction, sliding_window=window,
@@ -170,10 +172,22 @@ def read_meaning(config: dict, family: Family, architecture: str, dims: dict[str
         sandwich_norm=family.role_spec("attn_output_norm") is not None, attn_softcap=value(spelt.attn_softcap),
         final_softcap=value(spelt.final_softcap), query_scale=value(spelt.query_scale),
         rope_local_theta=_local_theta(config, family, theta, where) if position == "rope" else None,
-        **_read_moe(config, family, dims))
+        mtp_layers=family.mtp_count(config), **mla, **_read_moe(config, family, dims, present, where))
 
 
-def _read_moe(config: dict, family: Family, dims: dict[str, int]) -> dict:
+#: ModelConfig's multi-head latent attention fields and the [mla] keys naming their dims symbols.
+MLA_FIELDS = (("q_lora_rank", "q_lora_rank"), ("kv_lora_rank", "kv_lora_rank"), ("head_dim", "nope_dim"),
+              ("rope_head_dim", "rope_dim"), ("v_head_dim", "v_dim"))
+
+
+def _required(config: dict, key: str, where: str):
+    if config.get(key) is None:
+        raise CheckpointError(f"{where}: config.json has no {key}, which the router needs; add it (the value the "
+                              "model was trained with)")
+    return config[key]
+
+
+def _read_moe(config: dict, family: Family, dims: dict[str, int], present: set[str], where: str) -> dict:
     """The Mixture-of-Experts fields of an HF config, as the family's [moe] table spells them."""
     moe = family.moe
     if not moe:
@@ -183,10 +197,81 @@ def _read_moe(config: dict, family: Family, dims: dict[str, int]) -> dict:
         renormalize = bool(config.get(renormalize, False))
     sparse = family.sparse_layers(config, dims["L"])
     shared = dims.get(moe["shared_ffn"], 0) if "shared_ffn" in moe else 0
+    if "shared_count" in moe:
+        shared = dims[moe["expert_ffn"]] * dims[moe["shared_count"]]
+    routing = {}
+    bias = family.role_spec("router_bias")
+    if bias is not None and family.holds(bias.hf, present, config):
+        routing["router_bias"] = True
+    switch = moe.get("group_switch")
+    if "groups" in moe and (switch is None or config.get(switch["key"]) == switch["on"]):
+        groups, topk = int(_required(config, moe["groups"], where)), int(_required(config, moe["group_topk"], where))
+        if groups > 1:
+            if dims[moe["experts"]] % groups or not 1 <= topk <= groups:
+                raise CheckpointError(f"{where}: {moe['groups']} = {groups} and {moe['group_topk']} = {topk} do not "
+                                      f"form groups of the {dims[moe['experts']]} experts; fix the config")
+            routing.update(router_groups=groups, router_group_topk=topk,
+                           router_group_score=moe.get("group_score", "top2_sum"))
+    if switch is not None and config.get(switch["key"]) not in (switch["on"], switch["off"]):
+        raise CheckpointError(f"{where}: config.json sets {switch['key']} = {json.dumps(config.get(switch['key']))}; "
+                              f"{family.name} routes with {switch['off']!r} or {switch['on']!r}")
+    if "scaling" in moe:
+        routing["router_scaling"] = float(_required(config, moe["scaling"], where))
     return dict(experts=dims[moe["experts"]], experts_per_token=int(config[moe["top_k"]]),
                 expert_ffn=dims[moe["expert_ffn"]], router_renormalize=renormalize,
                 moe_layers=None if sparse == tuple(range(dims["L"])) else sparse, shared_expert_ffn=shared,
-                shared_expert_gate=bool(shared) and family.role_spec("shared_expert_gate") is not None)
+                shared_expert_gate=bool(shared) and family.role_spec("shared_expert_gate") is not None,
+                router_score=moe.get("score", "softmax"), **routing)
+
+
+def _write_routing(c: dict, meaning: ModelConfig, family: Family, loss: ConfigLoss) -> None:
+    """The router's scores, selection bias, groups and scaling as the family's [moe] table spells them."""
+    moe = family.moe
+    arch = meaning.architecture
+    if meaning.router_score != moe.get("score", "softmax"):
+        loss.cannot("router_score", meaning.router_score, f"{arch}'s router scores with {moe.get('score', 'softmax')}")
+    bias = family.role_spec("router_bias")
+    if meaning.router_bias and bias is None:
+        loss.cannot("router_bias", True, f"{arch}'s router has no selection bias")
+    elif bias is not None and not meaning.router_bias and bias.when is None:
+        loss.cannot("router_bias", False, f"{arch}'s router always adds its selection bias")
+    switch = moe.get("group_switch")
+    if meaning.router_groups > 1:
+        if "groups" not in moe:
+            loss.cannot("router_groups", meaning.router_groups, f"{arch} has no group-limited routing")
+        elif meaning.router_group_score != moe.get("group_score", "top2_sum"):
+            loss.cannot("router_group_score", meaning.router_group_score, f"{arch} ranks groups by "
+                        f"{moe.get('group_score', 'top2_sum')}")
+        else:
+            c[moe["groups"]], c[moe["group_topk"]] = meaning.router_groups, meaning.router_group_topk
+    elif "groups" in moe:
+        c[moe["groups"]], c[moe["group_topk"]] = 1, 1
+    if switch is not None:
+        c[switch["key"]] = switch["on"] if meaning.router_groups > 1 else switch["off"]
+    if "scaling" in moe:
+        c[moe["scaling"]] = meaning.router_scaling
+    elif meaning.router_scaling != 1.0:
+        loss.cannot("router_scaling", meaning.router_scaling, f"{arch} does not scale its routed weights")
+    if "dense_prefix" in moe:
+        sparse = meaning.sparse_layers()
+        prefix = min(sparse) if sparse else meaning.layers
+        if sparse != tuple(range(prefix, meaning.layers)):
+            loss.cannot("moe_layers", list(sparse), f"{arch} has dense layers only before its MoE layers")
+        c[moe["dense_prefix"]] = prefix
+
+
+def _write_mla(c: dict, meaning: ModelConfig, family: Family, loss: ConfigLoss) -> None:
+    """Multi-head latent attention's dims (a null q_lora_rank for a plain q projection), or the loss of them."""
+    if not family.mla:
+        if meaning.mla:
+            loss.cannot("kv_lora_rank", meaning.kv_lora_rank, f"{meaning.architecture} has no latent attention")
+        return
+    if not meaning.mla:
+        loss.cannot("kv_lora_rank", 0, f"{meaning.architecture} computes latent attention")
+        return
+    for field, key in MLA_FIELDS:
+        value = getattr(meaning, field)
+        c[family.dim_key(family.mla[key], c)] = value if value or field != "q_lora_rank" else None
 
 
 def _write_moe(c: dict, meaning: ModelConfig, family: Family, loss: ConfigLoss) -> None:
@@ -198,11 +283,20 @@ def _write_moe(c: dict, meaning: ModelConfig, family: Family, loss: ConfigLoss) 
     for field, symbol in (("experts", moe["experts"]), ("expert_ffn", moe["expert_ffn"]),
                           ("shared_expert_ffn", moe.get("shared_ffn"))):
         value = getattr(meaning, field)
+        if field == "shared_expert_ffn" and "shared_count" in moe:
+            continue
         if symbol is None:
             if value:
                 loss.cannot(field, value, f"{meaning.architecture} has no such setting")
             continue
         c[family.dim_key(symbol, c)] = value
+    if "shared_count" in moe:
+        count, rest = divmod(meaning.shared_expert_ffn, meaning.expert_ffn or 1)
+        if rest:
+            loss.cannot("shared_expert_ffn", meaning.shared_expert_ffn, f"{meaning.architecture}'s shared experts are "
+                        f"each {meaning.expert_ffn} wide")
+        c[family.dim_key(moe["shared_count"], c)] = count
+    _write_routing(c, meaning, family, loss)
     c[moe["top_k"]] = meaning.experts_per_token
     renormalize = moe.get("renormalize", False)
     if isinstance(renormalize, str):
@@ -218,7 +312,7 @@ def _write_moe(c: dict, meaning: ModelConfig, family: Family, loss: ConfigLoss) 
         c[moe["dense_layers"]] = [i for i in range(meaning.layers) if i not in sparse]
         if "sparse_step" in moe:
             c[moe["sparse_step"]] = 1
-    elif sparse != tuple(range(meaning.layers)):
+    elif sparse != tuple(range(meaning.layers)) and "dense_prefix" not in moe:
         loss.cannot("moe_layers", list(sparse), f"{meaning.architecture} has experts on every layer")
 
 
@@ -244,7 +338,10 @@ def write_config(meaning: ModelConfig, base: dict | None, family: Family, loss: 
         written[key] = (field, value)
         c[key] = value
     head_key = family.dim_key("d", c)
-    if head_key is None:
+    _write_mla(c, meaning, family, loss)
+    if family.mla:
+        pass
+    elif head_key is None:
         if meaning.head_dim != meaning.hidden // meaning.heads:
             loss.cannot("head_dim", meaning.head_dim, f"{meaning.architecture}'s head dim is always hidden / heads")
     elif head_key in c or meaning.head_dim != meaning.hidden // meaning.heads:
@@ -298,6 +395,13 @@ def write_config(meaning: ModelConfig, base: dict | None, family: Family, loss: 
             c[setting] = value
     _write_window(c, meaning, spelling.window, loss)
     _write_moe(c, meaning, family, loss)
+    if family.mtp:
+        c[family.mtp["layers"]] = meaning.mtp_layers
+    elif meaning.mtp_layers:
+        loss.cannot("mtp_layers", meaning.mtp_layers, f"{meaning.architecture} has no multi-token-prediction layers")
+    for key, wanted in spelling.requires:  # what the reader requires, spelt out for readers with other defaults
+        if key in c or family.mla:
+            c[key] = wanted
     return c
 
 

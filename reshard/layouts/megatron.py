@@ -73,8 +73,13 @@ def rank_tensors(model: CanonicalModel, tp: int, rank: int, layers: list[int], f
     grid = grid or ExpertGrid(etp=tp)
     out: list[StoredTensor] = []
 
+    kind_in = "megatron_local" if spec_name == "local" else "megatron"
+
     def emit(spec: WeightSpec, layer: int | None, local: int | None, name_spec: WeightSpec | None = None):
-        template = (name_spec or spec).megatron_name(spec_name, layer in model.sparse_layers, grid.grouped)
+        sparse = layer in model.sparse_layers or layer in model.mtp_layers
+        template = (name_spec or spec).megatron_name(spec_name, sparse, grid.grouped)
+        if layer in model.mtp_layers:
+            template = mtp_name(template, spec)
         if spec.per_expert and grid.legacy:
             out.extend(_legacy_grouped(model, spec, layer, local, rank, grid))
             return
@@ -91,11 +96,27 @@ def rank_tensors(model: CanonicalModel, tp: int, rank: int, layers: list[int], f
         if members is None:
             return
         name = template.format(layer=local) if local is not None else template
-        out.append(rank_slice(name, spec, members, rank, tp, groups, padded_vocab, megatron_qkv_pieces))
+        out.append(rank_slice(name, spec, members, rank, tp, groups, padded_vocab, megatron_qkv_pieces,
+                              spec.split_in(kind_in)))
 
     for name_spec, spec, layer, local in stage_weights(model, layers, first, last, tied_copy=not first):
         emit(spec, layer, local, name_spec)
+    if last:  # multi-token prediction lives on the last stage, after the output layer
+        for k, layer in enumerate(model.mtp_layers):
+            for spec in model.family.weights:
+                if spec.per_layer:
+                    emit(spec, layer, k)
     return out
+
+
+def mtp_name(template: str, spec: WeightSpec) -> str:
+    """The Megatron-Core name of a weight in MTP layer ``{layer}`` (its MTP index): its own ``mtp.layers.*`` name,
+    or, for a decoder-layer weight, ``mtp.layers.{layer}.transformer_layer.`` + its name in a decoder layer
+    (megatron-core 0.16's MultiTokenPredictionLayer; newer versions name the module ``mtp_model_layer`` but keep
+    ``transformer_layer`` on disk)."""
+    if spec.layers == "mtp":
+        return template
+    return template.replace("decoder.layers.{layer}.", "mtp.layers.{layer}.transformer_layer.", 1)
 
 
 def _legacy_grouped(model: CanonicalModel, spec: WeightSpec, layer: int, local: int, rank: int,
@@ -117,10 +138,31 @@ def _legacy_grouped(model: CanonicalModel, spec: WeightSpec, layer: int, local: 
                          stacked=True)]
 
 
-def extra_state_names(family: Family, spec_name: str, num_local_layers: int, tensor_names: list[str]) -> list[str]:
-    """``_extra_state`` keys of a rank: per-layer ones for each local layer, others where the module is held."""
+def extra_state_names(family: Family, spec_name: str, num_local_layers: int, tensor_names: list[str],
+                      mtp_layers: int = 0) -> list[str]:
+    """``_extra_state`` keys of a rank: per-layer ones for each local decoder layer and, on the last stage, each
+    MTP layer (a decoder template under ``mtp.layers.{k}.transformer_layer.``); a module with weights only where
+    the layer holds them (an MLA layer has linear_q_proj or linear_q_down_proj / linear_q_up_proj); others where
+    the module is held."""
     templates = family.extra_state.get(spec_name, ())
-    names = [t.format(layer=i) for i in range(num_local_layers) for t in templates if "{layer}" in t]
+    held = set(tensor_names)
+    weighted = {w.megatron_name(spec_name) for w in family.weights if w.megatron_te or w.megatron_local}
+    with_weights = {t for t in templates if any(n.startswith(t.removesuffix("_extra_state")) for n in weighted)}
+
+    def wanted(template: str, name: str) -> bool:
+        module = name.removesuffix("_extra_state")
+        return template not in with_weights or any(n.startswith(module) for n in held)
+
+    names = []
+    for t in templates:
+        if "{layer}" not in t:
+            continue
+        if t.startswith("mtp."):
+            names += [t.format(layer=k) for k in range(mtp_layers) if wanted(t, t.format(layer=k))]
+            continue
+        names += [t.format(layer=i) for i in range(num_local_layers) if wanted(t, t.format(layer=i))]
+        inner = t.replace("decoder.layers.{layer}.", "mtp.layers.{layer}.transformer_layer.", 1)
+        names += [inner.format(layer=k) for k in range(mtp_layers) if wanted(t, inner.format(layer=k))]
     for t in templates:
         module = t.removesuffix("._extra_state") + "."
         if "{layer}" not in t and any(n.startswith(module) for n in tensor_names):
@@ -307,7 +349,7 @@ def open_source(path: str, opts: Options) -> Source:
                     count = max(count, int(m.group(1)) + 1)
             chunk_layers.setdefault((p, chunk), count)
     chunk_keys = sorted({c for _, c in chunk_layers}, key=lambda c: -1 if c == "model" else int(c[5:]))
-    spec_name = "te" if any(n.endswith("linear_qkv.layer_norm_weight") for n in names_all) else "local"
+    spec_name = "te" if any(n.endswith(".layer_norm_weight") for n in names_all) else "local"
     grouped = any(GROUPED.search(n) for n in names_all)
     legacy_grouped = any(LEGACY_GROUPED.search(n) for n in names_all)
     starts, offset = {}, 0
@@ -438,6 +480,7 @@ def output_args(source: Source, opts: Options, dtype: str) -> OutputArgs:
         raise PlanError(f"--make-vocab-size-divisible-by must be a positive integer (got {opts.vocab_divisor}); "
                         "Megatron pads the vocab to a multiple of it times tp (default 128)")
     check_megatron_degrees(model, opts.tp, opts.pp)
+    check_split_dims(model, opts.tp, "megatron_local" if opts.megatron_spec == "local" else "megatron")
     check_expert_degrees(model, opts)
     divisor = opts.vocab_divisor or source.info.get("vocab_divisor") or 128
     padded = megatron_padded_vocab(model.vocab_size, opts.tp, divisor)
@@ -466,13 +509,28 @@ def targets(model: CanonicalModel, opts: Options, source: Source, dtype: str
             tensors = rank_tensors(model, opts.tp, t, list(layers), p == 0, p == opts.pp - 1,
                                    opts.megatron_spec, padded, ExpertGrid(ep, etp, e, opts.moe_grouped_gemm))
             state = collections.OrderedDict((s.name, TensorSlot(s.name, "", ())) for s in tensors)
-            for name in extra_state_names(model.family, opts.megatron_spec, len(layers), list(state)):
+            mtp = len(model.mtp_layers) if p == opts.pp - 1 else 0
+            for name in extra_state_names(model.family, opts.megatron_spec, len(layers), list(state), mtp):
                 state[name] = None
             payload = {"args": args, "checkpoint_version": 3.0,
                        "iteration": 0 if iteration == "release" else int(iteration), "model": state}
             specs.append(TargetSpec(f"{folder}/{rank_dir(t, p, opts.pp, e, ep)}/{RANK_FILE}", "torch", tensors,
                                     payload=payload, rank={"tp": t, "pp": p, "ep": e}))
     return specs, iteration, run.notes
+
+
+def check_split_dims(model: CanonicalModel, tp: int, kind_in: str) -> None:
+    """Refuse a tp that does not divide the split dimension of a column / row weight outside experts (MLA's
+    q / kv projections: whole heads; the local spec's down projections: plain row blocks)."""
+    for spec in model.family.weights:
+        kind = spec.split_in(kind_in)
+        if kind not in ("column", "row") or spec.per_expert or not model.has_spec(spec):
+            continue
+        size = model.family.shape_of(spec, model.dims)[spec.axis]
+        if size % tp:
+            raise PlanError(f"{spec.hf} has {size} {'rows' if kind == 'column' else 'columns'}, which do not split "
+                            f"over tp={tp} ({'Megatron local spec' if kind_in == 'megatron_local' else 'Megatron'}); "
+                            f"choose a tp dividing {size}")
 
 
 def expert_tp(opts: Options) -> int:

@@ -31,12 +31,12 @@ UNCARRIED = {
     "qk_l2_norm": False,
     "squared_relu": False,
     "quick_geglu": False,
-    "moe_router_enable_expert_bias": False,  # a sigmoid router's load-balancing bias (DeepSeek-V3)
-    "moe_router_num_groups": None,  # group-limited routing
-    "moe_router_topk_scaling_factor": None,
-    "multi_latent_attention": False,
-    "mtp_num_layers": None,  # multi-token prediction heads
+    "moe_router_topk_limited_devices": None,  # device-limited routing (DeepSeek-V2's training-time option)
+    "moe_router_fusion": False,
 }
+#: megatron-core's MLA RoPE defaults when args leave them out (MLATransformerConfig): written explicitly.
+MLA_ROPE_DEFAULTS = {"rotary_scaling_factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                     "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
 
 
 def meaning_from_args(args, vocab: int, architecture: str | None, where: str) -> ModelConfig:
@@ -57,7 +57,12 @@ def meaning_from_args(args, vocab: int, architecture: str | None, where: str) ->
     heads = get("num_attention_heads")
     groups = get("num_query_groups") if get("group_query_attention", False) else heads
     scaling = None
-    if get("use_rope_scaling", False):
+    mla = _mla_from_args(args, where)
+    if mla and get("rope_type", "rope") == "yarn":
+        scaling = {"rope_type": "yarn", "factor": float(get("rotary_scaling_factor", 40.0)),
+                   **{k: float(get(k, v)) if k != "original_max_position_embeddings" else int(get(k, v))
+                      for k, v in MLA_ROPE_DEFAULTS.items() if k != "rotary_scaling_factor"}}
+    elif get("use_rope_scaling", False):
         scaling = {"rope_type": "llama3", "factor": float(get("rope_scaling_factor", 8.0)), **LLAMA3_FIXED}
     elif get("rotary_seq_len_interpolation_factor") not in (None, 1, 1.0):
         scaling = {"rope_type": "linear", "factor": float(get("rotary_seq_len_interpolation_factor"))}
@@ -79,7 +84,10 @@ def meaning_from_args(args, vocab: int, architecture: str | None, where: str) ->
     bias = bool(get("add_bias_linear", False))
     gated = bool(get("swiglu", False))
     activation = "silu" if gated else "gelu_tanh" if get("bias_gelu_fusion", True) and bias else "gelu"
-    learned, qk_norm = position == "learned_absolute", bool(get("qk_layernorm", False))
+    learned, qk_norm = position == "learned_absolute", bool(get("qk_layernorm", False)) and not mla
+    if architecture is None and mla:
+        architecture = ("DeepseekV3ForCausalLM" if get("moe_router_score_function", "softmax") == "sigmoid"
+                        else "DeepseekV2ForCausalLM")
     if architecture is None and get("num_experts"):
         architecture = ("Qwen2MoeForCausalLM" if get("moe_shared_expert_intermediate_size")
                         else "Qwen3MoeForCausalLM" if qk_norm else "MixtralForCausalLM")
@@ -90,7 +98,8 @@ def meaning_from_args(args, vocab: int, architecture: str | None, where: str) ->
     hidden = get("hidden_size")
     return ModelConfig(
         architecture=architecture, hidden=hidden, layers=get("num_layers"), heads=heads,
-        kv_heads=groups or heads, head_dim=get("kv_channels") or hidden // heads, ffn=get("ffn_hidden_size"),
+        kv_heads=groups or heads, **({} if mla else {"head_dim": get("kv_channels") or hidden // heads}),
+        ffn=get("ffn_hidden_size"),
         vocab=vocab, max_positions=get("max_position_embeddings") or get("seq_length"), norm=norm,
         norm_eps=float(get("norm_epsilon", 1e-5)), activation=activation,
         rope_theta=10000.0 if learned else float(get("rotary_base", 10000)),
@@ -102,7 +111,22 @@ def meaning_from_args(args, vocab: int, architecture: str | None, where: str) ->
         residual_post_norm=bool(get("apply_residual_connection_post_layernorm", False)),
         position="learned" if learned else "rope", gated_mlp=gated, qk_norm=qk_norm,
         norm_offset=bool(get("apply_layernorm_1p", False)),
-        query_scale=_query_scale(get("softmax_scale")), **_moe_from_args(args, where))
+        query_scale=_query_scale(get("softmax_scale")), mtp_layers=int(get("mtp_num_layers") or 0),
+        **mla, **_moe_from_args(args, where))
+
+
+def _mla_from_args(args, where: str) -> dict[str, Any]:
+    """Multi-head latent attention's fields (``multi_latent_attention``; megatron-core's ``qk_head_dim`` is the
+    no-RoPE part of a head) with ``head_dim``; empty without MLA."""
+    get = lambda key, default=None: getattr(args, key, default)  # noqa: E731
+    if not get("multi_latent_attention", False):
+        return {}
+    if get("rope_type", "rope") not in ("rope", "yarn"):
+        raise CheckpointError(f"{where}: args set rope_type = {get('rope_type')!r}; reshard reads MLA with rope or "
+                              "yarn")
+    return dict(q_lora_rank=int(get("q_lora_rank") or 0), kv_lora_rank=int(get("kv_lora_rank")),
+                head_dim=int(get("qk_head_dim")), rope_head_dim=int(get("qk_pos_emb_head_dim")),
+                v_head_dim=int(get("v_head_dim")))
 
 
 def _moe_from_args(args, where: str) -> dict[str, Any]:
@@ -111,9 +135,18 @@ def _moe_from_args(args, where: str) -> dict[str, Any]:
     experts = get("num_experts")
     if not experts:
         return {}
-    if get("moe_router_score_function", "softmax") != "softmax":
-        raise CheckpointError(f"{where}: args set moe_router_score_function = "
-                              f"{get('moe_router_score_function')!r}; reshard carries softmax routers only yet")
+    score = get("moe_router_score_function", "softmax")
+    if score not in ("softmax", "sigmoid"):
+        raise CheckpointError(f"{where}: args set moe_router_score_function = {score!r}; reshard carries softmax "
+                              "and sigmoid routers")
+    topk = int(get("moe_router_topk", 2))
+    routing: dict[str, Any] = dict(router_score=score, router_bias=bool(get("moe_router_enable_expert_bias", False)),
+                                   router_scaling=float(get("moe_router_topk_scaling_factor") or 1.0))
+    groups = int(get("moe_router_num_groups") or 1)
+    if groups > 1:  # megatron-core ranks a group by the sum of its best topk / group_topk scores (moe_utils.py)
+        group_topk = int(get("moe_router_group_topk") or 1)
+        routing.update(router_groups=groups, router_group_topk=group_topk,
+                       router_group_score=f"top{topk // group_topk}_sum")
     freq = get("moe_layer_freq", 1)
     layers = get("num_layers")
     if isinstance(freq, int):
@@ -121,9 +154,11 @@ def _moe_from_args(args, where: str) -> dict[str, Any]:
     else:
         sparse = tuple(i for i, on in enumerate(list(freq)) if on)
     shared = get("moe_shared_expert_intermediate_size") or 0
-    return dict(experts=int(experts), experts_per_token=int(get("moe_router_topk", 2)),
+    # sigmoid scores are always renormalised over the top k (k > 1); softmax ones unless taken before the top-k
+    renormalize = topk > 1 if score == "sigmoid" else not get("moe_router_pre_softmax", False)
+    return dict(experts=int(experts), experts_per_token=topk,
                 expert_ffn=int(get("moe_ffn_hidden_size") or get("ffn_hidden_size")),
-                router_renormalize=not get("moe_router_pre_softmax", False),
+                router_renormalize=renormalize, **routing,
                 moe_layers=None if sparse == tuple(range(layers)) else sparse, shared_expert_ffn=int(shared),
                 shared_expert_gate=bool(shared) and bool(get("moe_shared_expert_gate", False)))
 
@@ -152,19 +187,58 @@ def record_only_fields(meaning: ModelConfig) -> dict[str, Any]:
     return fields
 
 
-def _moe_args(m: ModelConfig) -> dict[str, Any]:
+def _routing_args(m: ModelConfig, loss: ConfigLoss) -> dict[str, Any]:
+    """The router's args, or the loss of what megatron-core computes otherwise (deepseek-v3.md section 6): its
+    sigmoid router always renormalises the top k; its groups are ranked by the sum of their best
+    ``topk / group_topk`` scores, so a ``top2_sum`` group score needs ``topk == 2 * group_topk``, and a ``max``
+    one (DeepSeek-V2's group_limited_greedy) has no spelling."""
+    k = m.experts_per_token
+    if m.router_score == "sigmoid" and k > 1 and not m.router_renormalize:
+        loss.cannot("router_renormalize", False, "megatron-core's sigmoid router always renormalises its top-k "
+                    "weights (norm_topk_prob would have to be true)")
+    if m.router_bias and m.router_score != "sigmoid":
+        loss.cannot("router_bias", True, "megatron-core adds the expert bias only to sigmoid scores")
+    values: dict[str, Any] = dict(moe_router_score_function=m.router_score,
+                                  moe_router_enable_expert_bias=m.router_bias,
+                                  moe_router_topk_scaling_factor=m.router_scaling if m.router_scaling != 1.0 else None,
+                                  moe_router_num_groups=None, moe_router_group_topk=None)
+    if m.router_groups > 1:
+        per_group = k // m.router_group_topk if k % m.router_group_topk == 0 else None
+        if m.router_group_score != f"top{per_group}_sum":
+            loss.cannot("router_group_score", m.router_group_score,
+                        f"megatron-core ranks a group by the sum of its best num_experts_per_tok / topk_group = "
+                        f"{k}/{m.router_group_topk} scores (equal to {m.router_group_score} only when "
+                        f"num_experts_per_tok = 2 * topk_group with top2_sum)")
+        values.update(moe_router_num_groups=m.router_groups, moe_router_group_topk=m.router_group_topk)
+    if m.router_bias:
+        values["moe_router_dtype"] = "fp32"
+    return values
+
+
+def _moe_args(m: ModelConfig, loss: ConfigLoss) -> dict[str, Any]:
     """Megatron-LM's Mixture-of-Experts args for ``m`` (``num_experts`` None for a dense model). The router:
-    softmax scores; ``moe_router_pre_softmax`` takes the top-k of the softmax over every expert (no
-    renormalisation), without it the softmax runs over the top-k logits (renormalised)."""
+    softmax or sigmoid scores; softmax with ``moe_router_pre_softmax`` takes the top-k of the softmax over every
+    expert (no renormalisation), without it the softmax runs over the top-k logits (renormalised)."""
     if not m.experts:
         return dict(num_experts=None)
     sparse = m.sparse_layers()
     return dict(num_experts=m.experts, moe_router_topk=m.experts_per_token, moe_ffn_hidden_size=m.expert_ffn,
-                moe_router_pre_softmax=not m.router_renormalize, moe_router_score_function="softmax",
+                moe_router_pre_softmax=not m.router_renormalize, **_routing_args(m, loss),
                 moe_layer_freq=1 if sparse == tuple(range(m.layers)) else [int(i in sparse) for i in range(m.layers)],
                 moe_shared_expert_intermediate_size=m.shared_expert_ffn or None,
                 moe_shared_expert_gate=m.shared_expert_gate,
                 moe_token_dispatcher_type="allgather")
+
+
+def _mla_args(m: ModelConfig) -> dict[str, Any]:
+    """megatron-core's MLA args (``qk_head_dim``: the no-RoPE part of a head; the q / kv LoRA norms are its
+    ``qk_layernorm``; RoPE defaults written explicitly, megatron-core's ``mscale_all_dim`` default 0.0 would drop
+    yarn's attention scale), or ``multi_latent_attention=False``."""
+    if not m.mla:
+        return dict(multi_latent_attention=False)
+    return dict(multi_latent_attention=True, q_lora_rank=m.q_lora_rank or None, kv_lora_rank=m.kv_lora_rank,
+                qk_head_dim=m.head_dim, qk_pos_emb_head_dim=m.rope_head_dim, v_head_dim=m.v_head_dim,
+                kv_channels=m.v_head_dim, qk_layernorm=True, rope_type="rope", **MLA_ROPE_DEFAULTS)
 
 
 def _skip_period(windowed: tuple[int, ...], layers: int) -> int | None:
@@ -192,7 +266,8 @@ def args_from_meaning(meaning: ModelConfig, loss: ConfigLoss) -> dict[str, Any]:
     )
     if m.norm not in ("rms", "layer"):
         loss.cannot("norm", m.norm, "Megatron-LM's args spell RMSNorm and LayerNorm")
-    values.update(_moe_args(m))
+    values.update(_moe_args(m, loss))
+    values.update(_mla_args(m), mtp_num_layers=m.mtp_layers or None)
     recorded = record_only_fields(m)
     if recorded:
         loss.record(", ".join(f"{k} = {v!r}" for k, v in recorded.items()),
@@ -220,6 +295,9 @@ def args_from_meaning(meaning: ModelConfig, loss: ConfigLoss) -> dict[str, Any]:
         values.update(use_rope_scaling=True, rope_scaling_factor=float(scaling.get("factor", 8.0)))
     elif kind == "linear":
         values["rotary_seq_len_interpolation_factor"] = float(scaling["factor"])
+    elif kind == "yarn" and m.mla:
+        values.update(rope_type="yarn", rotary_scaling_factor=float(scaling["factor"]),
+                      **{k: scaling.get(k, v) for k, v in MLA_ROPE_DEFAULTS.items() if k != "rotary_scaling_factor"})
     elif kind != "default":
         loss.cannot("rope_scaling", scaling, f"megatron-core's GPT model has no '{kind}' RoPE scaling")
     values.update(apply_layernorm_1p=m.norm_offset, softmax_scale=m.query_scale ** -0.5 if m.query_scale else None,
