@@ -397,5 +397,268 @@ def main() -> int:
     return 0
 
 
+# ---- torch_dist (dist_checkpointing) saves and strict loads of the same model, per family ----------------------
+#
+#     python tests/mcore_moe_harness.py dist-save OUT_DIR --family F [--tp T --ep E --etp S] [--seed N]
+#     python tests/mcore_moe_harness.py dist-load CKPT_DIR OUT.pt --tp T --ep E --etp S [--ids IDS.pt]
+#
+# ``dist-save`` builds the model of family F (below) from Megatron-LM-style args, seeds it as ``perturb_dist``
+# says, computes its logits and saves it the way Megatron-LM's training loop does with --ckpt-format torch_dist
+# (``dist_checkpointing.save`` of ``{"args", "checkpoint_version", "iteration", "model":
+# model.sharded_state_dict(content metadata)}``, FullyParallelSaveStrategyWrapper): OUT_DIR/iter_0000007/ +
+# tracker + reference.pt {"input_ids", "logits"}.  ``dist-load`` builds the model from CKPT_DIR's common.pt args
+# (weights-only) at (T, E, S), the vocab padded for T, loads it with ``dist_checkpointing.load`` at Megatron-LM's
+# default strictness then ``load_state_dict(strict=True)``, and rank 0 writes OUT.pt {"input_ids", "logits"}.
+# World size T*E when S == T, else T (S == 1, E == T).  Every rank's megatron writer Manager is started and shut
+# down by the rank (mcore_dist_harness.run_save); a rank that dies takes its children with it.
+#
+# Families (hidden 64, 8 heads / 2 groups, 4 experts of 32, top-2, untied, vocab 1003):
+#   mixtral   2 MoE layers (moe_layer_freq 1: megatron-core stacks the layers: [L, E, ...] keys)
+#   qwen2_moe 3 layers, layer 1 dense (ffn 96; moe_layer_freq a list: per-layer keys), a gated shared expert of
+#             48, q/k/v biases, softmax over all experts before top-k (no renormalisation)
+#   qwen3_moe 2 MoE layers, kv_channels 16 != 64/8, per-head qk_layernorm, renormalised top-k
+
+DIST_ITERATION = 7
+
+
+def dist_family_args(family: str, tp: int, ep: int, etp: int) -> argparse.Namespace:
+    args = megatron_lm_args(tp, ep, etp)
+    args.ckpt_format = "torch_dist"
+    args.no_save_optim = args.no_save_rng = True
+    if family == "qwen2_moe":
+        args.num_layers = 3
+        args.moe_layer_freq = [1, 0, 1]
+        args.ffn_hidden_size = 96
+        args.moe_shared_expert_intermediate_size = 48
+        args.moe_shared_expert_gate = True
+        args.add_qkv_bias = True
+        args.moe_router_pre_softmax = True
+    elif family == "qwen3_moe":
+        args.kv_channels = 16
+        args.qk_layernorm = True
+    elif family != "mixtral":
+        raise SystemExit(f"unknown family {family}")
+    return args
+
+
+def dist_model(args: argparse.Namespace, tp: int, ep: int, etp: int, init: bool):
+    """megatron-core's GPTModel of ``args`` at (tp, ep, etp): the decoder block spec of the local implementation
+    (SequentialMLP experts), the vocab padded for ``tp``."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    base = args_getter(args, set())
+    override = {"padded_vocab_size": padded_vocab(base("vocab_size"), base("make_vocab_size_divisible_by"), tp),
+                "tensor_model_parallel_size": tp, "expert_model_parallel_size": ep,
+                "expert_tensor_parallel_size": etp}
+    # MoE fields the args do not record (reshard writes the ones that change the model) keep Megatron-LM's
+    # argparse defaults, which megatron_lm_args spells out.
+    defaults = vars(megatron_lm_args(tp, ep, etp))
+
+    def get(key):
+        if key in override:
+            return override[key]
+        if not hasattr(args, key) and key in MOE_FIELDS:
+            return defaults[key]
+        return base(key)
+    config = moe_config_from_args(get, perform_initialization=init, init_method_std=INIT_STD,
+                                  sequence_parallel=False)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=get("normalization"),
+                                      qk_l2_norm=get("qk_l2_norm"))
+    model = gpt_model_from_args(GPTModel, config, get, spec)
+    model.eval()
+    return model, get
+
+
+def perturb_dist(model, seed: int) -> None:
+    """Seeded noise that makes every parameter matter, drawn for the *global* tensor (one generator, the same
+    draws on every rank) and sliced as this rank holds it: 1-D parameters (norms, biases; a TP-split bias by its
+    global rows), routers, and every routed expert in the logical layout (gate [I, H], up [I, H], down [H, I])
+    split over expert-TP as megatron-core does (fc1 = [gate_s; up_s], fc2 = down[:, s])."""
+    from megatron.core import parallel_state as ps
+
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    etp, etp_rank = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
+    ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
+    gen = torch.Generator().manual_seed(seed)
+    params = dict(model.named_parameters())
+    for name in sorted(params):
+        p = params[name]
+        if p.dim() == 1:
+            if getattr(p, "tensor_model_parallel", False):
+                n = p.shape[0]
+                p.add_(NOISE_1D * torch.randn(n * tp, generator=gen)[tp_rank * n:(tp_rank + 1) * n])
+            else:
+                p.add_(NOISE_1D * torch.randn(p.shape, generator=gen))
+        elif name.endswith("mlp.router.weight"):
+            p.add_(NOISE_ROUTER * torch.randn(p.shape, generator=gen))
+    per_rank = NUM_EXPERTS // ep
+    for layer in range(len(model.decoder.layers)):
+        pre = f"decoder.layers.{layer}.mlp.experts.local_experts."
+        if pre + "0.linear_fc1.weight" not in params:
+            continue  # a dense layer
+        i_loc = MOE_FFN // etp
+        rows = slice(etp_rank * i_loc, (etp_rank + 1) * i_loc)
+        for g in range(NUM_EXPERTS):
+            gate, up = torch.randn(MOE_FFN, HIDDEN, generator=gen), torch.randn(MOE_FFN, HIDDEN, generator=gen)
+            down = torch.randn(HIDDEN, MOE_FFN, generator=gen)
+            if g // per_rank == ep_rank:
+                j = g % per_rank
+                params[f"{pre}{j}.linear_fc1.weight"].add_(NOISE_EXPERT * torch.cat([gate[rows], up[rows]], dim=0))
+                params[f"{pre}{j}.linear_fc2.weight"].add_(NOISE_EXPERT * down[:, rows])
+
+
+def dist_logits(model, input_ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Rank 0's fp32 logits ``[b, s, vocab]`` (every rank computes them; gathered over the vocab)."""
+    import torch.distributed as dist
+
+    seq = input_ids.shape[1]
+    position_ids = torch.arange(seq, dtype=torch.long).unsqueeze(0).expand(input_ids.shape[0], -1)
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1).view(1, 1, seq, seq)
+    with torch.no_grad():
+        logits = model(input_ids, position_ids, mask).float()[..., :vocab].contiguous()
+    dist.broadcast(logits, src=0)
+    assert torch.isfinite(logits).all()
+    return logits
+
+
+def _dist_writer_manager():
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    from mcore_dist_harness import _die_with_parent
+
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(initializer=_die_with_parent)
+    return manager
+
+
+def run_dist_save(dist, cli: argparse.Namespace) -> None:
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    args = dist_family_args(cli.family, cli.tp, cli.ep, cli.etp)
+    torch.manual_seed(cli.seed)
+    model, get = dist_model(args, cli.tp, cli.ep, cli.etp, init=True)
+    with torch.no_grad():
+        perturb_dist(model, cli.seed + 1)
+        model.output_layer.weight.mul_(OUTPUT_LAYER_SCALE)
+        emb = model.embedding.word_embeddings
+        lo = max(TRUE_VOCAB - emb.vocab_start_index, 0)
+        if lo < emb.weight.shape[0]:
+            emb.weight[lo:].zero_()
+    gen = torch.Generator().manual_seed(cli.seed + 2)
+    input_ids = torch.randint(0, TRUE_VOCAB, (BATCH, SEQ_LENGTH), generator=gen, dtype=torch.long)
+    logits = dist_logits(model, input_ids, TRUE_VOCAB)
+    ckpt_dir = os.path.join(cli.out_dir, f"iter_{DIST_ITERATION:07d}")
+    os.makedirs(ckpt_dir, exist_ok=True)
+    dist.barrier()
+    content = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": DIST_ITERATION,
+             "model": model.sharded_state_dict(metadata=dict(content, dp_cp_group=dp_cp_group)),
+             "num_floating_point_operations_so_far": 0}
+    strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"), dp_cp_group, False)
+    manager = _dist_writer_manager()
+    try:
+        filesystem_async._results_queue = manager.Queue()
+        dist_checkpointing.save(state, ckpt_dir, strategy, async_sharded_save=False, validate_access_integrity=True,
+                                content_metadata=dict(content))
+        dist.barrier()
+    finally:
+        filesystem_async._results_queue = None
+        manager.shutdown()
+    if dist.get_rank() == 0:
+        with open(os.path.join(cli.out_dir, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(DIST_ITERATION))
+        torch.save({"input_ids": input_ids, "logits": logits}, os.path.join(cli.out_dir, "reference.pt"))
+    dist.barrier()
+
+
+def run_dist_load(dist, cli: argparse.Namespace) -> None:
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    from mcore_args_harness import iteration_dir
+    from mcore_dist_harness import read_common
+
+    folder = iteration_dir(cli.ckpt_dir)
+    common = read_common(folder)
+    model, get = dist_model(common["args"], cli.tp, cli.ep, cli.etp, init=False)
+    metadata = dict(common.get("content_metadata") or {})
+    metadata["dp_cp_group"] = ps.get_data_parallel_group(with_context_parallel=True)
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict(metadata=metadata)}, folder,
+                                     strict=StrictHandling.ASSUME_OK_UNEXPECTED)
+    result = model.load_state_dict(loaded["model"], strict=True)
+    assert not result.missing_keys and not result.unexpected_keys, result
+    input_ids = torch.load(cli.ids, map_location="cpu", weights_only=True).long()
+    logits = dist_logits(model, input_ids, get("vocab_size"))
+    if dist.get_rank() == 0:
+        torch.save({"input_ids": input_ids, "logits": logits}, cli.out)
+    dist.barrier()
+
+
+def dist_worker(local_rank: int, cli: argparse.Namespace, init_method: str) -> None:
+    import torch.distributed as dist
+
+    from mcore_dist_harness import _cpu_shims, _die_with_parent
+
+    _die_with_parent()
+    _cpu_shims()
+    world = cli.tp * cli.ep if cli.etp == cli.tp else cli.tp
+    dist.init_process_group(backend="gloo", init_method=init_method, rank=local_rank, world_size=world)
+    try:
+        from megatron.core import parallel_state, tensor_parallel
+        from megatron.core.transformer.moe import moe_utils
+
+        if not hasattr(moe_utils, "te_general_gemm"):
+            moe_utils.te_general_gemm = None
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=cli.tp, pipeline_model_parallel_size=1,
+                                                 expert_model_parallel_size=cli.ep,
+                                                 expert_tensor_parallel_size=cli.etp)
+        tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True)
+        (run_dist_save if cli.command == "dist-save" else run_dist_load)(dist, cli)
+        parallel_state.destroy_model_parallel()
+    finally:
+        dist.destroy_process_group()
+
+
+def dist_main() -> int:
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    parser = argparse.ArgumentParser(description="torch_dist save / strict load of megatron-core MoE models")
+    sub = parser.add_subparsers(dest="command", required=True)
+    save = sub.add_parser("dist-save")
+    save.add_argument("out_dir")
+    save.add_argument("--family", default="mixtral")
+    save.add_argument("--seed", type=int, default=2468)
+    load = sub.add_parser("dist-load")
+    load.add_argument("ckpt_dir")
+    load.add_argument("out")
+    load.add_argument("--ids", required=True)
+    for p in (save, load):
+        p.add_argument("--tp", type=int, default=1)
+        p.add_argument("--ep", type=int, default=1)
+        p.add_argument("--etp", type=int, default=None)
+    cli = parser.parse_args()
+    cli.etp = cli.tp if cli.etp is None else cli.etp
+    if cli.etp not in (cli.tp, 1) or (cli.etp != cli.tp and cli.ep != cli.tp):
+        raise SystemExit("supported: etp == tp (world tp*ep) or etp == 1 with ep == tp (world tp)")
+    for attr in ("out_dir", "ckpt_dir", "out", "ids"):
+        if getattr(cli, attr, None):
+            setattr(cli, attr, os.path.abspath(getattr(cli, attr)))
+    world = cli.tp * cli.ep if cli.etp == cli.tp else cli.tp
+    with tempfile.TemporaryDirectory(prefix="mcore_moe_dist_") as tmp:
+        mp.start_processes(dist_worker, args=(cli, "file://" + os.path.join(tmp, "store")), nprocs=world,
+                           join=True, start_method="spawn")
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(dist_main() if sys.argv[1:2] in (["dist-save"], ["dist-load"]) else main())

@@ -21,7 +21,7 @@ import re
 
 from reshard.core.canonical import build_canonical
 from reshard.core.pieces import Piece, StoredTensor
-from reshard.errors import CheckpointError, PlanError
+from reshard.errors import CheckpointError
 from reshard.io import dtypes
 from reshard.io.dcp import DcpTensor, DistcpFile, metadata_pickle, read_metadata, written_chunks
 from reshard.io.partial import replace_with_text
@@ -31,6 +31,8 @@ from reshard.io.torch_format import TorchFile, TorchZipWriter, object_archive
 from reshard.layouts import megatron
 from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, pack_by_size,
                                   stored_dtype)
+from reshard.layouts.torch_dist_keys import (Location, expert_objects_missing, extra_state_keys, location, other_spelling,
+                                             stacked_layers)
 
 NAME = "torch_dist"
 CONFIG = "metadata.json"
@@ -85,37 +87,46 @@ class _Index:
                 continue
             self.tensors[key.removeprefix("module.")] = tensor
 
-    def regions(self, name: str) -> list[tuple[DcpTensor, int | None, int]] | None:
-        """Where the TP=1 tensor ``name`` lives: (DCP tensor, layer index into its stacked axis or None, row
-        offset of ``name`` inside it), or None when the folder does not hold it."""
-        if name in self.tensors:
-            return [(self.tensors[name], None, 0)]
+    def regions(self, name: str) -> list[tuple[DcpTensor, Location, int]] | None:
+        """Where the TP=1 tensor ``name`` lives: (DCP tensor, its location: key and indices into the tensor's
+        prepended layer / expert axes, row offset of ``name`` inside it), or None when the folder does not hold it. Tries the
+        per-layer key, then the stacked one, under either spelling of the pre-MLP norm (:mod:`torch_dist_keys`)."""
+        for spelled in (name, other_spelling(name)):
+            if spelled is None:
+                continue
+            for stacked in (False, True):
+                loc = location(spelled, stacked)
+                tensor = self.tensors.get(loc.key)
+                if tensor is not None:
+                    return [(tensor, loc, 0)]
         m = _LAYER_KEY.match(name)
-        if m is None:
-            return None
-        layer, rest = int(m.group(1)), m.group(2)
-        stacked = self.tensors.get(f"decoder.layers.{rest}")
-        if stacked is not None:
-            return [(stacked, layer, 0)]
-        if rest.endswith("linear_fc1.weight"):  # singleton_local_shards: gates in weight_w, ups in weight_v
+        if m and m.group(2).endswith("linear_fc1.weight"):  # singleton_local_shards: gates in _w, ups in _v
             w, v = self.tensors.get(name + "_w"), self.tensors.get(name + "_v")
             if w is not None and v is not None:
-                return [(w, None, 0), (v, None, w.shape[0])]
+                return [(w, Location(w.key), 0), (v, Location(v.key), w.shape[0])]
         return None
 
 
 def _chunk_tensors(files: dict[str, DistcpFile], folder: str, target: StoredTensor,
-                   regions: list[tuple[DcpTensor, int | None, int]]) -> list[tuple[DistcpFile, StoredTensor]]:
-    """The chunks of ``regions`` as stored tensors, each the range of ``target``'s pieces it holds."""
+                   regions: list[tuple[DcpTensor, Location, int]]) -> list[tuple[DistcpFile, StoredTensor]]:
+    """The chunks of ``regions`` as stored tensors, each the range of ``target``'s pieces it holds. A chunk may
+    span several layers or experts (a third-party writer's tiling): only the block at the region's index is
+    exposed (an offset into its bytes), so no more than one layer's (one expert's) slice is ever read."""
     out, covered = [], []
-    for tensor, layer, row0 in regions:
-        lead = 0 if layer is None else 1
+    where = target.name
+    for tensor, loc, row0 in regions:
+        index = loc.index
+        lead = len(index)
         inner = tensor.shape[lead:]
         axis = target.axis
-        if layer is not None and not 0 <= layer < tensor.shape[0]:
-            raise CheckpointError(f"{folder}: '{tensor.key}' has {tensor.shape[0]} layers, not {layer + 1}")
+        if index:
+            where = f"'{tensor.key}' at {list(index)} (tensor '{target.name}')"
+        for i, n in zip(index, tensor.shape):
+            if not 0 <= i < n:
+                raise CheckpointError(f"{folder}: '{tensor.key}' has {n} entries on an axis where '{target.name}' "
+                                      f"needs index {i} (a config / weights mismatch?)")
         for chunk in tensor.chunks:
-            if layer is not None and not chunk.offsets[0] <= layer < chunk.offsets[0] + chunk.sizes[0]:
+            if any(not o <= i < o + n for i, o, n in zip(index, chunk.offsets, chunk.sizes)):
                 continue
             offsets, sizes = chunk.offsets[lead:], chunk.sizes[lead:]
             for i, (o, n, full) in enumerate(zip(offsets, sizes, inner)):
@@ -124,12 +135,12 @@ def _chunk_tensors(files: dict[str, DistcpFile], folder: str, target: StoredTens
                                           "Megatron never splits for this tensor; reshard cannot read it")
             start = row0 + (offsets[axis] if inner else 0)
             length = sizes[axis] if inner else 1
-            skip = 0
-            if layer is not None:
-                layer_bytes = math.prod(sizes) * dtypes.itemsize(tensor.dtype)
-                skip = (layer - chunk.offsets[0]) * layer_bytes
+            block = 0  # the chunk's block (layer, expert) at ``index``, in C order over its leading axes
+            for i, o, n in zip(index, chunk.offsets, chunk.sizes):
+                block = block * n + (i - o)
+            skip = block * math.prod(sizes) * dtypes.itemsize(tensor.dtype)
             shape = tuple(sizes)
-            name = f"{tensor.key}@{'' if layer is None else layer}:{','.join(map(str, chunk.offsets))}"
+            name = f"{tensor.key}@{','.join(map(str, index))}:{','.join(map(str, chunk.offsets))}"
             data = files.get(chunk.file)
             if data is None:
                 path = os.path.join(folder, chunk.file)
@@ -143,15 +154,17 @@ def _chunk_tensors(files: dict[str, DistcpFile], folder: str, target: StoredTens
             covered.append((start, start + length))
     covered.sort()
     pos, extent = 0, target.shape[target.axis] if target.shape else 1
+    if where == target.name:
+        where = f"'{target.name}'"
     for lo, hi in covered:
         if lo != pos:
             what = "overlap" if lo < pos else "leave a gap"
-            raise CheckpointError(f"{folder}: the chunks of '{target.name}' {what} at row {min(lo, pos)}: the "
-                                  "checkpoint is inconsistent or incomplete")
+            raise CheckpointError(f"{folder}: the chunks of {where} {what} at row {min(lo, pos)}: the checkpoint "
+                                  "is inconsistent or incomplete")
         pos = hi
     if pos != extent:
-        raise CheckpointError(f"{folder}: the chunks of '{target.name}' cover {pos} of its {extent} rows: the "
-                              "checkpoint is incomplete")
+        raise CheckpointError(f"{folder}: the chunks of {where} cover {pos} of its {extent} rows: a chunk is "
+                              "missing, the checkpoint is incomplete")
     return out
 
 
@@ -171,13 +184,7 @@ def open_source(path: str, opts: Options) -> Source:
     tensors, objects = read_metadata(folder)
     index = _Index(tensors)
     meaning, family, config = megatron.read_args(args, opts, folders, folder)
-    if meaning.experts:
-        raise CheckpointError(f"{folder}: a Mixture-of-Experts torch_dist checkpoint is not supported yet; convert "
-                              "it with Megatron-LM to the torch format (--ckpt-format torch) first")
-    present = set()
-    for spec in family.weights:
-        if spec.optional and index.regions(spec.megatron_te.format(layer=0)) is not None:
-            present.add(spec.hf)
+    present = {spec.hf for spec in family.weights if spec.optional and _holds(index, family, config, spec)}
     model = build_canonical(family, config, present, meaning.tied)
     model.meaning = meaning
     emb_spec = next(s for s in family.weights if s.split == "vocab" and s.stage == "first")
@@ -190,22 +197,29 @@ def open_source(path: str, opts: Options) -> Source:
                               f"{meaning.vocab}; --vocab-size or the recorded vocab is wrong")
     layout = megatron.rank_tensors(model, 1, 0, list(range(model.num_layers)), True, True, "te", padded)
     files: dict[str, DistcpFile] = {}
-    stored, used = [], set()
+    stored, used, locations = [], set(), []
     for target in layout:
         regions = index.regions(target.name)
         if regions is None:
             raise CheckpointError(f"{folder}: tensor '{target.name}' is missing from the checkpoint (the args say "
                                   f"{model.num_layers} layers)")
         used.update(t.key.removeprefix("module.") for t, _, _ in regions)
+        locations.extend(loc for _, loc, _ in regions)
         for data, tensor in _chunk_tensors(files, folder, target, regions):
             stored.append((data, tensor))
             for piece in tensor.pieces:
                 if piece.canonical:
                     model.dtypes.setdefault(piece.canonical, data.tensors[tensor.name].dtype)
-    extra = sorted(set(index.tensors) - used)
+    extra = sorted(k for k in set(index.tensors) - used if other_spelling(k) not in used)
     if extra:
         raise CheckpointError(f"{folder}: unexpected tensor '{extra[0]}' for mapping '{family.name}' (a config / "
                               "weights mismatch?)")
+    held = {k.removeprefix("module.") for k in objects}
+    if model.num_experts and any("_extra_state/" in k for k in held):
+        missing = expert_objects_missing(locations, index.tensors, held)
+        if missing:  # megatron-core writes one per global expert: a rank's objects are lost
+            raise CheckpointError(f"{folder}: '{missing}' is missing (megatron-core stores one _extra_state per "
+                                  "expert and loads strictly): the checkpoint is incomplete; copy it again")
     order = sorted(files)
     file_list = [files[name] for name in order]
     position = {id(f): i for i, f in enumerate(file_list)}
@@ -214,9 +228,25 @@ def open_source(path: str, opts: Options) -> Source:
             "vocab_divisor": getattr(args, "make_vocab_size_divisible_by", None),
             "saved_degrees": {"tp": getattr(args, "tensor_model_parallel_size", None),
                               "pp": getattr(args, "pipeline_model_parallel_size", None)}}
+    degrees = {"tp": 1, "pp": 1}
+    if model.num_experts:
+        degrees.update(ep=1, etp=1)
+        info["saved_degrees"].update(ep=getattr(args, "expert_model_parallel_size", None) or 1,
+                                     etp=getattr(args, "expert_tensor_parallel_size", None)
+                                     or info["saved_degrees"]["tp"])
     return Source(layout=NAME, root=path, model=model, files=file_list,
-                  stored=[(position[id(f)], t) for f, t in stored], degrees={"tp": 1, "pp": 1}, info=info,
+                  stored=[(position[id(f)], t) for f, t in stored], degrees=degrees, info=info,
                   side_files=megatron.find_side_files_in(folders))
+
+
+def _holds(index: _Index, family, config: dict, spec) -> bool:
+    """Whether the folder holds optional weight ``spec`` (looked up on the first layer that has it)."""
+    count = int(config[family.dim_key("L")])
+    sparse = family.sparse_layers(config, count)
+    layer = next((i for i in range(count) if spec.on_layer(i in sparse)), None)
+    if layer is None:
+        return False
+    return index.regions(spec.megatron_name("te", layer in sparse).format(layer=layer, expert=0)) is not None
 
 
 def _object_kind(key: str) -> str:
@@ -228,66 +258,62 @@ def _object_kind(key: str) -> str:
 
 # ---------------------------------------------------------------------------------------------- writing
 
-#: Per-layer modules whose ``_extra_state`` a Megatron GPT model (TE or local spec) asks a torch_dist load for;
-#: extra ones are ignored by the load, missing ones fail it. Payload ``[None]`` (what local layers store; TE
-#: modules accept it too).
-EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "self_attention.core_attention",
-                       "mlp.linear_fc1", "mlp.linear_fc2")
 DATA_FILES = 2  # __0_0.distcp, __0_1.distcp: two writer processes can share the work
 
 
-def _dcp_key(name: str) -> tuple[str, int | None]:
-    """The stacked DCP key of TP=1 tensor ``name`` and its layer (None outside the layer stack)."""
-    m = _LAYER_KEY.match(name)
-    return (f"decoder.layers.{m.group(2)}", int(m.group(1))) if m else (name, None)
-
-
-def target_chunks(model, tp: int, padded: int) -> list[tuple[str, tuple[int, ...], StoredTensor, tuple[int, ...],
-                                                             tuple[int, ...]]]:
-    """Every chunk Megatron would store at ``tp``: (DCP key, global shape, chunk as pieces of the canonical
-    tensors, saved shape, global offsets). Layers are stacked (``[L, ...]``, one chunk per layer and TP shard);
-    TP-split tensors are cut in ``tp`` along their split axis (``linear_fc1`` in 2 x ``tp``: gates, then ups);
-    replicated ones are one chunk."""
-    layers = model.num_layers
+def target_chunks(model, tp: int, padded: int, etp: int | None = None
+                  ) -> list[tuple[str, tuple[int, ...], StoredTensor, tuple[int, ...], tuple[int, ...]]]:
+    """Every chunk Megatron would store at ``tp`` (routed experts at expert-TP ``etp``, default ``tp``): (DCP key,
+    global shape, chunk as pieces of the canonical tensors, saved shape, global offsets). Keys and prepended
+    layer / expert axes by :func:`~reshard.layouts.torch_dist_keys.location` (one chunk per layer, expert and TP
+    shard, each ``[1, ..., 1, rows, cols]``); TP-split tensors are cut in ``tp`` along their split axis
+    (``linear_fc1`` in 2 x ``tp``: gates, then ups); replicated ones are one chunk. A Mixture of Experts also gets
+    the pre-MLP norm under its other spelling (:func:`~reshard.layouts.torch_dist_keys.other_spelling`): a
+    Transformer Engine load asks for one, a local-spec load for the other, and unrequested keys are ignored."""
+    stacked = stacked_layers(model)
+    sizes = {"layer": model.num_layers, "expert": model.num_experts}
     out = []
-    for tensor in megatron.rank_tensors(model, 1, 0, list(range(layers)), True, True, "te", padded):
-        key, layer = _dcp_key(tensor.name)
+    for tensor in megatron.rank_tensors(model, 1, 0, list(range(model.num_layers)), True, True, "te", padded):
+        loc = location(tensor.name, stacked)
         canonical = next(p.canonical for p in tensor.pieces if p.canonical)
-        split = model.tensors[canonical].spec.split
-        parts = 1 if split == "replicated" else 2 * tp if split == "gate_up" else tp
+        spec = model.tensors[canonical].spec
+        degree = (etp or tp) if spec.per_expert else tp
+        parts = 1 if spec.split == "replicated" else 2 * degree if spec.split == "gate_up" else degree
+        lead = tuple(sizes[a] for a in loc.axes)
+        alias = other_spelling(loc.key) if model.num_experts else None
         extent = tensor.shape[tensor.axis]
-        for c in range(parts):
-            start, stop = c * extent // parts, (c + 1) * extent // parts
-            shape = tuple(stop - start if i == tensor.axis else n for i, n in enumerate(tensor.shape))
-            offsets = tuple(start if i == tensor.axis else 0 for i in range(len(tensor.shape)))
-            name = f"{key}@{'' if layer is None else layer}:{','.join(map(str, offsets))}"
-            chunk = StoredTensor(name, shape, tensor.axis, _slice_pieces(tensor.pieces, start, stop))
-            if layer is None:
-                out.append((key, tensor.shape, chunk, shape, offsets))
-            else:
-                out.append((key, (layers, *tensor.shape), chunk, (1, *shape), (layer, *offsets)))
+        for key in (loc.key, alias) if alias else (loc.key,):
+            for c in range(parts):
+                begin, stop = c * extent // parts, (c + 1) * extent // parts
+                shape = tuple(stop - begin if i == tensor.axis else n for i, n in enumerate(tensor.shape))
+                offsets = tuple(begin if i == tensor.axis else 0 for i in range(len(tensor.shape)))
+                name = f"{key}@{','.join(map(str, loc.index))}:{','.join(map(str, offsets))}"
+                chunk = StoredTensor(name, shape, tensor.axis, _slice_pieces(tensor.pieces, begin, stop))
+                out.append((key, (*lead, *tensor.shape), chunk, (1,) * len(lead) + shape, (*loc.index, *offsets)))
     return out
 
 
 def _targets(source: Source, opts: Options, dtype: str) -> TargetPlan:
-    """The ``__0_{i}.distcp`` files of the global tensors, chunked as Megatron chunks them at ``opts.tp``."""
+    """The ``__0_{i}.distcp`` files of the global tensors, chunked as Megatron chunks them at ``opts.tp`` (and
+    ``--etp``), and the ``_extra_state`` byte items (payload ``[None]``, what local layers store; Transformer
+    Engine modules accept it too) a load may ask for (:func:`~reshard.layouts.torch_dist_keys.extra_state_keys`)."""
     model = source.model
-    if source.model.num_experts:
-        raise PlanError("torch_dist output of a Mixture-of-Experts model is not supported yet: use --to megatron "
-                        "(the torch format, with --ep / --etp)")
-    run = megatron.output_args(source, opts, dtype)  # the data does not depend on tp / pp; the args do
+    run = megatron.output_args(source, opts, dtype)  # the data does not depend on tp / pp / ep; the args do
     padded, iteration, folder, args = run.padded, run.iteration, run.folder, run.args
     args.ckpt_format = NAME
     args.no_save_optim = args.no_save_rng = True  # a model-only checkpoint: resuming asks for no optimizer state
-    chunks = target_chunks(model, opts.tp, padded)
+    chunks = target_chunks(model, opts.tp, padded, megatron.expert_tp(opts))
     size = {c.name: dtypes.itemsize(stored_dtype(model, c, opts, dtype)) * math.prod(c.shape)
             for _, _, c, _, _ in chunks}
     groups = pack_by_size([c for _, _, c, _, _ in chunks], lambda c: size[c.name],
                           max(1, sum(size.values()) // DATA_FILES + 1))
-    layers = model.num_layers
+    stacked = stacked_layers(model)
+    locations = [location(t.name, stacked)
+                 for t in megatron.rank_tensors(model, 1, 0, list(range(model.num_layers)), True, True, "te", padded)]
     empty = object_archive([None])
-    objects = [(f"decoder.layers.{m}._extra_state/shard_{l}_{layers}", empty)
-               for l in range(layers) for m in EXTRA_STATE_MODULES]
+    objects = [(k, empty) for k in extra_state_keys(locations, {"layer": model.num_layers,
+                                                                "expert": model.num_experts},
+                                                    model.num_layers, stacked)]
     saved_shape = {c.name: s for _, _, c, s, _ in chunks}
     specs = [TargetSpec(f"{folder}/__0_{i}.distcp", "distcp", group,
                         payload={"saved_shapes": {c.name: saved_shape[c.name] for c in group},
@@ -339,7 +365,7 @@ class TorchDistLayout(Layout):
     rank_loader = "reshard.verification.forward.sliced_rank:SlicedRankStream"
     rank_view_of = "megatron"  # a rank loads the same module tensors whichever format Megatron saved
     completion_markers = (megatron.TRACKER,)
-    uses_options = frozenset({"vocab_divisor"})
+    uses_options = frozenset({"vocab_divisor", "ep", "etp"})  # ep / etp: recorded in the args, and chunking
     instead = {"megatron_spec": "torch_dist checkpoints hold Transformer Engine (te) names; drop it, or use --to "
                                 "megatron for the local spec"}
 
@@ -374,4 +400,4 @@ class TorchDistLayout(Layout):
 
     def describe(self, source: Source) -> dict:
         return {"padded_vocab_size": source.info["padded_vocab"], "iteration": source.info["iteration"],
-                "saved_tp": source.info["saved_degrees"]["tp"], "saved_pp": source.info["saved_degrees"]["pp"]}
+                **{f"saved_{k}": v for k, v in source.info["saved_degrees"].items()}}
