@@ -39,13 +39,15 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
             architecture: str | None = None, mapping: str | None = None, allow_replica_mismatch: bool = False,
             workers: int | None = 1, push_to: str | None = None, revision: str | None = None,
             allow_lossy_config: tuple[str, ...] | list[str] = (), allow_cast_overflow: bool = False,
-            follow_symlinks: bool = False, keep_fp8: bool = False, progress: bool = False):
+            follow_symlinks: bool = False, keep_fp8: bool = False, drop_mtp: bool = False,
+            progress: bool = False):
     """Convert ``src`` (a folder or ``hf://ORG/NAME[@REV]``) to layout ``to`` at the given degrees in ``dst``,
     streaming; returns a :class:`reshard.conversion.ConvertResult` (its ``plan``; ``download`` for a remote
     dry run). Options as ``reshard convert``: ``max_shard_size`` ``"5GB"`` or bytes; ``megatron_format``
     ``"torch_dist"`` with ``to="megatron"`` writes torch_dist; ``push_to`` uploads the finished output
     (``revision``: the branch); ``workers=None`` chooses as the CLI does; ``keep_fp8`` (``to="hf"``): copy a
-    block-FP8 source's fp8 weights and scales unchanged instead of dequantising them."""
+    block-FP8 source's fp8 weights and scales unchanged instead of dequantising them; ``drop_mtp``: leave a
+    model's multi-token-prediction layers out."""
     from reshard.conversion import convert as run_convert
 
     if megatron_format not in ("torch", "torch_dist"):
@@ -68,7 +70,7 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
                          architecture=architecture, mapping=mapping, allow_replica_mismatch=allow_replica_mismatch,
                          progress=progress, workers=workers, allow_lossy_config=tuple(allow_lossy_config),
                          allow_cast_overflow=allow_cast_overflow, follow_symlinks=follow_symlinks,
-                         keep_fp8=keep_fp8)
+                         keep_fp8=keep_fp8, drop_mtp=drop_mtp)
     result.layout = to
     if push_to and not dry_run:
         import os

@@ -150,6 +150,8 @@ def convert(
                                          "config) that are symlinks out of the source too (default: skip, warn)."),
     keep_fp8: bool = typer.Option(False, "--keep-fp8", help="With --to hf: copy a block-FP8 source's fp8 weights "
                                   "and _scale_inv scales unchanged (default: dequantise to bf16)."),
+    drop_mtp: bool = typer.Option(False, "--drop-mtp", help="Leave multi-token-prediction (MTP) layers out "
+                                  "(default: keep them where the target holds them)."),
 ):
     """Convert SRC (a folder or hf://ORG/NAME[@REV]) to another layout and/or TP/PP degree, streaming."""
     from reshard import api
@@ -162,7 +164,7 @@ def convert(
                          mapping=mapping, allow_replica_mismatch=allow_replica_mismatch, workers=workers,
                          push_to=push_to, revision=revision, allow_lossy_config=tuple(allow_lossy_config or ()),
                          allow_cast_overflow=allow_cast_overflow, follow_symlinks=follow_symlinks,
-                         keep_fp8=keep_fp8, progress=not as_json and sys.stderr.isatty())
+                         keep_fp8=keep_fp8, drop_mtp=drop_mtp, progress=not as_json and sys.stderr.isatty())
     if dry_run:
         if as_json:
             print(json.dumps({**_plan_json(result.plan), "download": result.download}, indent=2))

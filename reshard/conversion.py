@@ -8,6 +8,7 @@ import sys
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
+from reshard.core.canonical import without_mtp
 from reshard.core.model_config import SEMANTIC_FIELDS, UNCARRIED_SETTINGS
 from reshard.core.plan import CanonicalIndex, Plan, TargetFile, plan_tensor
 from reshard.errors import OutputError, PlanError, ReshardError, os_error_message
@@ -47,6 +48,7 @@ def make_plan(source: Source, to: str, opts: Options) -> tuple[Plan, object]:
     layout = get_layout(to)
     if not layout.writes:
         raise PlanError(f"the {to} layout is read-only: it cannot be a --to target")
+    mtp_notes = _drop_mtp(source, layout, opts)
     model = source.model
     dtype = output_dtype(source, opts)
     target = layout.targets(source, opts, dtype)
@@ -59,7 +61,7 @@ def make_plan(source: Source, to: str, opts: Options) -> tuple[Plan, object]:
             tensors.append(plan_tensor(index, stored, stored_dtype(model, stored, opts, dtype)))
         files.append(TargetFile(spec.path, spec.format, tensors, payload=spec.payload, metadata=spec.metadata,
                                 rank=spec.rank))
-    notes = list(source.info.get("notes", ())) + target.notes
+    notes = list(source.info.get("notes", ())) + mtp_notes + target.notes
     dropped = source.info.get("dropped")
     if dropped:
         notes.append(f"dropping non-model state from the source: {', '.join(dropped)}")
@@ -67,6 +69,20 @@ def make_plan(source: Source, to: str, opts: Options) -> tuple[Plan, object]:
                 files=files, checks=index.checks, notes=notes, source_root=source.root)
     plan.count_read_bytes(source.row_bytes)
     return plan, target.state
+
+
+def _drop_mtp(source: Source, layout, opts: Options) -> list[str]:
+    """Leave the source's multi-token-prediction layers out (``--drop-mtp``, or a target without them: vLLM's
+    main model) and say so; the output's config then declares none."""
+    model = source.model
+    if not model.mtp_layers or (layout.holds_mtp and not opts.drop_mtp):
+        return []
+    count = len(model.mtp_layers)
+    source.model = without_mtp(model)
+    source.stored = [(i, t) for i, t in source.stored
+                     if all(p.canonical is None or p.canonical in source.model.tensors for p in t.pieces)]
+    why = "--drop-mtp" if opts.drop_mtp else f"the {layout.name} layout holds the main model only"
+    return [f"dropped {count} MTP (multi-token prediction) layer(s) ({why}); the output declares 0"]
 
 
 def _warn(message: str) -> None:
@@ -106,7 +122,7 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
             architecture: str | None = None, mapping: str | None = None, allow_replica_mismatch: bool = False,
             progress: bool = False, workers: int | None = 1, allow_lossy_config: tuple[str, ...] = (),
             allow_cast_overflow: bool = False, distributed: bool | None = None,
-            follow_symlinks: bool = False, keep_fp8: bool = False) -> ConvertResult:
+            follow_symlinks: bool = False, keep_fp8: bool = False, drop_mtp: bool = False) -> ConvertResult:
     """Convert checkpoint ``src`` to layout ``to`` at degrees ``tp`` x ``pp`` in folder ``dst`` (a Megatron
     Mixture of Experts also at expert-parallel ``ep`` and expert-tensor-parallel ``etp``, default ``tp``; a vLLM
     one with ``expert_parallel``: whole experts split over the ranks).
@@ -122,6 +138,7 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
     processes (``WORLD_SIZE``), ignoring ``workers``. ``follow_symlinks``: copy side files (tokenizer, ...) that
     are symlinks out of the source too (else skipped with a warning). ``keep_fp8`` (``to="hf"`` only): a block-FP8
     source's fp8 weights and scales are copied as they are instead of dequantised (:mod:`reshard.io.fp8`).
+    ``drop_mtp``: leave multi-token-prediction layers out (a target that cannot hold them drops them anyway).
     """
     unknown = sorted(set(allow_lossy_config) - set(SEMANTIC_FIELDS) - set(UNCARRIED_SETTINGS))
     if unknown:
@@ -140,7 +157,7 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
                    max_shard_size=Options.max_shard_size if max_shard_size is None else max_shard_size,
                    vocab_size=vocab_size, vocab_divisor=vocab_divisor, architecture=architecture, mapping=mapping,
                    allow_replica_mismatch=allow_replica_mismatch, allow_lossy_config=tuple(allow_lossy_config),
-                   follow_symlinks=follow_symlinks, keep_fp8=keep_fp8)
+                   follow_symlinks=follow_symlinks, keep_fp8=keep_fp8, drop_mtp=drop_mtp)
     world = None if dry_run or not distributed_run(distributed) else World.join()
     if world is not None:
         try:

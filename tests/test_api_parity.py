@@ -87,6 +87,7 @@ CONVERT_CASES = [
     ("moe", ["--to", "megatron", "--tp", "2", "--ep", "2", "--etp", "1", "--moe-grouped-gemm"],
      dict(to="megatron", tp=2, ep=2, etp=1, moe_grouped_gemm=True)),
     ("moe", ["--to", "vllm", "--tp", "2", "--expert-parallel"], dict(to="vllm", tp=2, expert_parallel=True)),
+    ("moe", ["--to", "megatron", "--drop-mtp"], dict(to="megatron", drop_mtp=True)),
 ]
 
 

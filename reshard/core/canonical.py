@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from dataclasses import dataclass, field
@@ -88,6 +89,15 @@ class CanonicalModel:
             return self.get(spec, None) is not None
         return any(self.get(spec, layer, 0 if spec.per_expert else None) is not None
                    for layer in self.all_layers if self.holds_layer(spec, layer))
+
+
+def without_mtp(model: CanonicalModel) -> CanonicalModel:
+    """``model`` less its multi-token-prediction layers (and their config entry)."""
+    kept = {name: t for name, t in model.tensors.items() if t.layer is None or t.layer not in model.mtp_layers}
+    meaning = model.meaning.replace(mtp_layers=0) if model.meaning is not None else None
+    config = dict(model.config, **{model.family.mtp["layers"]: 0}) if model.family.mtp else dict(model.config)
+    return dataclasses.replace(model, tensors=kept, mtp_layers=(), meaning=meaning, config=config,
+                               dtypes={n: d for n, d in model.dtypes.items() if n in kept})
 
 
 def instance(template: str, layer: int | None, expert: int | None = None) -> str:

@@ -53,6 +53,7 @@ class Options:
     allow_replica_mismatch: bool = False
     allow_lossy_config: tuple[str, ...] = ()  # canonical config fields a target may drop (ConfigLoss)
     follow_symlinks: bool = False  # copy side files that are symlinks out of the source too
+    drop_mtp: bool = False  # leave a model's multi-token-prediction layers out of the output
     keep_fp8: bool = False  # HF -> HF: copy block-FP8 weights and their scales as they are (else dequantise)
 
 
@@ -226,6 +227,7 @@ class Layout:
     summary: ClassVar[str] = ""  # one line for --help, inspect and "not a checkpoint reshard knows" errors
     specificity: ClassVar[int] = 0  # which of several matching layouts detection picks (hf 0, others above)
     writes: ClassVar[bool] = True  # False: a read-only layout (not a --to choice)
+    holds_mtp: ClassVar[bool] = False  # writes multi-token-prediction layers (else they are dropped with a note)
     rank_loader: ClassVar[str | None] = None  # "module:RankStream class(path, rank, world, opts)"
     rank_view_of: ClassVar[str | None] = None  # a layout whose ranks load what another's do (load_rank)
     completion_markers: ClassVar[tuple[str, ...]] = ()  # a complete output has one of these files (push)

@@ -355,6 +355,7 @@ def remote_weight_files(names: list[str], read_text) -> list[str]:
 class HFLayout(Layout):
     """Hugging Face: full, unfused tensors (the canonical form itself), sharded by size with an index."""
 
+    holds_mtp = True
     name = NAME
     summary = "Hugging Face folder (config.json + *.safetensors or pytorch_model*.bin)"
     specificity = 0

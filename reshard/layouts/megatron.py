@@ -572,6 +572,7 @@ def finalize(out: str, iteration: str, hf_config: dict | None) -> None:
 class MegatronLayout(Layout):
     """Megatron-Core ``torch`` format: a pickled state dict per (TP, PP) rank, with Megatron-LM ``args``."""
 
+    holds_mtp = True
     name = NAME
     summary = "Megatron-Core torch format (latest_checkpointed_iteration.txt, iter_*/mp_rank_*/model_optim_rng.pt)"
     specificity = 10

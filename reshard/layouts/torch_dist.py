@@ -358,6 +358,7 @@ def _finalize(out: str, plan, state) -> None:
 class TorchDistLayout(Layout):
     """Megatron-Core ``torch_dist`` (torch.distributed.checkpoint) folders, read and written."""
 
+    holds_mtp = True
     name = NAME
     summary = "Megatron-Core torch_dist (iter_*/ with metadata.json, .metadata and __*.distcp)"
     specificity = 20  # its root also has the tracker the torch-format layout looks for
