@@ -53,14 +53,14 @@ SEMANTIC_FIELDS = ("architecture", "hidden", "layers", "heads", "kv_heads", "hea
 
 #: config.json keys known to change what a model computes that reshard's canonical config has no field for
 #: (Granite's multipliers, Cohere's logit scale and q/k norm, MiniCPM's scales, Gemma's soft-capping and query
-#: scale, parallel attention + MLP blocks), with the value that changes nothing (None: any value set changes it).
+#: scale, parallel attention + MLP blocks, DeepSeek-V3.2's sparse-attention indexer), with the value that changes nothing (None: any value set changes it).
 #: A family whose mapping names the key carries it; for any other, a source setting one is refused unless
 #: ``--allow-lossy-config KEY`` drops it knowingly.
 UNCARRIED_SETTINGS = {"embedding_multiplier": 1.0, "attention_multiplier": None, "residual_multiplier": 1.0,
                       "logits_scaling": 1.0, "logit_scale": 1.0, "use_qk_norm": False, "scale_emb": 1.0,
                       "scale_depth": None, "dim_model_base": None, "attn_logit_softcapping": None,
                       "final_logit_softcapping": None, "query_pre_attn_scalar": None, "parallel_attn": False,
-                      "use_parallel_residual": False}
+                      "use_parallel_residual": False, "index_topk": None}
 
 
 @dataclass(frozen=True)

@@ -205,10 +205,12 @@ def _routing_args(m: ModelConfig, loss: ConfigLoss) -> dict[str, Any]:
     if m.router_groups > 1:
         per_group = k // m.router_group_topk if k % m.router_group_topk == 0 else None
         if m.router_group_score != f"top{per_group}_sum":
-            loss.cannot("router_group_score", m.router_group_score,
-                        f"megatron-core ranks a group by the sum of its best num_experts_per_tok / topk_group = "
-                        f"{k}/{m.router_group_topk} scores (equal to {m.router_group_score} only when "
-                        f"num_experts_per_tok = 2 * topk_group with top2_sum)")
+            why = ("megatron-core ranks a group by the sum of its best scores, not by its single best score "
+                   "(DeepSeek-V2's group_limited_greedy)" if m.router_group_score == "max" else
+                   f"megatron-core ranks a group by the sum of its best num_experts_per_tok / topk_group = "
+                   f"{k}/{m.router_group_topk} scores, which equals {m.router_group_score} only when "
+                   "num_experts_per_tok = 2 * topk_group")
+            loss.cannot("router_group_score", m.router_group_score, why)
         values.update(moe_router_num_groups=m.router_groups, moe_router_group_topk=m.router_group_topk)
     if m.router_bias:
         values["moe_router_dtype"] = "fp32"
