@@ -84,7 +84,9 @@ def summarize_files(files_per_rank: dict[str, list[str]]) -> list[str]:
 # -- the table for people --------------------------------------------------------------------------------------------
 
 _SHOWN = {"architecture", "hidden", "layers", "heads", "kv_heads", "head_dim", "ffn", "vocab", "tied", "experts",
-          "experts_per_token", "expert_ffn", "moe_layers"}  # model_config fields with a row of their own
+          "experts_per_token", "expert_ffn", "moe_layers", "q_lora_rank", "kv_lora_rank", "rope_head_dim",
+          "v_head_dim", "router_score", "router_bias", "router_groups", "router_group_topk", "router_group_score",
+          "router_scaling", "router_renormalize", "mtp_layers"}  # model_config fields with a row of their own
 _DEGREE_NAMES = {"tp": "TP", "pp": "PP", "ep": "EP", "etp": "expert TP"}
 _WIDTH = 100
 _BASE_KEYS = {"path", "layout", "architecture", "family", "tp", "pp", "ep", "etp", "dtype", "dtypes", "parameters",
@@ -147,6 +149,32 @@ def _dense_ffn(info: dict, config: dict) -> str:
     return f", {'dense ' if info.get('experts') else ''}FFN {config['ffn']}"
 
 
+def _mla_rows(config: dict) -> list[tuple[str, str]]:
+    """Multi-head latent attention's dims and the MTP layers, where the model has them."""
+    rows = []
+    if config.get("kv_lora_rank"):
+        rows.append(("attention", f"multi-head latent: q LoRA {config.get('q_lora_rank') or 'none (q_proj)'}, KV LoRA "
+                                  f"{config['kv_lora_rank']}, q / k heads of {config['head_dim']} + RoPE "
+                                  f"{config['rope_head_dim']}, v heads of {config['v_head_dim']}"))
+    if config.get("mtp_layers"):
+        rows.append(("mtp", f"{config['mtp_layers']} multi-token-prediction layer(s) after the decoder"))
+    return rows
+
+
+def _routing(config: dict) -> str:
+    """The router in words: scores, selection bias, groups, renormalisation, scaling."""
+    parts = [f"{config.get('router_score', 'softmax')} scores"]
+    if config.get("router_bias"):
+        parts.append("a selection bias")
+    if config.get("router_groups", 1) > 1:
+        parts.append(f"the best {config['router_group_topk']} of {config['router_groups']} groups by "
+                     f"{config['router_group_score']}")
+    parts.append("top-k renormalised" if config.get("router_renormalize") else "top-k as scored")
+    if config.get("router_scaling", 1.0) != 1.0:
+        parts.append(f"scaled by {_value(config['router_scaling'])}")
+    return ", ".join(parts)
+
+
 def _rows(info: dict) -> list[tuple[str, str]]:
     config = info.get("model_config", {})
     head_dim = config.get("head_dim")
@@ -163,8 +191,10 @@ def _rows(info: dict) -> list[tuple[str, str]]:
             ("parameters", f"{_count(info['parameters'])} in {info['tensors']} tensors"),
             ("size", f"{binary_size(info['bytes'])} in {files} file{'s' if files != 1 else ''}"),
             ("shape", f"{info['layers']} layers, hidden {info['hidden_size']}, {info['heads']} heads"
-                      + (f" of {head_dim}" if head_dim else "") + f", {info['kv_heads']} KV heads"
+                      + (f" of {head_dim}" if head_dim and not config.get("kv_lora_rank") else "")
+                      + ("" if config.get("kv_lora_rank") else f", {info['kv_heads']} KV heads")
                       + _dense_ffn(info, config)),
+            *_mla_rows(config),
             ("vocab", f"{vocab}, embeddings {'tied' if info['tied_embeddings'] else 'untied'}")]
     if info.get("experts"):
         moe = config.get("moe_layers")
@@ -173,6 +203,7 @@ def _rows(info: dict) -> list[tuple[str, str]]:
                      + (f", FFN {config['expert_ffn']}" if config.get("expert_ffn") else "")
                      + f"; {info['moe_layers']} of {info['layers']} layers are MoE"
                      + (f" ({_ranges(moe)})" if moe else "")))
+        rows.append(("routing", _routing(config)))
     settings = [key.replace("_", " ") + ("" if value is True else f" {_value(value)}")
                 for key, value in config.items() if key not in _SHOWN]
     if settings:

@@ -112,7 +112,7 @@ def test_inspect_table_details(layouts, capsys):
     assert "4 ranks (mp_rank_00_000 … mp_rank_01_001), 1 file each, 4 in all" in text
     text = run_cli(capsys, "inspect", layouts["moe"])[1]
     assert "  experts      4 per MoE layer, 2 per token, FFN 48; 2 of 2 layers are MoE\n" in text
-    assert "router renormalize" in text and "  shape        2 layers, hidden 64, 8 heads of 8, 2 KV heads\n" in text
+    assert "  routing      softmax scores, top-k renormalised\n" in text and "  shape        2 layers, hidden 64, 8 heads of 8, 2 KV heads\n" in text
     assert "  shape        2 layers, hidden 64, 8 heads of 8, 2 KV heads, FFN 96\n" in run_cli(capsys, "inspect",
                                                                                           layouts["hf"])[1]
     every = run_cli(capsys, "inspect", layouts["megatron"], "--files")[1]
