@@ -96,7 +96,8 @@ class DecoderFeatures:
 # How config.json spells the model's meaning, per architecture ([config] table; reshard/layouts/hf_config.py).
 CONFIG_KEYS = {"norm_eps", "activation", "max_positions", "attn_softcap", "final_softcap", "query_scale",
                "rope_local_theta", "bias_groups", "architectures"}
-ARCH_CONFIG_KEYS = {"model_type", "biases", "window", "window_pattern", "rotary_fraction", "requires"}
+ARCH_CONFIG_KEYS = {"model_type", "other_model_types", "biases", "window", "window_pattern", "rotary_fraction",
+                    "requires"}
 BIAS_GROUPS = ("qkv", "o", "mlp")
 #: How an architecture's config.json spells a sliding window: ``none`` (it has none), ``all_layers``
 #: (``sliding_window`` applies to every layer, Mistral), ``layer_types`` (``use_sliding_window``,
@@ -110,9 +111,12 @@ class ArchitectureConfig:
     """One architecture's config.json spelling: ``biases`` maps a bias group to the config key that switches it
     or to a fixed bool; ``window`` is one of ``WINDOW_SPELLINGS``; ``rotary_fraction``: partial rotary allowed;
     ``requires``: config keys whose other values change the computation in a way reshard does not carry
-    (refused on read, e.g. GPT-2's ``scale_attn_by_inverse_layer_idx = false``)."""
+    (refused on read, e.g. GPT-2's ``scale_attn_by_inverse_layer_idx = false``); ``other_model_types``: other
+    ``model_type`` values checkpoints of the architecture carry (Kimi-K2's ``kimi_k2``), kept as the source has
+    them."""
 
     model_type: str
+    other_model_types: tuple[str, ...] = ()
     biases: tuple[tuple[str, str | bool], ...] = ()
     window: str = "none"
     rotary_fraction: bool = False
@@ -549,6 +553,7 @@ def _parse_config(table: dict, source: str, architectures: tuple[str, ...]) -> C
             raise MappingError(f"{source}: {where} window '{entry['window']}' is not a spelling reshard reads"
                                f"{_suggest(str(entry['window']), WINDOW_SPELLINGS)}")
         archs.append((name, ArchitectureConfig(model_type=entry["model_type"], biases=tuple(sorted(biases.items())),
+                                               other_model_types=tuple(entry.get("other_model_types", ())),
                                                window=entry.get("window", "none"),
                                                rotary_fraction=bool(entry.get("rotary_fraction", False)),
                                                requires=tuple(sorted(entry.get("requires", {}).items())),

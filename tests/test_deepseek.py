@@ -210,3 +210,16 @@ def test_local_spec_down_projections_must_split_evenly(tmp_path, capsys):
     _refused(capsys, src, tmp_path / "out", "--to", "megatron", "--tp", "4", "--megatron-spec", "local",
              words=("q_a_proj", "18 rows", "tp=4"))
     convert(capsys, src, tmp_path / "te", "--to", "megatron", "--tp", "4")
+
+
+def test_newer_megatron_core_mtp_spelling_is_read(coded, tmp_path, capsys):
+    """megatron-core after 0.16 names an MTP layer's decoder layer ``mtp_model_layer`` (spec section 4.2)."""
+    convert(capsys, coded["v3"], tmp_path / "m", "--to", "megatron", "--tp", "2")
+    for t in range(2):
+        path = tmp_path / "m" / "release" / f"mp_rank_0{t}" / "model_optim_rng.pt"
+        state = torch.load(path, weights_only=False)
+        state["model"] = {k.replace(".transformer_layer.", ".mtp_model_layer."): v for k, v in state["model"].items()}
+        torch.save(state, path)
+    convert(capsys, tmp_path / "m", tmp_path / "h", "--to", "hf")
+    a, b = hf_state(coded["v3"]), hf_state(tmp_path / "h")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)

@@ -324,7 +324,8 @@ def write_config(meaning: ModelConfig, base: dict | None, family: Family, loss: 
         raise PlanError(f"mapping '{family.name}' has no [config.architectures.{meaning.architecture}] table: "
                         "reshard does not know how its config.json spells the model")
     c = dict(base or {})
-    c.update(architectures=[meaning.architecture], model_type=spelling.model_type, tie_word_embeddings=meaning.tied)
+    model_type = c.get("model_type") if c.get("model_type") in spelling.other_model_types else spelling.model_type
+    c.update(architectures=[meaning.architecture], model_type=model_type, tie_word_embeddings=meaning.tied)
     written: dict[str, tuple[str, int]] = {}
     for field, symbol in DIM_FIELDS:
         key = family.dim_key(symbol, c)

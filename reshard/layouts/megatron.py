@@ -324,6 +324,9 @@ def open_source(path: str, opts: Options) -> Source:
                               f"{f', ep={ep_found}' if ep_found > 1 else ''}); the checkpoint is incomplete")
     order = [(t, p, e) for p in range(pp) for e in range(ep_found) for t in range(tp) if (t, p, e) in ranks]
     files = [TorchFile(ranks[key]) for key in order]
+    for f in files:  # megatron-core after 0.16 names an MTP layer's decoder layer mtp_model_layer
+        for key in [k for k in f.tensors if ".mtp_model_layer." in k]:
+            f.tensors[key.replace(".mtp_model_layer.", ".transformer_layer.", 1)] = f.tensors.pop(key)
     for label, value, found in (("tensor", getattr(args, "tensor_model_parallel_size", tp), tp),
                                 ("pipeline", getattr(args, "pipeline_model_parallel_size", pp), pp),
                                 ("expert", ep, ep_found)):
