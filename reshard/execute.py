@@ -340,6 +340,7 @@ class _Run:
                 else:
                     data = assemble(block, self.files, allow_overflow=self.allow_overflow)
                     dest[:] = data.contiguous().reshape(-1).view(dtypes.to_torch("U8")).numpy()
+                    del data  # freed before the next block is built: one block in memory besides the buffers
                 writes[lane].append((writer, w.tensor.name, memoryview(dest), w.tensor.nbytes, w.first, w.last))
                 done[lane] += block.nbytes
             self.gather.fill(items)

@@ -84,6 +84,7 @@ CONVERT_CASES = [
     ("dense", ["--to", "hf", "--push-to", "alice/x", "--revision", "a..b"], dict(to="hf", push_to="alice/x",
                                                                                 revision="a..b")),
     ("dense", ["--to", "hf", "--ep", "2"], dict(to="hf", ep=2)),  # refused: names the option that applies
+    ("dense", ["--to", "vllm", "--keep-fp8"], dict(to="vllm", keep_fp8=True)),  # refused: FP8 only into hf
     ("moe", ["--to", "megatron", "--tp", "2", "--ep", "2", "--etp", "1", "--moe-grouped-gemm"],
      dict(to="megatron", tp=2, ep=2, etp=1, moe_grouped_gemm=True)),
     ("moe", ["--to", "vllm", "--tp", "2", "--expert-parallel"], dict(to="vllm", tp=2, expert_parallel=True)),
@@ -94,7 +95,8 @@ CONVERT_CASES = [
 #: the cases the CLI and Python both refuse, with a word of the refusal
 REFUSED = {("--to", "hf", "--allow-lossy-config", "nonsense"): "nonsense",
            ("--to", "hf", "--push-to", "not a repo"): "not a repo",
-           ("--to", "hf", "--ep", "2"): "--ep"}
+           ("--to", "hf", "--ep", "2"): "--ep",
+           ("--to", "vllm", "--keep-fp8"): "--keep-fp8"}
 
 
 def test_the_cases_cover_every_convert_option():

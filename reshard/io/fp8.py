@@ -17,7 +17,10 @@ bytes and their scales unchanged (:func:`add_scales`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
+
+import numpy as np
 
 from reshard.errors import CheckpointError, PlanError
 from reshard.io.tensorfile import TensorFile
@@ -25,8 +28,8 @@ from reshard.io.tensorfile import TensorFile
 SCALE_SUFFIX = "_scale_inv"
 FP8 = "F8_E4M3"
 SCALE_DTYPE = "F32"
-#: Elements dequantised at once (2M: 2 MiB of fp8, 8 MiB of fp32 product and 8 MiB of scales per band).
-CHUNK_ELEMENTS = 1 << 21
+#: Elements dequantised at once (1M: 1 MiB of fp8 and 4 MiB of fp32 product per band).
+CHUNK_ELEMENTS = 1 << 20
 _FIX = "reshard reads block-FP8 (quant_method fp8, e4m3 weights, fp32 <name>_scale_inv block scales)"
 
 
@@ -206,22 +209,33 @@ class Fp8File(TensorFile):
             return out
         b0, b1 = q.block
         full = (c0, c1) == (0, self.tensors[name].shape[1])
-        scale_cols = torch.arange(c0, c1) // b1
+        scale_cols = np.arange(c0, c1) // b1
         band = max(1, CHUNK_ELEMENTS // ((c1 - c0) * b0)) * b0  # rows per band: whole block rows
         a = r0
         while a < r1:
             b = min(r1, a - a % b0 + band)
             w8 = self.base.read(name, 0, a, b - a) if full else self.base.read(name, 1, c0, c1 - c0, (a, b))
             first = a // b0
-            scales = self.files[q.scale_file].read(q.scale, 0, first, (b - 1) // b0 + 1 - first)
-            product = w8.to(torch.float32)
-            product.mul_(scales[torch.arange(a, b) // b0 - first][:, scale_cols])
+            scales = self.files[q.scale_file].read(q.scale, 0, first, (b - 1) // b0 + 1 - first).numpy()
+            product = np.take(_e4m3_values(), w8.view(torch.uint8).numpy())  # float32(W8), exactly
+            for k in range(scales.shape[0]):  # each block row times its scales, one per column (fp32 multiply)
+                lo, hi = max(a, (first + k) * b0) - a, min(b, (first + k + 1) * b0) - a
+                product[lo:hi] *= scales[k, scale_cols]
             part = out[a - r0:b - r0]
-            part.copy_(product)
+            part.copy_(torch.from_numpy(product))  # to the output dtype: round to nearest even
             if not allow_overflow:
-                check_cast(name, product, part)
+                check_cast(name, torch.from_numpy(product), part)
             a = b
         return out
+
+
+@functools.lru_cache(maxsize=1)
+def _e4m3_values():
+    """The float32 value of each of the 256 e4m3fn bytes (a table lookup is several times faster than torch's
+    fp8 conversion on CPU)."""
+    import torch
+
+    return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32).numpy()
 
 
 def is_dequantized(files: list[TensorFile], source: int, tensor: str) -> bool:
