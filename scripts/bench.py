@@ -70,6 +70,7 @@ from bench_ops import (  # noqa: E402,F401 - REPO_ROOT, SRC_DIR, OPS: re-exporte
     DERIVED_SOURCES,
     MOE_OPS,
     OPS,
+    PREPARE_ONLY,
     REFERENCES,
     WIDE_OPS,
     REPO_ROOT,
@@ -140,7 +141,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         elif args.model == "wide":
             args.ops = [*REFERENCES, *WIDE_OPS]
         else:
-            args.ops = [op for op in OPS if op not in MOE_OPS]
+            args.ops = [op for op in OPS if op not in MOE_OPS and op not in PREPARE_ONLY]
     args.ops = [op for op in OPS if op in set(args.ops)]  # canonical order: cp, hf_to_megatron_tp8, ...
     if args.torchrun is not None:
         if args.torchrun < 2:

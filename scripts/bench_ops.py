@@ -35,6 +35,8 @@ OPS: dict[str, tuple[str, list[str] | None]] = {
     "trtllm_tp8_to_hf": ("trtllm_tp8", ["--to", "hf"]),
     "hf_to_meta_tp1": ("hf", ["--to", "meta", "--tp", "1"]),  # Meta pads nothing: the odd vocab needs tp 1
     "meta_tp1_to_hf": ("meta_tp1", ["--to", "hf"]),
+    "fp8_quantize": ("hf", None),  # makes the hf_fp8 source (scripts/bench_fp8.py); not timed by default
+    "hf_fp8_to_bf16_hf": ("hf_fp8", ["--to", "hf"]),  # block-FP8 source (the Llama quantised) dequantised to bf16
     "pcp": ("hf", None),
     "naive": ("hf", None),
 }
@@ -44,7 +46,9 @@ MOE_OPS = ("hf_to_megatron_tp2_ep4", "megatron_tp2_ep4_to_hf")
 #: when the op itself is not among those timed)
 DERIVED_SOURCES = {"megatron_tp8": "hf_to_megatron_tp8", "torch_dist": "hf_to_torch_dist",
                    "megatron_tp2_ep4": "hf_to_megatron_tp2_ep4", "trtllm_tp8": "hf_to_trtllm_tp8",
-                   "meta_tp1": "hf_to_meta_tp1"}
+                   "meta_tp1": "hf_to_meta_tp1", "hf_fp8": "fp8_quantize"}
+#: operations that only prepare a source: left out of the default set
+PREPARE_ONLY = ("fp8_quantize",)
 #: the copy references each conversion is timed next to: one `cp -r`, and the same bytes in N parallel streams
 REFERENCES = ("cp", "pcp")
 #: the default operations of the "wide" model (1 layer, 1 GiB MLP weights)
@@ -165,6 +169,8 @@ def build_cmd(op: str, src: Path, dst: Path, workers: int | None, reshard: list[
         return [sys.executable, "-c", PCP_CODE, str(src), str(dst), str(parallel_streams())]
     if op == "naive":
         return [sys.executable, "-c", NAIVE_CODE, str(src), str(dst)]
+    if op == "fp8_quantize":
+        return [sys.executable, str(Path(__file__).resolve().parent / "bench_fp8.py"), str(src), str(dst)]
     cmd = [*(reshard or default_reshard()), "convert", str(src), str(dst), *OPS[op][1], "--overwrite"]
     if workers is not None:
         cmd += ["--workers", str(workers)]
