@@ -55,6 +55,21 @@ def _check_names(model: CanonicalModel) -> None:
                         "add `vllm = ...` to it in the mapping file")
 
 
+def vllm_names(model: CanonicalModel):
+    """``spec -> its vLLM name`` in ``model``: the mapping's ``vllm`` name, or its ``vllm_unfused`` one when another
+    member of its vLLM pack is absent from the model (DeepSeek-V2-Lite has no ``q_a_proj``, so vLLM keeps its
+    ``kv_a_proj_with_mqa`` alone under its own name instead of in ``fused_qkv_a_proj``)."""
+    weights = model.family.weights
+    names: dict[str, str] = {}
+    for spec in weights:
+        name = spec.vllm_name
+        if spec.vllm_unfused and any(not model.has_spec(s) for s in weights
+                                     if s is not spec and s.vllm_name == spec.vllm_name):
+            name = spec.vllm_unfused
+        names[spec.hf] = name
+    return lambda spec: names[spec.hf]
+
+
 def expert_block(experts: int, ranks: int, rank: int) -> range:
     """The routed experts vLLM's ``enable_expert_parallel`` puts on ``rank`` (linear placement): contiguous
     blocks, the first ``experts % ranks`` ranks one more (vLLM's determine_expert_map)."""
@@ -70,18 +85,19 @@ def rank_tensors(model: CanonicalModel, tp: int, rank: int, padded_vocab: int,
     [E, H, I/tp]``); with ``expert_parallel`` the rank holds its block of whole experts instead."""
     family = model.family
     groups = model.dims["ng"]
+    name_of = vllm_names(model)
     out: list[StoredTensor] = []
     head_spec = next((s for s in family.weights if s.tied_to), None)
     emb_spec = next((s for s in family.weights if head_spec and s.hf == head_spec.tied_to), None)
 
     def emit(spec: WeightSpec, layer: int | None, name: str | None = None) -> None:
-        template = name or spec.vllm_name
+        template = name or name_of(spec)
         stored_name = template.format(layer=layer) if layer is not None else template
         if spec.per_expert:
             experts = expert_block(model.num_experts, tp, rank) if expert_parallel else range(model.num_experts)
             blocks = []
             for j, e in enumerate(experts):
-                members = pack_members(model, spec, layer, lambda s: s.vllm_name, e)
+                members = pack_members(model, spec, layer, name_of, e)
                 if members is None:
                     return
                 blocks.append(rank_slice(stored_name, spec, members, 0 if expert_parallel else rank,
@@ -91,7 +107,7 @@ def rank_tensors(model: CanonicalModel, tp: int, rank: int, padded_vocab: int,
                                     tuple(replace(p, block=j) for j, b in enumerate(blocks) for p in b.pieces),
                                     stacked=True))
             return
-        members = pack_members(model, spec, layer, lambda s: s.vllm_name)
+        members = pack_members(model, spec, layer, name_of)
         if members is None:
             return
         out.append(rank_slice(stored_name, spec, members, rank, tp, groups, padded_vocab, vllm_qkv_pieces))
