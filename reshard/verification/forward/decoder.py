@@ -19,6 +19,21 @@ local KV head ``j // (local q heads / local KV heads)``) and an optional sliding
 vocab-parallel head whose logits are all-gathered over the padded vocab. Row-parallel biases are added once,
 after the all-reduce. Everything is computed in ``compute_dtype`` (fp32 by default). Weights that the features
 need must be present and weights no feature uses must be absent (:func:`check_features`).
+
+Multi-head latent attention (DeepSeek-V2 / V3, ``kv_lora_rank > 0``), computed naively as transformers does (not
+absorbed)::
+
+    q = q_b(rms(q_a(x)))  or  q(x)                 per local head [q_nope(dn) | q_rope(dr)]
+    [latent(rkv) | k_rope(dr)] = kv_a(x);  latent = rms(latent)
+    kv_b(latent)                                   per local head [k_nope(dn) | v(dv)]
+    attention([q_nope | rope(q_rope)], [k_nope | rope(k_rope)], v) * (dn + dr) ** -0.5 * m ** 2;  o; all-reduce
+
+RoPE there rotates interleaved pairs (2i, 2i+1) of the dr dims (one k_rope shared by every head), the MLA norms
+use eps 1e-6 (transformers' ``DeepseekV3RMSNorm`` default, whatever ``rms_norm_eps``), and yarn's ``mscale_all_dim``
+gives ``m`` (1 otherwise). q_a / kv_a held as row blocks (Megatron's local spec) are applied per rank and their
+outputs all-gathered. Routing (:func:`route`): softmax or sigmoid scores in fp32, a selection bias added for the
+choice only, group-limited top-k, the chosen unbiased scores renormalised when the family does, times
+``router_scaling``; shared experts are added unscaled (gated only with ``shared_expert_gate``).
 """
 
 from __future__ import annotations
@@ -61,10 +76,68 @@ class ForwardOutput:
     states: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # (block name, hidden [b, s, H])
 
 
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_factor(config: DecoderConfig, scaling: dict) -> float:
+    factor = scaling.get("factor")
+    if factor is None:
+        return config.max_positions / scaling["original_max_position_embeddings"]
+    return float(factor)
+
+
+def _yarn_inv_freq(config: DecoderConfig, d: int, theta: float, scaling: dict) -> torch.Tensor:
+    """transformers' ``_compute_yarn_parameters`` inverse frequencies: interpolated by ``factor`` below the
+    correction range, extrapolated above it, a linear ramp between."""
+    factor = _yarn_factor(config, scaling)
+    original = scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return (d * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, d, 2).to(dtype=torch.float) / d)
+    extrapolation = 1 - ramp
+    return 1.0 / (factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
+
+
+def rope_attention_factor(config: DecoderConfig) -> float:
+    """The factor yarn multiplies cos and sin by (1 for every other RoPE)."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = _yarn_factor(config, scaling)
+    mscale, all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and all_dim:
+        return float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, all_dim))
+    return _yarn_mscale(factor)
+
+
+def mla_softmax_scale(config: DecoderConfig) -> float:
+    """``(dn + dr) ** -0.5``, times ``m ** 2`` with ``m`` from ``mscale_all_dim`` under a RoPE scaling
+    (transformers' DeepSeek ``yarn_apply_mscale``)."""
+    scale = (config.head_dim + config.rope_head_dim) ** -0.5
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type", "default")) != "default" and scaling.get("mscale_all_dim"):
+        m = _yarn_mscale(float(scaling["factor"]), scaling["mscale_all_dim"])
+        scale = scale * m * m
+    return scale
+
+
 def rope_inv_freq(config: DecoderConfig, local: bool = False) -> torch.Tensor:
     """HF's inverse frequencies for ``rope_theta`` and the ``rope_scaling`` types this decoder supports
     (``local``: a sliding-window layer's plain RoPE with ``rope_local_theta``)."""
-    d = config.head_dim
+    d = config.rope_dim
     theta = config.rope_local_theta if local else config.rope_theta
     inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     scaling = None if local else config.rope_scaling
@@ -86,8 +159,11 @@ def rope_inv_freq(config: DecoderConfig, local: bool = False) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
+    if kind == "yarn" and config.mla:
+        return _yarn_inv_freq(config, d, theta, scaling)
     raise ReshardError(f"rope_scaling type '{kind}' is not supported by the forward verifier (supported: "
-                       "default, linear, llama3); verify this checkpoint with the digest check instead")
+                       "default, linear, llama3; yarn with multi-head latent attention); verify this checkpoint "
+                       "with the digest check instead")
 
 
 def rope_cos_sin(config: DecoderConfig, seq_len: int, device, dtype,
@@ -96,12 +172,24 @@ def rope_cos_sin(config: DecoderConfig, seq_len: int, device, dtype,
     positions = torch.arange(seq_len, device=device, dtype=torch.float32)
     freqs = positions[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
+    factor = 1.0 if local else rope_attention_factor(config)
+    if factor != 1.0:
+        return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on interleaved pairs ``(2i, 2i+1)`` (transformers' ``apply_rotary_pos_emb_interleave``; ``cos`` /
+    ``sin`` are ``cat(freqs, freqs)``): the rotated evens, then the rotated odds."""
+    half = cos.shape[-1] // 2
+    cos, sin = cos[..., :half], sin[..., :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
@@ -148,7 +236,53 @@ def attention_mask(seq_len: int, window: int | None, device) -> torch.Tensor:
     return allowed
 
 
+#: transformers' DeepSeek q_a_layernorm / kv_a_layernorm are built without the config's eps.
+MLA_NORM_EPS = 1e-6
+
+
+def mla_down(x: torch.Tensor, w: torch.Tensor, rows: int, what: str, tp: TPGroup) -> torch.Tensor:
+    """``x`` through an MLA down projection of ``rows`` outputs, held whole or as this rank's row block (Megatron's
+    local spec: a column-parallel linear whose outputs are all-gathered)."""
+    out = _linear(x, w)
+    if w.shape[0] == rows:
+        return out
+    if w.shape[0] * tp.size != rows:
+        raise ReshardError(f"{what} holds {w.shape[0]} rows on a rank of {tp.size}: neither all {rows} nor a "
+                           f"1/{tp.size} row block; the checkpoint does not match its config")
+    return tp.gather_last_dim(out)
+
+
+def mla_attention(x: torch.Tensor, w: LayerWeights, config: DecoderConfig, cos, sin, mask,
+                  tp: TPGroup) -> torch.Tensor:
+    """Multi-head latent attention over this rank's heads (module docstring); one all-reduce after o."""
+    b, s, _ = x.shape
+    dn, dr, dv, rkv = config.head_dim, config.rope_head_dim, config.v_head_dim, config.kv_lora_rank
+    if w.q_a is not None:
+        q = _linear(rms_norm(mla_down(x, w.q_a, config.q_lora_rank, "q_a", tp), w.q_a_norm, MLA_NORM_EPS), w.q_b)
+    else:
+        q = _linear(x, w.q)
+    q = q.view(b, s, -1, dn + dr).transpose(1, 2)
+    q_nope, q_rope = torch.split(q, [dn, dr], dim=-1)
+    latent, k_rope = torch.split(mla_down(x, w.kv_a, rkv + dr, "kv_a", tp), [rkv, dr], dim=-1)
+    latent = rms_norm(latent, w.kv_a_norm, MLA_NORM_EPS)
+    k_rope = rotate_pairs(k_rope.view(b, 1, s, dr), cos, sin)
+    kv = _linear(latent, w.kv_b).view(b, s, -1, dn + dv).transpose(1, 2)
+    heads = q.shape[1]
+    if kv.shape[1] != heads:
+        raise ReshardError(f"rank holds {heads} query heads but kv_b gives {kv.shape[1]}: not one head split")
+    k_nope, v = torch.split(kv, [dn, dv], dim=-1)
+    q = torch.cat((q_nope, rotate_pairs(q_rope, cos, sin)), dim=-1)
+    k = torch.cat((k_nope, k_rope.expand(-1, heads, -1, -1)), dim=-1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * mla_softmax_scale(config)
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(probs, v).transpose(1, 2).reshape(b, s, heads * dv)
+    return tp.all_reduce(_linear(out, w.o))
+
+
 def attention(x: torch.Tensor, w: LayerWeights, config: DecoderConfig, cos, sin, mask, tp: TPGroup) -> torch.Tensor:
+    if config.mla:
+        return mla_attention(x, w, config, cos, sin, mask, tp)
     b, s, _ = x.shape
     d = config.head_dim
     q = _linear(x, w.q, w.q_bias).view(b, s, -1, d)
@@ -176,22 +310,49 @@ def attention(x: torch.Tensor, w: LayerWeights, config: DecoderConfig, cos, sin,
     return out + w.o_bias if w.o_bias is not None else out
 
 
-def route(x: torch.Tensor, router: torch.Tensor, config: DecoderConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights, experts) ``[tokens, k]`` each: a softmax over every expert in fp32, its top-k, renormalised to sum
-    to 1 when the family does, cast to x's dtype."""
-    probs = torch.softmax(_linear(x, router).float(), dim=-1)
-    weights, chosen = torch.topk(probs, config.experts_per_token, dim=-1)
+def route(x: torch.Tensor, router: torch.Tensor, config: DecoderConfig,
+          bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, experts) ``[tokens, k]`` each. Router logits in fp32 (at least), scored by softmax over every
+    expert or sigmoid; the choice ranks ``scores + bias`` (the selection bias, if any); with ``router_groups > 1``
+    only the ``router_group_topk`` groups with the best group score compete (``topN_sum``: the sum of a group's N
+    best choice scores, ``max``: its best); the weights are the chosen experts' unbiased scores, renormalised to
+    sum to 1 when the family does (+ 1e-20 for sigmoid, as transformers), times ``router_scaling``; cast to x's
+    dtype."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    logits = F.linear(x.to(dtype), router.to(dtype))
+    scores = torch.softmax(logits, dim=-1) if config.router_score == "softmax" else logits.sigmoid()
+    choice = scores if bias is None else scores + bias.to(dtype)
+    if config.router_groups > 1:
+        tokens, experts = choice.shape
+        grouped = choice.view(tokens, config.router_groups, experts // config.router_groups)
+        if config.router_group_score == "max":
+            group_scores = grouped.max(dim=-1).values
+        else:
+            best = int(config.router_group_score.removeprefix("top").removesuffix("_sum"))
+            group_scores = grouped.topk(best, dim=-1)[0].sum(dim=-1)
+        kept = torch.topk(group_scores, k=config.router_group_topk, dim=-1, sorted=False)[1]
+        allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+        allowed = allowed.unsqueeze(-1).expand_as(grouped).reshape(tokens, experts)
+        choice = choice.masked_fill(~allowed, float("-inf"))
+    chosen = torch.topk(choice, config.experts_per_token, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, chosen)
+    if config.router_groups > 1:  # more experts asked for than the kept groups hold: the others weigh nothing
+        weights = weights.masked_fill(choice.gather(1, chosen) == float("-inf"), 0.0)
     if config.router_renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        eps = 1e-20 if config.router_score == "sigmoid" else 0.0
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
+    if config.router_scaling != 1.0:
+        weights = weights * config.router_scaling
     return weights.to(x.dtype), chosen
 
 
 def moe(x: torch.Tensor, w: LayerWeights, config: DecoderConfig, tp: TPGroup) -> torch.Tensor:
     """A Mixture-of-Experts MLP: each token's top-k experts (SwiGLU), weighted by the router, plus the shared
-    expert (times ``sigmoid(x @ shared_expert_gate)``); this rank's partial sums, all-reduced once."""
+    expert (times ``sigmoid(x @ shared_expert_gate)`` when it has a gate); this rank's partial sums, all-reduced
+    once."""
     act = ACTIVATION_FUNCTIONS[config.activation]
     flat = x.reshape(-1, x.shape[-1])
-    weights, chosen = route(flat, w.router, config)
+    weights, chosen = route(flat, w.router, config, w.router_bias)
     out = torch.zeros_like(flat)
     for expert, (gate, up, down) in w.experts.items():
         token, slot = torch.nonzero(chosen == expert, as_tuple=True)
@@ -232,10 +393,11 @@ def cast(t: torch.Tensor | None, dtype: torch.dtype, device) -> torch.Tensor | N
 
 def cast_layer(layer: LayerWeights, dtype: torch.dtype, device) -> LayerWeights:
     """Move and cast every tensor of ``layer`` (in place, one at a time: each stored tensor is dropped as soon as
-    its cast copy exists)."""
+    its cast copy exists); a router's selection bias stays in fp32 at least (the router computes in fp32)."""
     for name in layer.__dataclass_fields__:
         if name != "experts":
-            setattr(layer, name, cast(getattr(layer, name), dtype, device))
+            to = torch.promote_types(dtype, torch.float32) if name == "router_bias" else dtype
+            setattr(layer, name, cast(getattr(layer, name), to, device))
     layer.experts = {e: tuple(cast(t, dtype, device) for t in parts) for e, parts in layer.experts.items()}
     return layer
 
@@ -268,7 +430,21 @@ def check_layer(config: DecoderConfig, i: int, layer: LayerWeights) -> None:
     """Refuse layer ``i``'s weights where they do not fit the features: every projection present; a gated MLP
     needs ``gate``, a plain one has none; only LayerNorm has norm biases; q/k norms exactly with ``qk_norm``;
     sandwich norms exactly with ``sandwich_norm``."""
-    needed = ("input_norm", "post_norm", "q", "k", "v", "o") + (() if layer.router is not None else ("up", "down"))
+    if config.mla:
+        attention_roles = ("kv_a", "kv_a_norm", "kv_b", "o") + (("q_a", "q_a_norm", "q_b") if config.q_lora_rank
+                                                                 else ("q",))
+        foreign = [n for n in ("k", "v") + (("q",) if config.q_lora_rank else ("q_a", "q_a_norm", "q_b"))
+                   if getattr(layer, n) is not None]
+        if foreign:
+            raise ReshardError(f"layer {i}: the checkpoint holds a {foreign[0]} weight, which latent attention "
+                               f"{'with' if config.q_lora_rank else 'without'} q LoRA does not use")
+    else:
+        attention_roles = ("q", "k", "v", "o")
+        foreign = [n for n in ("q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm", "kv_b") if getattr(layer, n) is not None]
+        if foreign:
+            raise ReshardError(f"layer {i}: the checkpoint holds latent-attention weight {foreign[0]}, but the config "
+                               "has no kv_lora_rank")
+    needed = ("input_norm", "post_norm") + attention_roles + (() if layer.router is not None else ("up", "down"))
     missing = [n for n in needed if getattr(layer, n) is None]
     if missing:
         raise ReshardError(f"layer {i}: the checkpoint has no {missing[0]} weight (a mapping without decoder roles?)")

@@ -8,8 +8,11 @@ over its sides (A, then B) and consecutive steps k, k+1 (embedding, layers, head
 * weights: step k's tensors in the compute dtype (plus a tied head's embedding rows, kept from the start), plus
   step k+1 being read and cast (all its stored tensors, then each replaced by its cast in turn: the largest sum
   along the way; the stored tensors alone when no cast is needed);
-* activations: one layer's working set in the compute dtype, ``b*s*(6H + 8 q_local + 4 F_local)`` elements plus
-  ``3 b*q_heads_local*s*s`` fp32 attention scores, and on rank 0 the hidden state after every block (kept for the
+* activations: one layer's working set in the compute dtype, ``b*s*(6H + A + 4 F_local)`` elements with
+  ``A = 8 q_local`` (q_local: the rank's query heads times head_dim), or for multi-head latent attention
+  ``A = rq + rkv + dr + heads_local * (4 (dn + dr) + 2 (dn + dv) + 2 dv)`` (the gathered down projections, q, its
+  RoPE part and the keys, kv_b's output, the values and the output), plus ``3 b*q_heads_local*s*s`` fp32 attention
+  scores, and on rank 0 the hidden state after every block (kept for the
   report, A's while B runs);
 * logits: ``3 b*s*Vp`` in the compute dtype on every rank (local, gathered pieces, joined), and on rank 0 A's
   logits kept while B runs plus ``8 b*s*Vp`` float64 for the comparison;
@@ -81,7 +84,13 @@ def _mlp_rows(layer) -> int:
 
 def _activations(config, world: int, batch: int, seq: int, itemsize: int, f_local: int) -> int:
     q_heads = config.heads // world
-    return (batch * seq * (6 * config.hidden + 8 * q_heads * config.head_dim + 4 * f_local) * itemsize
+    if config.mla:
+        dq, dkv, dv = config.head_dim + config.rope_head_dim, config.head_dim + config.v_head_dim, config.v_head_dim
+        attention = (config.q_lora_rank + config.kv_lora_rank + config.rope_head_dim
+                     + q_heads * (4 * dq + 2 * dkv + 2 * dv))
+    else:
+        attention = 8 * q_heads * config.head_dim
+    return (batch * seq * (6 * config.hidden + attention + 4 * f_local) * itemsize
             + 3 * batch * q_heads * seq * seq * 4)
 
 

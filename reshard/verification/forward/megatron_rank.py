@@ -8,6 +8,8 @@ Megatron-Core runs them: ``linear_qkv`` per local KV group ``[q heads of the gro
 The process count must equal the checkpoint's TP degree (a Megatron rank file is only meaningful at its own
 degree); convert first to check another degree. With expert parallelism every EP folder ``mp_rank_{r:02d}_{e:03d}``
 holds its own copy of the dense tensors: the rank computes with EP folder 0's and proves the others identical.
+Multi-head latent attention's down projections are read as stored: whole (Transformer Engine spec) or the rank's
+row block (local spec), which the decoder runs as Megatron-Core does (its outputs all-gathered over the ranks).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from reshard.errors import CheckpointError, ReshardError
 from reshard.io.torch_format import TorchFile
 from reshard.layouts import megatron
 from reshard.layouts.base import Options
+from reshard.mapping import config_condition
 from reshard.verification.forward.rank_stream import RankStream, whole_rank_loader
 from reshard.verification.forward.rank_weights import (DecoderConfig, LayerWeights, check_world, split_grouped_qkv,
                                                        split_halves, unpack)
@@ -122,11 +125,11 @@ class MegatronRankStream(RankStream):
     def _setup(self, path: str, folder: str, args, opts: Options) -> None:
         self.stage_files = files = [stage[0] for stage in self.expert_files]
         root = megatron._checkpoint_root(path, folder)
-        meaning, family, _ = megatron.read_args(args, opts, root, folder)
+        meaning, family, hf_config = megatron.read_args(args, opts, root, folder)
         self.config = config = DecoderConfig.from_meaning(meaning)
         check_world(config, self.world, meaning.ffn)
         all_keys = {k for f in files for c in _chunks(f) for k in f.structure[c]}
-        self.spec_name = "te" if any(k.endswith("linear_qkv.layer_norm_weight") for k in all_keys) else "local"
+        self.spec_name = "te" if any(k.endswith(".layer_norm_weight") for k in all_keys) else "local"
         self.chunks = chunks = _chunks(files[0])
         self.family = family
         self.sparse_layers = set(meaning.sparse_layers())
@@ -135,7 +138,8 @@ class MegatronRankStream(RankStream):
         self.etp = int(getattr(args, "expert_tensor_parallel_size", None) or self.world)
         self.experts_per_rank = meaning.experts // (len(self.expert_files[0]) - 1) if meaning.experts else 0
         self._cache: dict = {}
-        self.layer_specs = [s for s in family.weights if s.role and s.per_layer and not s.per_expert]
+        self.layer_specs = [s for s in family.weights if s.role and s.per_layer and not s.per_expert
+                            and (s.when is None or config_condition(s.when, hf_config))]
         self.expert_specs = [s for s in family.weights if s.per_expert]
         self.places = []  # global layer -> (chunk, stage, local index): chunk-major, then pipeline stage
         for chunk in chunks:

@@ -12,6 +12,9 @@ Local tensors (``nh``/``ng`` heads, ``d`` head dim, ``H`` hidden, ``F`` intermed
 ``world > ng``: KV head ``rank // (world/ng)``); ``o`` ``[H, nh/world*d]`` (a column slice, row-parallel);
 ``gate``, ``up`` ``[F/world, H]``; ``down`` ``[H, F/world]``; ``embedding`` / ``lm_head`` rows
 ``[vocab_start, vocab_start + rows)`` of the padded vocab (rows at or past the true vocab are padding).
+Multi-head latent attention splits whole heads the same way (``q_b`` / ``q``, ``kv_b`` by rows, ``o`` by columns);
+its down projections ``q_a`` / ``kv_a`` are whole on every rank, or (Megatron's local spec) the rank's row block,
+whose outputs the decoder all-gathers as Megatron-Core does.
 """
 
 from __future__ import annotations
@@ -25,9 +28,12 @@ from reshard.errors import CheckpointError, ReshardError
 from reshard.core.model_config import ModelConfig
 from reshard.mapping import WeightSpec
 
-#: RoPE scaling types and activations the decoder implements (decoder.rope_inv_freq, ACTIVATION_FUNCTIONS).
+#: RoPE scaling types and activations the decoder implements (decoder.rope_inv_freq, ACTIVATION_FUNCTIONS); yarn
+#: for multi-head latent attention only (transformers' DeepSeek modelling, with its mscale on the softmax scale).
 ROPE_TYPES = ("default", "linear", "llama3")
+MLA_ROPE_TYPES = ROPE_TYPES + ("yarn",)
 ACTIVATION_NAMES = ("silu", "gelu", "gelu_tanh", "relu")
+ROUTER_SCORES = ("softmax", "sigmoid")
 
 
 @dataclass
@@ -58,20 +64,46 @@ class DecoderConfig:
     final_softcap: float | None = None
     query_scale: float | None = None  # attention scores times query_scale ** -0.5 (else head_dim ** -0.5)
     rope_local_theta: float | None = None  # RoPE base of the sliding-window layers (plain RoPE there)
-    experts_per_token: int = 0  # Mixture of Experts: top-k of a softmax router
+    experts_per_token: int = 0  # Mixture of Experts: top-k of the router's scores
     router_renormalize: bool = False  # the top-k weights renormalised to sum to 1
+    router_score: str = "softmax"  # softmax | sigmoid of the router logits (fp32)
+    router_groups: int = 1  # group-limited routing: experts in equal groups, the best router_group_topk kept
+    router_group_topk: int = 1
+    router_group_score: str | None = None  # topN_sum (the sum of a group's N best choice scores) | max
+    router_scaling: float = 1.0  # the routed weights' factor
+    max_positions: int | None = None  # yarn without a factor: max_positions / original_max_position_embeddings
+    q_lora_rank: int = 0  # multi-head latent attention (kv_lora_rank > 0): head_dim is then the no-RoPE part dn
+    kv_lora_rank: int = 0
+    rope_head_dim: int = 0  # dr: the RoPE part of each q / k head, pairs (2i, 2i+1) rotated
+    v_head_dim: int = 0  # dv
+
+    @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V2 / V3)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims of a head that RoPE rotates."""
+        return self.rope_head_dim if self.mla else self.head_dim
 
     @classmethod
     def from_meaning(cls, meaning: ModelConfig) -> "DecoderConfig":
         """From the canonical config; refuses (before any worker starts, as ``verify --forward`` builds it for
         both sides first) what the decoder does not implement."""
         lacking = []
-        if meaning.position == "rope" and meaning.rope_type not in ROPE_TYPES:
-            lacking.append(f"rope_scaling type '{meaning.rope_type}' (it implements {', '.join(ROPE_TYPES)})")
+        rope_types = MLA_ROPE_TYPES if meaning.mla else ROPE_TYPES
+        if meaning.position == "rope" and meaning.rope_type not in rope_types:
+            lacking.append(f"rope_scaling type '{meaning.rope_type}' (it implements {', '.join(rope_types)}"
+                           + ("" if meaning.mla else "; yarn with multi-head latent attention only") + ")")
         if meaning.position == "rope" and meaning.rotary_fraction != 1.0:
             lacking.append(f"partial rotary ({meaning.rotary_fraction})")
-        if meaning.rope_interleaved:
+        if meaning.rope_interleaved and not meaning.mla:  # MLA's RoPE rotates interleaved pairs by definition
             lacking.append("interleaved RoPE")
+        if meaning.experts and meaning.router_score not in ROUTER_SCORES:
+            lacking.append(f"router score '{meaning.router_score}' (it implements {', '.join(ROUTER_SCORES)})")
+        if meaning.experts and meaning.router_groups > 1 and not _group_score_known(meaning.router_group_score):
+            lacking.append(f"router group score '{meaning.router_group_score}' (it implements topN_sum, max)")
         if meaning.residual_post_norm:
             lacking.append("the residual taken after the norm")
         if meaning.activation not in ACTIVATION_NAMES:
@@ -88,7 +120,20 @@ class DecoderConfig:
                    embedding_scaled=meaning.embedding_scaled, sandwich_norm=meaning.sandwich_norm,
                    attn_softcap=meaning.attn_softcap, final_softcap=meaning.final_softcap,
                    query_scale=meaning.query_scale, rope_local_theta=meaning.rope_local_theta,
-                   experts_per_token=meaning.experts_per_token, router_renormalize=meaning.router_renormalize)
+                   experts_per_token=meaning.experts_per_token, router_renormalize=meaning.router_renormalize,
+                   router_score=meaning.router_score, router_groups=meaning.router_groups,
+                   router_group_topk=meaning.router_group_topk, router_group_score=meaning.router_group_score,
+                   router_scaling=meaning.router_scaling, max_positions=meaning.max_positions,
+                   q_lora_rank=meaning.q_lora_rank, kv_lora_rank=meaning.kv_lora_rank,
+                   rope_head_dim=meaning.rope_head_dim, v_head_dim=meaning.v_head_dim)
+
+
+def _group_score_known(score: str | None) -> bool:
+    """``max`` or ``topN_sum`` with N a positive integer."""
+    if score == "max":
+        return True
+    n = (score or "").removeprefix("top").removesuffix("_sum")
+    return bool(score) and score.startswith("top") and score.endswith("_sum") and n.isdigit() and int(n) > 0
 
 
 @dataclass
@@ -127,6 +172,13 @@ class LayerWeights:
     shared_up: torch.Tensor | None = None
     shared_down: torch.Tensor | None = None
     shared_expert_gate: torch.Tensor | None = None  # [1, H], whole
+    router_bias: torch.Tensor | None = None  # [E], whole: added to the scores for the choice of experts only
+    q_a: torch.Tensor | None = None  # multi-head latent attention: [rq, H] whole, or the rank's row block
+    q_a_norm: torch.Tensor | None = None  # [rq]
+    q_b: torch.Tensor | None = None  # [nh/world * (dn + dr), rq]; without q LoRA, ``q`` [nh/world * (dn + dr), H]
+    kv_a: torch.Tensor | None = None  # [rkv + dr, H] whole, or the rank's row block
+    kv_a_norm: torch.Tensor | None = None  # [rkv]
+    kv_b: torch.Tensor | None = None  # [nh/world * (dn + dv), rkv]; ``o`` is then [H, nh/world * dv]
 
 
 @dataclass

@@ -40,10 +40,11 @@ def tolerance(dtype_a: torch.dtype, dtype_b: torch.dtype, compute: torch.dtype, 
 BLOCK_TENSORS = {
     "embedding": "embed_tokens (Megatron word_embeddings; learned positions)",
     "attention": "input_layernorm, q/k/v_proj (q/k norms), o_proj (Megatron linear_qkv, linear_proj; vLLM qkv_proj, "
-                 "o_proj)",
+                 "o_proj); latent attention: q_a_proj / q_b_proj or q_proj, kv_a_proj_with_mqa, kv_b_proj and their "
+                 "norms (Megatron linear_q_down/up_proj, linear_kv_down/up_proj; vLLM fused_qkv_a_proj)",
     "mlp": "post_attention_layernorm, gate/up_proj, down_proj (Megatron linear_fc1, linear_fc2; "
-           "vLLM gate_up_proj, down_proj); on a MoE layer the router and the experts (Megatron local_experts, vLLM "
-           "w13 / w2)",
+           "vLLM gate_up_proj, down_proj); on a MoE layer the router (its selection bias) and the routed and shared "
+           "experts (Megatron local_experts, shared_experts; vLLM w13 / w2)",
     "head": "model.norm, lm_head (Megatron final_layernorm, output_layer)",
 }
 

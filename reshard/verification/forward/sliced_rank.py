@@ -4,7 +4,8 @@
 Reads only the rows / columns the rank holds, through the source's canonical index (whatever files and chunks
 hold them), by each weight's decoder role: q heads ``[r*nh/w, (r+1)*nh/w)``, KV heads ``[r*ng/w, ...)`` or, when ``w > ng``, KV head
 ``r // (w/ng)``; gate/up rows and o/down columns by 1/w; the vocab padded to a multiple of ``w`` and split evenly
-(padding rows are zeros).
+(padding rows are zeros). Multi-head latent attention: whole heads of ``q_b`` / ``q`` and ``kv_b`` rows and of
+``o`` columns; ``q_a``, ``kv_a`` and their norms whole.
 """
 
 from __future__ import annotations
@@ -68,6 +69,10 @@ class SlicedRankStream(RankStream):
                       "expert_gate": (0, rank * i_per, i_per), "expert_up": (0, rank * i_per, i_per),
                       "expert_down": (1, rank * i_per, i_per), "shared_gate": (0, rank * s_per, s_per),
                       "shared_up": (0, rank * s_per, s_per), "shared_down": (1, rank * s_per, s_per)}
+        if config.mla:  # whole heads of dn + dr (q_b / q), dn + dv (kv_b) rows and dv (o) columns; q_a, kv_a whole
+            dq, dkv, dv = d + config.rope_head_dim, d + config.v_head_dim, config.v_head_dim
+            self.spans.update({"q": (0, rank * q_per * dq, q_per * dq), "q_b": (0, rank * q_per * dq, q_per * dq),
+                               "kv_b": (0, rank * q_per * dkv, q_per * dkv), "o": (1, rank * q_per * dv, q_per * dv)})
         self.padded_vocab = padded_vocab_for(config.vocab, world)
         self.vocab_start, self.real_rows, self.pad_rows = vocab_rows(config.vocab, self.padded_vocab, rank, world)
         self.lm_head_start = self.vocab_start
@@ -76,7 +81,7 @@ class SlicedRankStream(RankStream):
         self.meters = [MeteredFile(f) for f in source.files] if self.metered else []
         self._opened = self.meters
         self.replica_checks: dict[str, list] = {}  # canonical name -> this rank's share of the stored replicas
-        for i, check in enumerate(self.index.checks):
+        for i, check in enumerate(dict.fromkeys(self.index.checks)):  # each distinct pair once
             if i % world == rank:
                 self.replica_checks.setdefault(check.canonical, []).append(check)
 

@@ -4,6 +4,8 @@ Split the way vLLM runs them: ``qkv_proj`` = ``[q_r; k_r; v_r]`` (``nh/tp`` quer
 heads), ``gate_up_proj`` = ``[gate_r; up_r]``, ``o_proj`` / ``down_proj`` column slices (their biases whole),
 embedding and ``lm_head`` rows ``[r*Vp/tp, (r+1)*Vp/tp)`` of the vocab padded to 64; a tied model stores only the
 name vLLM's loader keeps, which then serves as both. The process count must equal the folder's TP degree.
+Multi-head latent attention: ``fused_qkv_a_proj`` = ``[q_a; kv_a]`` whole (``kv_a_proj_with_mqa`` alone without q
+LoRA), ``q_b_proj`` / ``q_proj`` / ``kv_b_proj`` rows and ``o_proj`` columns by whole heads.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from reshard.io.safetensors_format import SafetensorsFile
 from reshard.layouts import hf, vllm
 from reshard.layouts.base import Options
 from reshard.layouts.hf_config import read_meaning
-from reshard.mapping import family_for_architecture
+from reshard.mapping import REPLICATED_PACK, config_condition, family_for_architecture
 from reshard.verification.forward.rank_stream import RankStream, whole_rank_loader
 from reshard.verification.forward.rank_weights import (DecoderConfig, LayerWeights, check_world, split_halves,
                                                        split_stacked_qkv, unpack)
@@ -37,6 +39,30 @@ def _experts(specs, layer: int, where: dict, experts: int, rank: int, world: int
         gate, up = split_halves(stacked["expert_gate"][j])
         out[e] = (gate, up, stacked["expert_down"][j])
     return out
+
+
+def _names_and_packs(family, held: list, dims: dict) -> tuple[dict, dict]:
+    """(HF template -> vLLM name, HF template -> (first row, rows) in its replicated pack) for the weights the
+    model ``held``: a weight whose pack partner the model lacks is stored alone under its ``vllm_unfused`` name
+    (as reshard's vLLM layout writes it); a pack is its members whole, in declaration order."""
+    names = {}
+    for spec in held:
+        partners = [s for s in family.weights if s is not spec and s.vllm_name == spec.vllm_name]
+        lone = spec.vllm_unfused and any(s not in held for s in partners)
+        names[spec.hf] = spec.vllm_unfused if lone else spec.vllm_name
+    packs: dict[str, list] = {}
+    for spec in held:
+        if spec.split == REPLICATED_PACK and spec.slot:
+            packs.setdefault(names[spec.hf], []).append(spec)
+    rows = {}
+    for members in packs.values():
+        start = 0
+        for spec in members:
+            size = family.shape_of(spec, dims)[0]
+            if len(members) > 1:
+                rows[spec.hf] = (start, size)
+            start += size
+    return names, rows
 
 
 class VllmRankStream(RankStream):
@@ -79,22 +105,32 @@ class VllmRankStream(RankStream):
         self.vocab_start = self.lm_head_start = self.rank * rows
         self.padded_vocab = rows * self.world
         self.sparse_layers = set(meaning.sparse_layers())
-        self.layer_specs = [s for s in family.weights if s.role and s.per_layer and not s.per_expert]
+        held = [s for s in family.weights if s.when is None or config_condition(s.when, hf_config)]
+        self.names, self.pack_rows = _names_and_packs(family, held, dims)
+        self.layer_specs = [s for s in held if s.role and s.per_layer and not s.per_expert]
+        self._cache: dict = {}
         self.expert_specs = [s for s in family.weights if s.per_expert]
         self.files = [os.path.relpath(f.path, path) for f in files]
 
     def _get(self, spec, layer: int | None = None):
         """``spec``'s local tensor (its slot of a fused tensor); None when an optional weight is absent."""
-        name = spec.vllm_name.format(layer=layer) if layer is not None else spec.vllm_name
+        template = self.names.get(spec.hf, spec.vllm_name)
+        name = template.format(layer=layer) if layer is not None else template
         if name not in self.where:
             if spec.optional:
                 return None
             raise CheckpointError(f"{self.path}: tensor '{name}' is missing from rank {self.rank}'s files")
+        if spec.hf in self.pack_rows:  # a member of a replicated pack (read once for all its members)
+            if name not in self._cache:
+                self._cache = {name: self.where[name].read(name)}
+            start, rows = self.pack_rows[spec.hf]
+            return self._cache[name][start:start + rows]
         return unpack(spec, self.where[name].read(name), lambda t: split_stacked_qkv(t, self.q_rows, self.kv_rows))
 
     def layer(self, index: int) -> LayerWeights:
         held = [s for s in self.layer_specs if s.on_layer(index in self.sparse_layers)]
         weights = LayerWeights(**{s.role: self._get(s, index) for s in held})
+        self._cache = {}
         if index in self.sparse_layers:
             weights.experts = _experts(self.expert_specs, index, self.where, self.meaning.experts, self.rank,
                                        self.world)
