@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
+import math
 import os
 import re
 import shutil
@@ -244,3 +246,18 @@ def test_dry_run_counts_the_latent_attention_weights(tmp_path):
         steps = [sizes["embedding.word_embeddings.weight"]] + layers + [
             sizes["output_layer.weight"] + sizes["decoder.final_layernorm.weight"]]
         assert proc["sides"]["B"]["weights"] == max(a + b for a, b in zip(steps, steps[1:]))
+
+
+def test_dry_run_reads_each_vllm_tensor_once(converted):
+    """vLLM's fused tensors (fused_qkv_a_proj, w13, gate_up_proj) serve several weights but are read once: B reads
+    its rank files' tensors, all but the attention scales the decoder does not use."""
+    from safetensors import safe_open
+
+    src, done = converted["v3"]
+    est = forward_estimate(src, done["vllm_tp2"])
+    for rank, proc in enumerate(est["processes"]):
+        stored = 0
+        for path in sorted(glob.glob(os.path.join(done["vllm_tp2"], f"model-rank-{rank}-part-*.safetensors"))):
+            with safe_open(path, "pt") as f:
+                stored += sum(math.prod(f.get_slice(n).get_shape()) * 4 for n in f.keys() if not n.endswith("_scale"))
+        assert proc["read_b"] == stored

@@ -26,12 +26,14 @@ from reshard.verification.forward.rank_weights import (DecoderConfig, LayerWeigh
 def _experts(specs, layer: int, where: dict, experts: int, rank: int, world: int) -> dict:
     """The routed experts of a stacked vLLM layer: every expert's 1/tp slice (``w13`` = [gate_r; up_r]), or with
     expert parallelism (fewer stacked than the model's experts) the rank's block of whole experts."""
-    stacked = {}
+    stacked, names = {}, {}
     for spec in specs:
         name = spec.vllm_name.format(layer=layer)
         if name not in where:
             raise CheckpointError(f"tensor '{name}' is missing from rank {rank}'s files")
-        stacked[spec.role] = where[name].read(name)
+        same = next((t for r, t in stacked.items() if names[r] == name), None)  # w13: gate and up, read once
+        stacked[spec.role] = where[name].read(name) if same is None else same
+        names[spec.role] = name
     held = stacked["expert_down"].shape[0]
     ids = vllm.expert_block(experts, world, rank) if held < experts else range(experts)
     out = {}
@@ -120,12 +122,13 @@ class VllmRankStream(RankStream):
             if spec.optional:
                 return None
             raise CheckpointError(f"{self.path}: tensor '{name}' is missing from rank {self.rank}'s files")
-        if spec.hf in self.pack_rows:  # a member of a replicated pack (read once for all its members)
-            if name not in self._cache:
-                self._cache = {name: self.where[name].read(name)}
+        if name not in self._cache:  # a fused tensor's members: read it once per step (the step holds it anyway)
+            self._cache[name] = self.where[name].read(name)
+        stored = self._cache[name]
+        if spec.hf in self.pack_rows:  # a member of a replicated pack
             start, rows = self.pack_rows[spec.hf]
-            return self._cache[name][start:start + rows]
-        return unpack(spec, self.where[name].read(name), lambda t: split_stacked_qkv(t, self.q_rows, self.kv_rows))
+            return stored[start:start + rows]
+        return unpack(spec, stored, lambda t: split_stacked_qkv(t, self.q_rows, self.kv_rows))
 
     def layer(self, index: int) -> LayerWeights:
         held = [s for s in self.layer_specs if s.on_layer(index in self.sparse_layers)]
@@ -142,12 +145,16 @@ class VllmRankStream(RankStream):
 
     def embedding(self):
         table = self.where[self.table].read(self.table) if self.tied else self._get(self.family.role_spec("embedding"))
-        return table, self._optional("position_embedding")
+        out = table, self._optional("position_embedding")
+        self._cache = {}
+        return out
 
     def head(self):
         role = self.family.role_spec
-        return (self._get(role("final_norm")), self._optional("final_norm_bias"),
-                None if self.tied else self._get(role("lm_head")))
+        out = (self._get(role("final_norm")), self._optional("final_norm_bias"),
+               None if self.tied else self._get(role("lm_head")))
+        self._cache = {}
+        return out
 
 
 load_rank = whole_rank_loader(VllmRankStream)
