@@ -243,6 +243,28 @@ def _mla_args(m: ModelConfig) -> dict[str, Any]:
                 kv_channels=m.v_head_dim, qk_layernorm=True, rope_type="rope", **MLA_ROPE_DEFAULTS)
 
 
+def _yarn_args(scaling: dict, loss: ConfigLoss) -> dict[str, Any]:
+    """megatron-core's MLA yarn args for an HF yarn ``rope_scaling``. megatron-core scales cos/sin by
+    get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim) whatever they are; transformers does so only
+    when both are set, else by get_mscale(factor) (mscale 1), and scales the softmax by get_mscale(factor,
+    mscale_all_dim)^2 in both. So without mscale_all_dim the args say mscale 1 and mscale_all_dim 0; with
+    mscale_all_dim but no mscale, an explicit attention_factor, or truncate false (megatron-core always rounds the
+    correction range) there is no spelling."""
+    if scaling.get("attention_factor") is not None:
+        loss.cannot("rope_scaling", {"attention_factor": scaling["attention_factor"]}, "megatron-core derives "
+                    "yarn's cos/sin factor from mscale / mscale_all_dim and takes no explicit one")
+    if scaling.get("truncate", True) is False:
+        loss.cannot("rope_scaling", {"truncate": False}, "megatron-core always rounds yarn's correction range")
+    values = {k: scaling.get(k, v) for k, v in MLA_ROPE_DEFAULTS.items() if k != "rotary_scaling_factor"}
+    if not scaling.get("mscale_all_dim"):
+        values.update(mscale=1.0, mscale_all_dim=0.0)
+    elif not scaling.get("mscale"):
+        loss.cannot("rope_scaling", {"mscale": scaling.get("mscale"), "mscale_all_dim": scaling["mscale_all_dim"]},
+                    "transformers scales yarn's cos/sin by get_mscale(factor) when mscale is unset, megatron-core "
+                    "by get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)")
+    return dict(rope_type="yarn", rotary_scaling_factor=float(scaling["factor"]), **values)
+
+
 def _skip_period(windowed: tuple[int, ...], layers: int) -> int | None:
     """The n with every n-th layer (1-based) at full attention and the others windowed, or None."""
     for every in range(2, layers + 1):
@@ -298,8 +320,7 @@ def args_from_meaning(meaning: ModelConfig, loss: ConfigLoss) -> dict[str, Any]:
     elif kind == "linear":
         values["rotary_seq_len_interpolation_factor"] = float(scaling["factor"])
     elif kind == "yarn" and m.mla:
-        values.update(rope_type="yarn", rotary_scaling_factor=float(scaling["factor"]),
-                      **{k: scaling.get(k, v) for k, v in MLA_ROPE_DEFAULTS.items() if k != "rotary_scaling_factor"})
+        values.update(_yarn_args(scaling, loss))
     elif kind != "default":
         loss.cannot("rope_scaling", scaling, f"megatron-core's GPT model has no '{kind}' RoPE scaling")
     values.update(apply_layernorm_1p=m.norm_offset, softmax_scale=m.query_scale ** -0.5 if m.query_scale else None,
