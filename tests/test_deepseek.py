@@ -166,12 +166,19 @@ def _refused(capsys, src, dst, *args, words: tuple[str, ...]) -> str:
     return err
 
 
-def test_a_partly_present_mtp_layer_is_refused(tmp_path, capsys):
+@pytest.mark.parametrize("missing", ["self_attn.kv_b_proj.weight", "embed_tokens.weight", "shared_head.head.weight"])
+def test_a_partly_present_mtp_layer_is_refused(tmp_path, capsys, missing):
     src = save_tiny(str(tmp_path / "src"), "v3", fill="position")
     tensors = hf_state(src)
-    del tensors[f"model.layers.{L}.self_attn.kv_b_proj.weight"]
+    del tensors[f"model.layers.{L}.{missing}"]
     save_file(tensors, os.path.join(src, "model.safetensors"), metadata={"format": "pt"})
-    _refused(capsys, src, tmp_path / "out", "--to", "hf", words=("MTP layer 4", "kv_b_proj", "partly present"))
+    _refused(capsys, src, tmp_path / "out", "--to", "hf", words=("MTP layer 4", missing, "partly present"))
+
+
+def test_each_mtp_copy_is_checked_once(coded, tmp_path, capsys):
+    convert(capsys, coded["v3"], tmp_path / "h", "--to", "hf")
+    code, out, _ = run_cli(capsys, "verify", coded["v3"], tmp_path / "h")
+    assert code == 0 and "4 stored replicas compared with the copy read: all identical" in out, out
 
 
 def test_an_mtp_embedding_copy_that_differs_is_refused(tmp_path, capsys):

@@ -164,8 +164,9 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
     stored = []
     for tensor in hf_tensors(model, fused):
         name = tensor.name
-        if name not in where:
-            layer = next((t.layer for p in tensor.pieces for t in [model.tensors.get(p.canonical)] if t), None)
+        if name not in where:  # an MTP layer's tensors, its embedding and head copies included, name their layer
+            layer = template_layer("model.layers.{layer}." + name.split(".", 3)[-1], name) \
+                if name.startswith("model.layers.") else None
             if layer is not None and layer in model.mtp_layers:
                 raise CheckpointError(f"{path}: MTP layer {layer} (multi-token prediction) is partly present: "
                                       f"tensor '{name}' is missing; complete the checkpoint, or set "
@@ -180,11 +181,6 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
         for piece in tensor.pieces:
             model.dtypes[piece.canonical] = "BF16" if loc.dtype == fp8.FP8 and not opts.keep_fp8 else loc.dtype
         stored.append((where[name], tensor))
-    for copy in mtp_copies(model):  # an MTP layer's embedding and head: replicas of the main ones, checked
-        if copy.name not in where:
-            raise CheckpointError(f"{path}: MTP tensor '{copy.name}' is missing; complete the checkpoint")
-        check_shape(paths[where[copy.name]], copy.name, files[where[copy.name]].tensors[copy.name].shape, copy.shape)
-        stored.append((where[copy.name], copy))
     if tied and has_output:  # a tied model that still stores its head: a replica of the embedding, checked
         spec = next(s for s in family.weights if s.hf == output_spec.tied_to)
         stored.append((where[output_spec.hf_name], model.tensors[spec.hf].whole(output_spec.hf_name,
