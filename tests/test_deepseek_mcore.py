@@ -217,10 +217,6 @@ def test_yarn_args_spelled_explicitly(loaded, root):
 
 
 @slow
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="reshard's torch_dist writer has no mtp.layers.{k}.eh_proj._extra_state object, which "
-                          "megatron-core's strict load requests (torch_dist_keys.extra_state_keys takes only "
-                          "linear_* / *layernorm modules)")
 def test_torch_dist_keeps_mtp(root, saved):
     """reshard's torch_dist output with the MTP layer loads strictly and reproduces megatron-core's MTP logits."""
     _, hf, reference = saved("v3_w1")
@@ -232,16 +228,18 @@ def test_torch_dist_keeps_mtp(root, saved):
 
 
 @slow
-@pytest.mark.xfail(strict=True, reason="reshard's torch_dist reader knows only the Transformer Engine spelling of "
-                                       "the MLA norms (linear_q_up_proj.layer_norm_weight); the MLA local spec "
-                                       "saves q_layernorm / kv_layernorm (no sharded_state_dict_keys_map)")
 def test_local_spec_torch_dist_reads(root):
-    """A torch_dist folder megatron-core saves with the MLA local spec's own keys converts to HF."""
+    """A torch_dist folder megatron-core saves with the MLA local spec's own keys (q_layernorm / kv_layernorm)
+    converts to HF, and reshard's torch_dist output of it loads strictly under those keys again."""
     out = root / "v3_local_keys"
     harness("save", out, "--kind", "v3", "--keys", "local", "--ids", root / "ids.pt")
     reshard.convert(str(out), str(root / "v3_local_keys_hf"), to="hf")
     reference = torch.load(out / "reference.pt", weights_only=True)
     assert err(tf_logits(str(root / "v3_local_keys_hf"), IDS), reference["logits"][0]) <= ATOL
+    back = root / "v3_local_keys_dist"
+    reshard.convert(str(root / "v3_local_keys_hf"), str(back), to="torch_dist")
+    harness("load", "--keys", "local", "--ids", root / "ids.pt", back, root / "v3_local_keys_dist.pt")
+    assert err(torch.load(root / "v3_local_keys_dist.pt", weights_only=True)["logits"], reference["logits"]) <= ATOL
 
 
 # ---- routings megatron-core computes differently: refused at plan time ----

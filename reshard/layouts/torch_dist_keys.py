@@ -23,8 +23,15 @@ import re
 from dataclasses import dataclass
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_MTP_LAYER = re.compile(r"^mtp\.layers\.\d+\.transformer_layer\.")
 _EXPERT = re.compile(r"^(.*\.)local_experts\.(\d+)\.(.+)$")
-_NORM_SPELLINGS = (".pre_mlp_layernorm.", ".mlp.linear_fc1.layer_norm_")
+#: norms with two spellings, (separate module, fused into the next linear): the pre-MLP norm, and MLA's q / kv LoRA
+#: norms (local spec ``q_layernorm`` / ``kv_layernorm``, Transformer Engine ``linear_{q,kv}_up_proj.layer_norm_*``)
+_NORM_SPELLINGS = ((".pre_mlp_layernorm.", ".mlp.linear_fc1.layer_norm_"),
+                   (".self_attention.q_layernorm.", ".self_attention.linear_q_up_proj.layer_norm_"),
+                   (".self_attention.kv_layernorm.", ".self_attention.linear_kv_up_proj.layer_norm_"))
+#: modules holding a weight whose ``_extra_state`` a load requests though they are not named ``linear_*``
+_EXTRA_STATE_LINEARS = ("eh_proj",)  # an MTP layer's embedding / hidden projection
 #: modules whose ``_extra_state`` a load may request besides every ``linear_*`` module of the model: attention
 #: (Transformer Engine <= 0.14), and norms (Transformer Engine norm modules, version-dependent). Megatron-Core
 #: ignores byte items it does not request, and fails on requested ones that are missing: write a superset.
@@ -58,12 +65,13 @@ def location(name: str, stacked: bool) -> Location:
 
 
 def other_spelling(key: str) -> str | None:
-    """The pre-MLP norm's other key (either spelling, stacked or per layer); None for every other key."""
-    a, b = _NORM_SPELLINGS
-    if a in key:
-        return key.replace(a, b, 1)
-    if b in key:
-        return key.replace(b, a, 1)
+    """A two-spelling norm's other key (:data:`_NORM_SPELLINGS`, either way, stacked or per layer); None for every
+    other key."""
+    for a, b in _NORM_SPELLINGS:
+        if a in key:
+            return key.replace(a, b, 1)
+        if b in key:
+            return key.replace(b, a, 1)
     return None
 
 
@@ -90,8 +98,12 @@ def extra_state_keys(locations: list[Location], sizes: dict[str, int], num_layer
             continue
         module = loc.key.removesuffix(".weight")
         last = module.rsplit(".", 1)[-1]
-        if last.startswith("linear_") or last.endswith("layernorm"):
+        if last.startswith("linear_") or last.endswith("layernorm") or last in _EXTRA_STATE_LINEARS:
             keys.setdefault(object_key(module, loc.index, tuple(sizes[a] for a in loc.axes)))
+    mtp = sorted({m.group(0) for loc in locations for m in [_MTP_LAYER.match(loc.key)] if m})
+    for prefix in mtp:  # an MTP layer's decoder layer: per-layer modules as a decoder layer's
+        for module in _EXTRA_STATE_ALSO:
+            keys.setdefault(object_key(f"{prefix}{module}", (), ()))
     for layer in range(num_layers):
         for module in _EXTRA_STATE_ALSO:
             if stacked:
