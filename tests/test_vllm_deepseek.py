@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 import reshard
-from deepseek_checkpoints import V3_DIMS, save_tiny
+from deepseek_checkpoints import V3_DIMS, add_mtp_layer, build_model, save_tiny
 from helpers import run_cli
 from test_vllm_load import vllm_python  # noqa: F401 (the opt-in tests' fixture)
 from vllm_rules import expected_rank_mla, load_rank, vllm_expert_block
@@ -244,9 +244,15 @@ def test_a_vllm_folder_that_does_not_match_its_config_is_refused(coded, tmp_path
 
 # vLLM's CPU MLA decode kernel needs kv_lora_rank + qk_rope_head_dim = 576 (deepseek-v3.md section 9.3); vocab
 # 1000 pads to 1024 (tests/test_vllm_load.py's prompts use ids up to 999).
+# YaRN RoPE with mscale as the probe ran it: with rope_type "default", vLLM 0.32 and transformers 5.24 disagree by
+# 0.02-0.6 in prompt logprob even when vLLM loads the HF files themselves (load_format="auto"), so a check there
+# could not tell a conversion mistake from that.
 SERVED = dict(vocab_size=1000, hidden_size=256, intermediate_size=320, moe_intermediate_size=128, kv_lora_rank=512,
               qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, num_hidden_layers=3,
-              max_position_embeddings=256)
+              max_position_embeddings=256,
+              rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                               "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+                               "mscale": 0.707, "mscale_all_dim": 0.707})
 SERVED_KINDS = {"v3": dict(SERVED, q_lora_rank=192), "v2": SERVED}
 
 KEYS_WORKER = r'''
@@ -285,14 +291,26 @@ if __name__ == "__main__":
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """Seeded fp32 V3 (with an MTP layer) and V2-Lite-shaped models vLLM's CPU build can run, and transformers'
-    model of each (which ignores the MTP layer)."""
+    """Seeded fp32 V3 (with an MTP layer) and V2-Lite-shaped models vLLM's CPU build can run (matrices N(0, 0.05),
+    noise 0.1 on every norm and the router bias, as tests/test_vllm_load.py), and transformers' model of each read
+    back from the folder (it ignores the MTP layer)."""
     import transformers
 
     root = tmp_path_factory.mktemp("deepseek-served")
     out = {}
     for kind, dims in SERVED_KINDS.items():
-        folder = save_tiny(str(root / kind), kind, fill="random", mtp=kind == "v3", **dims)
+        folder = str(root / kind)
+        model = build_model(kind, **dims)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for name, p in model.state_dict().items():
+                if p.dim() == 1:
+                    p.add_(torch.randn_like(p) * 0.1)
+                else:
+                    p.normal_(0.0, 0.05)
+        model.save_pretrained(folder)
+        if kind == "v3":
+            add_mtp_layer(folder)
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                                                   attn_implementation="eager").eval()
         out[kind] = (folder, model)

@@ -6,6 +6,13 @@ replicated on ``tp/ng`` neighbours, when tp >= ng), ``gate_up_proj`` = ``[gate_r
 ``down_proj`` split on dim 1 (their biases whole on every rank), norms whole, embedding and ``lm_head`` padded to
 a multiple of 64 rows and split evenly (padding rows zero), tied embeddings stored once under the name vLLM's
 loader keeps, and four fp32 attention scale scalars (1.0) per layer that the loader requires.
+
+DeepSeek-V2 / V3 (multi-head latent attention): ``self_attn.fused_qkv_a_proj`` = ``[q_a_proj; kv_a_proj_with_mqa]``
+whole on every rank (without q LoRA: ``self_attn.mla_attn.q_proj`` column-split and ``self_attn.kv_a_proj_with_mqa``
+whole, the ``vllm_unfused`` name), ``mla_attn.q_a_layernorm``, ``mla_attn.q_b_proj`` / ``kv_b_proj`` column-split
+by whole heads, ``mla_attn.o_proj`` row-split, norms and the router (``mlp.experts.gate.weight``, its fp32
+``e_score_correction_bias``) whole, shared experts as a dense MLP under ``mlp.experts._shared_experts._layer``;
+multi-token-prediction layers are not part of vLLM's main model (dropped with a note).
 """
 
 from __future__ import annotations
