@@ -295,3 +295,60 @@ def test_a_cast_that_overflows_the_products_is_refused(source, tmp_path):
     proc = run_main("convert", bad, tmp_path / "out", "--to", "hf", "--dtype", "fp16")
     assert proc.returncode == 2 and "turns finite values into inf" in proc.stderr, proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_windows_at_any_offset_equal_the_reference_dequantisation(dtype, monkeypatch):
+    """The kernel on windows that start and end inside blocks, with even and odd widths (the byte-pair and the byte
+    table), chunks smaller than a block row, every e4m3 byte (NaN included) and scales up to 2^20: the test's own
+    ``float32(W8) * S`` then torch's cast, bit for bit (NaN: still NaN)."""
+    monkeypatch.setattr(fp8, "COMPUTE_ELEMENTS", 1000)
+    m, n = 300, 333
+    codes = torch.arange(m * n, dtype=torch.int64).reshape(m, n).mul(37).remainder(256).to(torch.uint8)
+    w8 = codes.view(torch.float8_e4m3fn)
+    scale = torch.tensor([[2.0 ** (((i * 5 + j * 3) % 41) - 20) * (1 + j / 8) for j in range(3)] for i in range(3)],
+                         dtype=torch.float32)
+    want = dequantized(w8, scale, dtype)
+    for (r0, r1), (c0, c1) in [((0, 300), (0, 333)), ((5, 290), (100, 301)), ((130, 131), (127, 129)),
+                               ((127, 260), (0, 255)), ((256, 300), (200, 333))]:
+        out = torch.empty((r1 - r0, c1 - c0), dtype=dtype)
+        fp8._dequantize("w", codes[r0:r1, c0:c1].contiguous().numpy(), scale[r0 // 128:].numpy(), (128, 128), r0,
+                        c0, out, allow_overflow=True)
+        expected = want[r0:r1, c0:c1]
+        nan = torch.isnan(expected)
+        assert torch.equal(torch.isnan(out), nan), (r0, c0)
+        assert nan.any() == ((codes[r0:r1, c0:c1] & 0x7F) == 0x7F).any()
+        assert torch.equal(fp8_bits(out[~nan]), fp8_bits(expected[~nan])), (r0, r1, c0, c1)
+
+
+def test_fp16_products_are_checked_when_asked():
+    """``allow_overflow=False``: values up to 1 times scale 1000 pass into fp16, one byte of 448 (448000) is
+    refused."""
+    from reshard.io.assemble import CastOverflowError
+
+    codes = torch.full((4, 130), 0x38, dtype=torch.uint8)  # e4m3 1.0
+    s = torch.full((1, 2), 1000.0)
+    out = torch.empty((4, 130), dtype=torch.float16)
+    fp8._dequantize("w", codes.numpy(), s.numpy(), (128, 128), 0, 0, out, allow_overflow=False)
+    assert torch.equal(fp8_bits(out), fp8_bits(dequantized(codes.view(torch.float8_e4m3fn), s, torch.float16)))
+    codes[2, 129] = 0x7E  # 448, in the second block column
+    with pytest.raises(CastOverflowError, match="turns finite values into inf"):
+        fp8._dequantize("w", codes.numpy(), s.numpy(), (128, 128), 0, 0, out, allow_overflow=False)
+
+
+def test_products_are_not_checked_when_the_scales_bound_them(source, tmp_path, monkeypatch):
+    """--dtype fp16 of the source (448 x its largest scale is below 65504): no fp32 product goes through the
+    overflow check, and the output is the reference's fp16."""
+    import reshard.io.assemble
+
+    path, _, stored, expected = source
+    assert max(float(t.max()) for n, t in stored.items() if n.endswith("_scale_inv")) * 448 < 65504
+    checked = []
+    real = reshard.io.assemble.check_cast
+    monkeypatch.setattr(reshard.io.assemble, "check_cast",
+                        lambda name, src, cast: (checked.append(src.dtype), real(name, src, cast)))
+    reshard.convert(path, str(tmp_path / "f16"), to="hf", dtype="fp16")
+    assert torch.float32 not in checked and torch.bfloat16 in checked  # the bf16 tensors are checked
+    want = {n: (dequantized(stored[n], stored[n + "_scale_inv"], torch.float16) if n + "_scale_inv" in stored
+                else t.to(torch.float16)) for n, t in expected.items()}
+    assert_same(load_hf_tensors(tmp_path / "f16"), want, "fp16")

@@ -18,6 +18,7 @@ bytes and their scales unchanged (:func:`add_scales`).
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -197,45 +198,114 @@ class Fp8File(TensorFile):
         return self.base.read_block(name, index, axis, start, length, rows)
 
     def dequantize(self, name: str, q: Quantized, r0: int, r1: int, c0: int, c1: int, dtype: str | None,
-                   allow_overflow: bool):
-        """Rows ``[r0, r1)`` x columns ``[c0, c1)`` of weight ``name`` dequantised, in bands of whole block rows."""
+                   allow_overflow: bool, out=None):
+        """Rows ``[r0, r1)`` x columns ``[c0, c1)`` of weight ``name`` dequantised (into ``out``, a contiguous tensor
+        of that shape and dtype, when given): read in bands of whole block rows, computed by :func:`_dequantize`."""
         import torch
 
         from reshard.io import dtypes
-        from reshard.io.assemble import check_cast
 
-        out = torch.empty((r1 - r0, c1 - c0), dtype=dtypes.to_torch(dtype or "F32"))
+        if out is None:
+            out = torch.empty((r1 - r0, c1 - c0), dtype=dtypes.to_torch(dtype or "F32"))
         if not out.numel():
             return out
-        b0, b1 = q.block
+        b0 = q.block[0]
         full = (c0, c1) == (0, self.tensors[name].shape[1])
-        scale_cols = np.arange(c0, c1) // b1
+        first = r0 // b0
+        scales = self.files[q.scale_file].read(q.scale, 0, first, (r1 - 1) // b0 + 1 - first).numpy()
+        # every |float32(W8)| <= 448: with scales that bound the products below the output's largest finite value,
+        # no cast can overflow and the check is skipped (the scales are checked once, not the products)
+        if not allow_overflow and out.dtype != torch.float32:
+            bound = float(np.abs(scales.astype(np.float64)).max()) * E4M3_MAX
+            allow_overflow = bound <= torch.finfo(out.dtype).max
         band = max(1, CHUNK_ELEMENTS // ((c1 - c0) * b0)) * b0  # rows per band: whole block rows
         a = r0
         while a < r1:
             b = min(r1, a - a % b0 + band)
             w8 = self.base.read(name, 0, a, b - a) if full else self.base.read(name, 1, c0, c1 - c0, (a, b))
-            first = a // b0
-            scales = self.files[q.scale_file].read(q.scale, 0, first, (b - 1) // b0 + 1 - first).numpy()
-            product = np.take(_e4m3_values(), w8.view(torch.uint8).numpy())  # float32(W8), exactly
-            for k in range(scales.shape[0]):  # each block row times its scales, one per column (fp32 multiply)
-                lo, hi = max(a, (first + k) * b0) - a, min(b, (first + k + 1) * b0) - a
-                product[lo:hi] *= scales[k, scale_cols]
-            part = out[a - r0:b - r0]
-            part.copy_(torch.from_numpy(product))  # to the output dtype: round to nearest even
-            if not allow_overflow:
-                check_cast(name, torch.from_numpy(product), part)
+            _dequantize(name, w8.view(torch.uint8).numpy(), scales[a // b0 - first:], q.block, a, c0,
+                        out[a - r0:b - r0], allow_overflow)
             a = b
         return out
+
+
+E4M3_MAX = 448.0
+#: Elements computed at once inside a band: 128 KiB of fp32, in cache; and at most torch's grain size (32768), so
+#: that the cast runs on this thread (torch's two threads on a loaded 2-core machine cost more than they give).
+COMPUTE_ELEMENTS = 1 << 15
+
+
+def _dequantize(name: str, w8: np.ndarray, scales: np.ndarray, block: tuple[int, int], row: int, col: int, out,
+                allow_overflow: bool) -> None:
+    """``out = float32(w8) * S`` (``w8``: the e4m3 bytes of rows ``row..`` and columns ``col..``; ``scales`` from
+    the scale row of ``row``) cast to ``out``'s dtype, a few rows at a time: the byte table into fp32 (straight into
+    ``out`` for fp32), an in-place multiply by each block's scale, then torch's cast (round to nearest even). The
+    views are made once; each chunk is one lookup, one multiply per column run and one cast."""
+    import torch
+
+    from reshard.io.assemble import check_cast
+
+    b0, b1 = block
+    m, n = w8.shape
+    step = max(1, COMPUTE_ELEMENTS // n)
+    f32 = out.dtype == torch.float32
+    x = out.numpy() if f32 else np.empty((min(m, step), n), np.float32)  # fp32 rows: out's own, else a scratch
+    x_torch = None if f32 else torch.from_numpy(x)
+    pairs = n % 2 == 0 and sys.byteorder == "little"
+    table, codes, values = ((_e4m3_pairs(), w8.view(np.uint16), x.view(np.uint64)) if pairs
+                            else (_e4m3_values(), w8, x))
+    # x[:, c:d] is one partial block (times a scalar) or `count` whole blocks (a [rows, count, b1] view: splitting
+    # the contiguous column axis is always a view, so the in-place multiply lands in x)
+    runs = [(x[:, c:d] if count == 1 else x[:, c:d].reshape(x.shape[0], count, b1), first, count)
+            for c, d, first, count in _column_blocks(col, col + n, b1)]
+    for k in range(-(-(row + m) // b0) - row // b0):  # the block rows of the band
+        lo, hi = max(0, (row // b0 + k) * b0 - row), min(m, (row // b0 + k + 1) * b0 - row)
+        factors = [scales[k, first] if count == 1 else scales[k, first:first + count, None]
+                   for _, first, count in runs]
+        for a in range(lo, hi, step):
+            b = min(hi, a + step)
+            i, j = (a, b) if f32 else (0, b - a)  # x's rows for out's rows a..b
+            np.take(table, codes[a:b], out=values[i:j], mode="clip")  # every index is in range
+            for (view, _, _), factor in zip(runs, factors):
+                np.multiply(view[i:j], factor, out=view[i:j])
+            if not f32:
+                product = x_torch[:j]
+                out[a:b].copy_(product)
+                if not allow_overflow:
+                    check_cast(name, product, out[a:b])
+
+
+def _column_blocks(c0: int, c1: int, b1: int) -> list[tuple[int, int, int, int]]:
+    """Columns ``[c0, c1)`` as ``(start, stop, first block, blocks)`` relative to ``c0``: a partial block at either
+    end on its own, the whole blocks between as one run."""
+    out = []
+    head = min(c1, -(-c0 // b1) * b1)
+    if head > c0:
+        out.append((0, head - c0, c0 // b1, 1))
+    tail = max(head, c1 // b1 * b1)
+    if tail > head:
+        out.append((head - c0, tail - c0, head // b1, (tail - head) // b1))
+    if c1 > tail:
+        out.append((tail - c0, c1 - c0, tail // b1, 1))
+    return out
 
 
 @functools.lru_cache(maxsize=1)
 def _e4m3_values():
     """The float32 value of each of the 256 e4m3fn bytes (a table lookup is several times faster than torch's
-    fp8 conversion on CPU)."""
+    fp8 conversion on CPU; ``np.take`` with ``mode="clip"``: numpy buffers ``out`` in the default mode)."""
     import torch
 
     return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32).numpy()
+
+
+@functools.lru_cache(maxsize=1)
+def _e4m3_pairs():
+    """The two float32 values of each little-endian byte pair, as one uint64 per pair (a 512 KiB table: one lookup
+    for two values, for an even number of columns)."""
+    values = _e4m3_values()
+    pair = np.arange(1 << 16)
+    return np.stack([values[pair & 0xFF], values[pair >> 8]], axis=1).view(np.uint64).reshape(-1)
 
 
 def is_dequantized(files: list[TensorFile], source: int, tensor: str) -> bool:
