@@ -77,6 +77,11 @@ def load_into(model, folder: str, dtype, options: dict) -> None:
     state = model.state_dict()
     unexpected = sorted(set(weights) - set(state))
     if unexpected:
+        missing_keys = _missing_config_keys(folder, options)
+        if missing_keys:
+            raise ValueError(f"vLLM built this model without '{unexpected[0]}' because {folder}/config.json lacks "
+                             f"{', '.join(f'{k}={v!r}' for k, v in missing_keys)}: add them to config.json (reshard "
+                             "convert --to vllm writes them)")
         raise ValueError(f"reshard made tensor '{unexpected[0]}' that the vLLM model has no parameter for "
                          f"(the vLLM version names this architecture's weights differently?)")
     for name, tensor in weights.items():
@@ -90,6 +95,26 @@ def load_into(model, folder: str, dtype, options: dict) -> None:
     if missing:
         raise ValueError(f"the checkpoint has no tensor for the vLLM model's '{missing[0]}' "
                          f"({len(missing)} missing)")
+
+
+def _missing_config_keys(folder: str, options: dict) -> list[tuple[str, object]]:
+    """The settings the family's mapping requires (``requires``: e.g. DeepSeek-V3's ``scoring_func`` and
+    ``topk_method``, without which vLLM builds no router bias) that ``folder``'s config.json does not spell out."""
+    import json
+    import os
+
+    from reshard.mapping import family_for_architecture
+
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        config = json.load(f)
+    architecture = options.get("architecture") or (config.get("architectures") or [None])[0]
+    if not architecture:
+        return []
+    spelling = family_for_architecture(architecture, options.get("mapping")).config.architecture(architecture)
+    return [(k, v) for k, v in (spelling.requires if spelling else ()) if k not in config]
 
 
 def _memory(tensor) -> tuple:

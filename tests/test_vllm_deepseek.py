@@ -240,6 +240,16 @@ def test_a_vllm_folder_that_does_not_match_its_config_is_refused(coded, tmp_path
     assert not (tmp_path / "h").exists()
 
 
+def test_plugin_names_the_routing_keys_a_transformers_v3_config_lacks(coded):
+    """transformers' DeepseekV3Config writes neither scoring_func nor topk_method; vLLM then builds no router bias
+    (deepseek-v3.md section 5), so load_format="reshard" names both keys instead of a bare missing parameter."""
+    from reshard.vllm_plugin import _missing_config_keys
+
+    missing = dict(_missing_config_keys(coded["v3"], {}))
+    assert missing["scoring_func"] == "sigmoid" and missing["topk_method"] == "noaux_tc"
+    assert "topk_method" not in dict(_missing_config_keys(coded["v2"], {}))  # DeepseekV2Config writes it
+
+
 # ------------------------------------------------------------------------------------- vLLM itself (opt-in)
 
 # vLLM's CPU MLA decode kernel needs kv_lora_rank + qk_rope_head_dim = 576 (deepseek-v3.md section 9.3); vocab
@@ -260,6 +270,7 @@ import json, os, sys
 import torch, torch.multiprocessing as mp
 
 def run(rank, folder, tp, port, out):
+    torch.accelerator.empty_cache = lambda *a, **k: None  # the loader calls it; a CPU has no accelerator
     from vllm.config import set_current_vllm_config
     from vllm.distributed.parallel_state import ensure_model_parallel_initialized, init_distributed_environment
     from vllm.engine.arg_utils import EngineArgs
@@ -311,6 +322,11 @@ def served(tmp_path_factory):
         model.save_pretrained(folder)
         if kind == "v3":
             add_mtp_layer(folder)
+            # transformers' config class drops the routing keys the DeepSeek-V3 release's config.json spells out
+            # and vLLM needs (without topk_method it builds no router bias): put them back as the release has them.
+            config = config_of(folder)
+            config.update(scoring_func="sigmoid", topk_method="noaux_tc")
+            json.dump(config, open(os.path.join(folder, "config.json"), "w"), indent=2)
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                                                   attn_implementation="eager").eval()
         out[kind] = (folder, model)
@@ -357,7 +373,8 @@ def test_vllm_expects_the_expert_parallel_key_set(tmp_path, vllm_python, served,
     worker.write_text(KEYS_WORKER)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(VLLM_HOST_IP="127.0.0.1", VLLM_LOOPBACK_IP="127.0.0.1", GLOO_SOCKET_IFNAME="lo",
-               VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+               VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
+               VLLM_DIST_IDENT="reshard-keys")  # the CPU communicator's shared-memory name, set by vLLM's engine
     port = 29500 + os.getpid() % 1000
     proc = subprocess.run([vllm_python, str(worker), str(out), "2", str(port), str(tmp_path / "keys")], env=env,
                           capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
