@@ -35,6 +35,28 @@ def source(request, tmp_path_factory):
     return make_fp8_hf(tmp_path_factory.mktemp(request.param) / "fp8", family=request.param)
 
 
+#: per family, from its tensor list (tests/fp8_checkpoints.py): FP8 tensors; tensors read as BF16 / F32 (the
+#: dequantised ones and the unquantized ones); FP8 shapes with partial blocks; one scale's shape
+EXPECTED = {
+    "LlamaForCausalLM": dict(fp8=15, dtypes={"BF16": 21}, shapes={(576, 256), (320, 256), (192, 256)},
+                             scale=("model.layers.0.mlp.gate_proj.weight_scale_inv", (5, 2))),
+    # 5 attention projections x 3 layers (MTP included), dense gate / up / down, 8 experts + 1 shared x 3 x 2 MoE
+    # layers; unquantized: embedding, norm, head, 4 norms x 3 layers, router + bias x 2, MTP's 6 (one eh_proj), of
+    # which its embedding and head are copies read as the model's (95 - 2 BF16 tensors)
+    "DeepseekV3ForCausalLM": dict(fp8=72, dtypes={"BF16": 93, "F32": 2},
+                                  shapes={(576, 256), (192, 256), (384, 192), (256, 512), (256, 128), (256, 192)},
+                                  scale=("model.layers.1.self_attn.kv_a_proj_with_mqa.weight_scale_inv", (5, 2))),
+}
+
+
+def expected_for(config: dict) -> dict:
+    return EXPECTED[config["architectures"][0]]
+
+
+def is_deepseek(config: dict) -> bool:
+    return config["architectures"][0].startswith("Deepseek")
+
+
 def assert_same(got: dict, want: dict, where: str) -> None:
     assert sorted(got) == sorted(want), f"{where}: names"
     for name, value in want.items():
@@ -43,11 +65,31 @@ def assert_same(got: dict, want: dict, where: str) -> None:
 
 
 def test_source_quantises_partial_blocks(source):
-    _, _, stored, _ = source
+    _, config, stored, _ = source
+    want = expected_for(config)
     shapes = {tuple(t.shape) for n, t in stored.items() if t.dtype == torch.float8_e4m3fn}
     assert any(m % 128 for m, _ in shapes) and any(n % 128 for _, n in shapes)  # partial tail blocks
-    assert {(576, 256), (320, 256), (192, 256)} <= shapes
-    assert tuple(stored["model.layers.0.mlp.gate_proj.weight_scale_inv"].shape) == (5, 2)
+    assert want["shapes"] <= shapes and len([t for t in stored.values() if t.dtype == torch.float8_e4m3fn]) == want["fp8"]
+    assert tuple(stored[want["scale"][0]].shape) == want["scale"][1]
+    assert tuple(stored["model.layers.0.mlp.gate_proj.weight_scale_inv"].shape) == (5, 2)  # the refusals' GATE
+
+
+def test_deepseek_quantises_what_the_release_does(tmp_path):
+    """DeepSeek-V3 (deepseek-v3.md section 7.3): the attention, dense, expert and shared-expert projections of every
+    layer, MTP included, are FP8; norms, router and its fp32 bias, embeddings, heads, enorm / hnorm / shared_head
+    and eh_proj are not."""
+    _, config, stored, _ = make_fp8_hf(tmp_path / "fp8", "deepseek_v3")
+    fp8_names = {n for n, t in stored.items() if t.dtype == torch.float8_e4m3fn}
+    mtp = f"model.layers.{config['num_hidden_layers']}."
+    assert {mtp + "self_attn.kv_a_proj_with_mqa.weight", mtp + "mlp.experts.7.down_proj.weight",
+            mtp + "mlp.shared_experts.up_proj.weight", "model.layers.0.mlp.down_proj.weight",
+            "model.layers.1.self_attn.q_b_proj.weight"} <= fp8_names
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.1.mlp.gate.weight",
+                 mtp + "enorm.weight", mtp + "hnorm.weight", mtp + "eh_proj.weight", mtp + "shared_head.head.weight",
+                 mtp + "shared_head.norm.weight", mtp + "embed_tokens.weight", "model.layers.1.self_attn.kv_a_layernorm.weight"):
+        assert stored[name].dtype == torch.bfloat16 and name + "_scale_inv" not in stored, name
+    assert stored["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    assert config["kv_lora_rank"] + config["qk_rope_head_dim"] == 576
 
 
 def test_hf_output_is_the_dequantised_bf16(source, tmp_path):
@@ -57,17 +99,30 @@ def test_hf_output_is_the_dequantised_bf16(source, tmp_path):
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert "quantization_config" not in written
     assert written == {k: v for k, v in config.items() if k != "quantization_config"}
-    assert any("block-FP8" in note and "15 tensors" in note for note in result.notes), result.notes
-    assert all(t.dtype == torch.bfloat16 for t in expected.values())
+    assert any("block-FP8" in note and f"{expected_for(config)['fp8']} tensors" in note for note in result.notes), \
+        result.notes
+    assert all(t.dtype == torch.bfloat16 for n, t in expected.items() if not n.endswith("e_score_correction_bias"))
 
 
 def test_megatron_tp2_ranks_hold_the_dequantised_slices(source, tmp_path):
+    """Llama: the rank slices of megatron_rules. DeepSeek (MLA, experts, MTP; its rank rules are tested in
+    test_deepseek.py): each rank equals that of the test's own dequantised bf16 checkpoint converted alike."""
     path, config, _, expected = source
     reshard.convert(path, str(tmp_path / "m"), to="megatron", tp=2)
+    if is_deepseek(config):
+        bf16 = tmp_path / "bf16"
+        write_tensors(bf16, {k: v for k, v in config.items() if k != "quantization_config"}, expected)
+        reshard.convert(str(bf16), str(tmp_path / "ref"), to="megatron", tp=2)
     for t in range(2):
         state = load_rank(rank_file(tmp_path / "m", t, 0, 1))
         model = {k: v for k, v in state["model"].items() if not k.endswith("_extra_state")}
-        assert_same(model, expected_rank_state(expected, config, 2, t, 1, 0), f"megatron rank {t}")
+        if is_deepseek(config):
+            ref = load_rank(rank_file(tmp_path / "ref", t, 0, 1))["model"]
+            want = {k: v for k, v in ref.items() if not k.endswith("_extra_state")}
+            assert any(k.startswith("mtp.") for k in want) and any("linear_kv_down_proj" in k for k in want)
+        else:
+            want = expected_rank_state(expected, config, 2, t, 1, 0)
+        assert_same(model, want, f"megatron rank {t}")
 
 
 def test_vllm_tp2_ranks_hold_the_dequantised_slices(source, tmp_path):
@@ -75,7 +130,8 @@ def test_vllm_tp2_ranks_hold_the_dequantised_slices(source, tmp_path):
     reshard.convert(path, str(tmp_path / "v"), to="vllm", tp=2)
     for r in range(2):
         got, _ = vllm_rules.load_rank(tmp_path / "v", r)
-        assert_same(got, vllm_rules.expected_rank(expected, config, 2, r), f"vllm rank {r}")
+        rule = vllm_rules.expected_rank_mla if is_deepseek(config) else vllm_rules.expected_rank
+        assert_same(got, rule(expected, config, 2, r), f"vllm rank {r}")
     assert "quantization_config" not in json.loads((tmp_path / "v" / "config.json").read_text())
 
 
@@ -93,7 +149,10 @@ def test_keep_fp8_reshards_the_fp8_bytes_and_scales(source, tmp_path, shard):
     out = tmp_path / "keep"
     reshard.convert(path, str(out), to="hf", keep_fp8=True, max_shard_size=shard)
     files = sorted(n for n in os.listdir(out) if n.endswith(".safetensors"))
-    assert len(files) == (1 if shard is None else 7), files
+    if shard is None or not is_deepseek(config):
+        assert len(files) == (1 if shard is None else 7), files
+    else:  # at least the shards that 300 KB per file needs
+        assert len(files) >= -(-sum(t.numel() * t.element_size() for t in stored.values()) // 300_000), files
     assert_same(load_hf_tensors(out), stored, "keep-fp8")
     assert json.loads((out / "config.json").read_text()) == config  # quantization_config kept
     if shard:
@@ -107,8 +166,9 @@ def test_keep_fp8_reshards_the_fp8_bytes_and_scales(source, tmp_path, shard):
 
 
 def test_verify_sees_the_dequantised_view(source, tmp_path):
-    path, _, _, _ = source
-    reshard.convert(path, str(tmp_path / "v"), to="vllm", tp=2)
+    """vLLM TP 2 (DeepSeek: Megatron TP 2, which keeps the MTP layer vLLM leaves out) verified against the source."""
+    path, config, _, _ = source
+    reshard.convert(path, str(tmp_path / "v"), to="megatron" if is_deepseek(config) else "vllm", tp=2)
     report = reshard.verify(path, str(tmp_path / "v"))
     assert report.equal and {t.status for t in report.tensors} == {"equal"}  # bf16 both sides: digests equal
     proc = run_main("verify", path, tmp_path / "v")
@@ -116,12 +176,13 @@ def test_verify_sees_the_dequantised_view(source, tmp_path):
 
 
 def test_inspect_says_block_fp8(source):
-    path, _, _, _ = source
+    path, config, _, _ = source
+    want = expected_for(config)
     info = reshard.inspect(path)
-    assert info["quantization"] == "block-FP8 e4m3, 128x128 blocks, 15 tensors, read dequantised to bfloat16"
-    assert info["dtypes"] == {"BF16": 21}
+    assert info["quantization"] == f"block-FP8 e4m3, 128x128 blocks, {want['fp8']} tensors, read dequantised to bfloat16"
+    assert info["dtypes"] == want["dtypes"]
     proc = run_main("inspect", path)
-    assert proc.returncode == 0 and "block-FP8 e4m3, 128x128 blocks, 15 tensors" in proc.stdout, proc.stdout
+    assert proc.returncode == 0 and f"block-FP8 e4m3, 128x128 blocks, {want['fp8']} tensors" in proc.stdout, proc.stdout
 
 
 # -- refusals: one line, exit 2, nothing written -----------------------------------------------------------------
@@ -336,12 +397,12 @@ def test_fp16_products_are_checked_when_asked():
         fp8._dequantize("w", codes.numpy(), s.numpy(), (128, 128), 0, 0, out, allow_overflow=False)
 
 
-def test_products_are_not_checked_when_the_scales_bound_them(source, tmp_path, monkeypatch):
-    """--dtype fp16 of the source (448 x its largest scale is below 65504): no fp32 product goes through the
+def test_products_are_not_checked_when_the_scales_bound_them(tmp_path, monkeypatch):
+    """--dtype fp16 of the Llama source (448 x its largest scale is below 65504): no fp32 product goes through the
     overflow check, and the output is the reference's fp16."""
     import reshard.io.assemble
 
-    path, _, stored, expected = source
+    path, _, stored, expected = make_fp8_hf(tmp_path / "fp8")
     assert max(float(t.max()) for n, t in stored.items() if n.endswith("_scale_inv")) * 448 < 65504
     checked = []
     real = reshard.io.assemble.check_cast
