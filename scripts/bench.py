@@ -54,7 +54,7 @@ if sys.path[:1] != [_HERE]:
     sys.path[:] = [_HERE] + [p for p in sys.path if p != _HERE]
 
 from bench_inspect import dir_bytes, largest_tensor_in_dir, read_safetensors_header  # noqa: E402
-from bench_model import (  # noqa: E402,F401 - choose_shapes, param_count, source_plan, tensor_specs: used through this module
+from bench_model import (  # noqa: E402,F401 - choose_shapes, param_count, source_plan, tensor_*: used through this module
     GIB,
     MIB,
     MODELS,
@@ -63,10 +63,13 @@ from bench_model import (  # noqa: E402,F401 - choose_shapes, param_count, sourc
     expected_megatron_largest,
     param_count,
     source_plan,
+    tensor_dtype,
     tensor_specs,
 )
 from bench_ops import (  # noqa: E402,F401 - REPO_ROOT, SRC_DIR, OPS: re-exported
     CONVERTER_OPS,
+    CAST_OPS,
+    DEEPSEEK_OPS,
     DERIVED_SOURCES,
     MOE_OPS,
     OPS,
@@ -106,9 +109,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per (size, operation) (default: 3)")
     ap.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory (default: bench-out)")
     ap.add_argument("--model", choices=MODELS, default="llama",
-                    help="the generated source: llama (dense) or mixtral (8 experts per layer) (default: llama)")
+                    help="the generated source: llama (dense), mixtral (8 experts per layer), wide (1 layer, wide "
+                         "MLP) or deepseek (DeepSeek-V3: MLA, 16 routed + 1 shared experts, a dense first layer) "
+                         "(default: llama)")
     ap.add_argument("--ops", nargs="+", choices=list(OPS), default=None, metavar="OP",
-                    help="operations to run (default: all for the model; MoE ones only for mixtral): " + ", ".join(OPS))
+                    help="operations to run (default: all for the model; MoE ones only for mixtral and deepseek; "
+                         "hf_to_fp32_hf only when named): " + ", ".join(OPS))
     ap.add_argument("--workers", type=int, default=None, help="pass --workers N to reshard convert (only when given)")
     ap.add_argument("--torchrun", type=int, default=None, metavar="N",
                     help="also time each conversion under `torchrun --standalone --nproc-per-node N` (op name "
@@ -140,8 +146,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.ops = [*REFERENCES, *MOE_OPS]
         elif args.model == "wide":
             args.ops = [*REFERENCES, *WIDE_OPS]
+        elif args.model == "deepseek":
+            args.ops = [*REFERENCES, *DEEPSEEK_OPS]
         else:
-            args.ops = [op for op in OPS if op not in MOE_OPS and op not in PREPARE_ONLY]
+            args.ops = [op for op in OPS if op not in (*MOE_OPS, *PREPARE_ONLY, *CAST_OPS)]
     args.ops = [op for op in OPS if op in set(args.ops)]  # canonical order: cp, hf_to_megatron_tp8, ...
     if args.torchrun is not None:
         if args.torchrun < 2:

@@ -1,10 +1,12 @@
 #!/usr/bin/env python
-"""The block-FP8 source of scripts/bench.py's ``hf_fp8_to_bf16_hf`` op: the bench's bf16 Llama quantised as
-DeepSeek-V3's releases are (the rule of tests/fp8_checkpoints.py), streaming.
+"""The block-FP8 source of scripts/bench.py's ``hf_fp8_to_bf16_hf`` op: the bench's bf16 model (Llama or
+DeepSeek-V3) quantised as DeepSeek-V3's releases are (the rule of tests/fp8_checkpoints.py), streaming.
 
-Every ``*proj.weight`` ``W [M, N]`` becomes ``F8_E4M3`` ``W8 = (W / S).to(float8_e4m3fn)`` beside
+Every 2-D ``*proj.weight`` (attention and MLP projections, DeepSeek's ``kv_a_proj_with_mqa`` and experts included)
+``W [M, N]`` becomes ``F8_E4M3`` ``W8 = (W / S).to(float8_e4m3fn)`` beside
 ``<name>_scale_inv`` = ``S`` (``F32 [ceil(M/128), ceil(N/128)]``, ``S = amax(|W|) / 448`` per 128 x 128 block, the
-last block row / column partial); the embedding, head and norms stay bf16; config.json gets
+last block row / column partial); the embedding, head, norms and router stay as stored (bf16; DeepSeek's router
+bias fp32); config.json gets
 ``quantization_config`` (fp8, e4m3, dynamic, ``weight_block_size [128, 128]``). Each weight is read and written
 in bands of 128 rows, so memory stays at a few bands whatever the model size.
 
@@ -25,7 +27,7 @@ QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dyna
 
 
 def quantized(name: str, shape: list[int]) -> bool:
-    return len(shape) == 2 and name.endswith("proj.weight")
+    return len(shape) == 2 and name.endswith(("proj.weight", "proj_with_mqa.weight"))
 
 
 def band_fp8(w):
@@ -51,6 +53,7 @@ def quantize_file(src: Path, dst: Path) -> list[str]:
     with safe_open(str(src), "pt") as f:
         names = list(f.keys())
         shapes = {n: f.get_slice(n).get_shape() for n in names}
+        dtypes = {n: f.get_slice(n).get_dtype() for n in names}
         header, entries, offset = {"__metadata__": {"format": "pt"}}, [], 0
         for n in names:
             shape = shapes[n]
@@ -59,7 +62,7 @@ def quantize_file(src: Path, dst: Path) -> list[str]:
                 entries += [(n, "F8_E4M3", shape, math.prod(shape)), (n + "_scale_inv", "F32", scale_shape,
                                                                        4 * math.prod(scale_shape))]
             else:
-                entries.append((n, "BF16", shape, 2 * math.prod(shape)))
+                entries.append((n, dtypes[n], shape, {"BF16": 2, "F32": 4}[dtypes[n]] * math.prod(shape)))
         for n, dtype, shape, nbytes in entries:
             header[n] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
             offset += nbytes

@@ -1,5 +1,5 @@
-"""Synthetic Llama and Mixtral checkpoints for scripts/bench.py: shapes for a requested size, the streaming bf16
-safetensors writer, and the cached source directory (``ensure_source``)."""
+"""Synthetic Llama, Mixtral and DeepSeek-V3 checkpoints for scripts/bench.py: shapes for a requested size, the
+streaming bf16 safetensors writer, and the cached source directory (``ensure_source``)."""
 
 from __future__ import annotations
 
@@ -25,9 +25,14 @@ GENERATOR_VERSION = 1
 
 HIDDEN_CANDIDATES = (8192, 4096, 2048, 1024, 512, 256, 128, 64)
 NUM_KV_HEADS = 8
-MODELS = ("llama", "mixtral", "wide")
+MODELS = ("llama", "mixtral", "wide", "deepseek")
 WIDE_HIDDEN = 4096  # the "wide" model: one layer whose MLP weights are the largest tensors (1 GiB each at --sizes 3.57)
 MIXTRAL_EXPERTS = 8  # Mixtral 8x7B: 8 experts, top-2, every layer sparse
+# DeepSeek-V3's shape, narrower: MLA (q LoRA 3/8 hidden, kv LoRA 512 + rope 64, nope / v head dims 64), 16 routed
+# experts (FFN hidden/2) and one shared, sigmoid routing with an fp32 bias, one dense first layer (FFN 11/4 hidden)
+DEEPSEEK_HIDDEN = (2048, 1024, 512, 256, 128)
+DEEPSEEK_EXPERTS = 16
+DEEPSEEK_MIN_LAYERS = 8  # the dense layer and at least seven MoE layers
 
 
 def vocab_for_hidden(hidden: int) -> int:
@@ -59,8 +64,70 @@ def model_shapes(hidden: int, layers: int, model: str = "llama") -> dict[str, An
     }
 
 
+def deepseek_model_shapes(hidden: int, layers: int) -> dict[str, Any]:
+    heads = max(2, hidden // 128)
+    return {
+        "model": "deepseek",
+        "experts": DEEPSEEK_EXPERTS,
+        "shared_experts": 1,
+        "hidden_size": hidden,
+        "intermediate_size": hidden * 11 // 4,  # the dense first layer's FFN
+        "moe_intermediate_size": hidden // 2,
+        "first_k_dense_replace": 1,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "head_dim": 128,  # qk: nope 64 + rope 64
+        "q_lora_rank": hidden * 3 // 8,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 64,
+        "v_head_dim": 64,
+        "vocab_size": vocab_for_hidden(hidden),
+    }
+
+
+def deepseek_specs(shapes: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
+    """DeepSeek-V3's HF tensors (deepseek-v3.md section 3.1), no MTP layer."""
+    h, nh, vocab = shapes["hidden_size"], shapes["num_attention_heads"], shapes["vocab_size"]
+    rq, rkv, dr = shapes["q_lora_rank"], shapes["kv_lora_rank"], shapes["qk_rope_head_dim"]
+    dn, dv, e = shapes["qk_nope_head_dim"], shapes["v_head_dim"], shapes["experts"]
+    specs: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, h))]
+    for i in range(shapes["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        specs += [(p + "input_layernorm.weight", (h,)), (a + "q_a_proj.weight", (rq, h)),
+                  (a + "q_a_layernorm.weight", (rq,)), (a + "q_b_proj.weight", (nh * (dn + dr), rq)),
+                  (a + "kv_a_proj_with_mqa.weight", (rkv + dr, h)), (a + "kv_a_layernorm.weight", (rkv,)),
+                  (a + "kv_b_proj.weight", (nh * (dn + dv), rkv)), (a + "o_proj.weight", (h, nh * dv)),
+                  (p + "post_attention_layernorm.weight", (h,))]
+        m = p + "mlp."
+        if i < shapes["first_k_dense_replace"]:
+            f = shapes["intermediate_size"]
+            specs += [(m + "gate_proj.weight", (f, h)), (m + "up_proj.weight", (f, h)), (m + "down_proj.weight", (h, f))]
+            continue
+        f = shapes["moe_intermediate_size"]
+        specs += [(m + "gate.weight", (e, h)), (m + "gate.e_score_correction_bias", (e,))]
+        for x in [f"experts.{g}." for g in range(e)] + ["shared_experts."]:
+            width = f * (shapes["shared_experts"] if x == "shared_experts." else 1)
+            specs += [(m + x + "gate_proj.weight", (width, h)), (m + x + "up_proj.weight", (width, h)),
+                      (m + x + "down_proj.weight", (h, width))]
+    return specs + [("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
+
+
+def tensor_dtype(name: str) -> str:
+    """The stored dtype: BF16, except DeepSeek's router bias (F32, as released)."""
+    return "F32" if name.endswith("e_score_correction_bias") else "BF16"
+
+
+def tensor_bytes(name: str, shape) -> int:
+    return math.prod(shape) * (4 if tensor_dtype(name) == "F32" else 2)
+
+
 def tensor_specs(shapes: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of every tensor, in the order they are written."""
+    if shapes.get("model") == "deepseek":
+        return deepseek_specs(shapes)
     h = shapes["hidden_size"]
     inter = shapes["intermediate_size"]
     hd = shapes["head_dim"]
@@ -106,6 +173,8 @@ def choose_shapes(size_gib: float, model: str = "llama") -> dict[str, Any]:
     target_params = size_gib * GIB / 2
     if model == "wide":
         return wide_shapes(target_params)
+    if model == "deepseek":
+        return deepseek_shapes(target_params)
     mlps = MIXTRAL_EXPERTS if model == "mixtral" else 1
     for hidden in HIDDEN_CANDIDATES:
         base = param_count(model_shapes(hidden, 0, model))
@@ -137,7 +206,66 @@ def wide_shapes(target_params: float) -> dict[str, Any]:
     return shapes
 
 
+def deepseek_shapes(target_params: float) -> dict[str, Any]:
+    """The widest hidden size of ``DEEPSEEK_HIDDEN`` that leaves at least ``DEEPSEEK_MIN_LAYERS`` layers, then the
+    layer count that best fits ``target_params``."""
+    for hidden in DEEPSEEK_HIDDEN:
+        base = param_count(deepseek_model_shapes(hidden, 1))  # embedding, head, the dense layer
+        per_layer = param_count(deepseek_model_shapes(hidden, 2)) - base
+        layers = 1 + max(1, round((target_params - base) / per_layer))
+        if layers >= DEEPSEEK_MIN_LAYERS or hidden == DEEPSEEK_HIDDEN[-1]:
+            return deepseek_model_shapes(hidden, layers)
+    raise AssertionError("unreachable")
+
+
+def deepseek_config(shapes: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V3's config.json (the release's keys), with ``shapes``' sizes and no MTP layer."""
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "hidden_size": shapes["hidden_size"],
+        "intermediate_size": shapes["intermediate_size"],
+        "moe_intermediate_size": shapes["moe_intermediate_size"],
+        "num_hidden_layers": shapes["num_hidden_layers"],
+        "num_attention_heads": shapes["num_attention_heads"],
+        "num_key_value_heads": shapes["num_key_value_heads"],
+        "n_shared_experts": shapes["shared_experts"],
+        "n_routed_experts": shapes["experts"],
+        "routed_scaling_factor": 2.5,
+        "kv_lora_rank": shapes["kv_lora_rank"],
+        "q_lora_rank": shapes["q_lora_rank"],
+        "qk_rope_head_dim": shapes["qk_rope_head_dim"],
+        "v_head_dim": shapes["v_head_dim"],
+        "qk_nope_head_dim": shapes["qk_nope_head_dim"],
+        "topk_method": "noaux_tc",
+        "n_group": 4,
+        "topk_group": 2,
+        "num_experts_per_tok": 4,
+        "moe_layer_freq": 1,
+        "first_k_dense_replace": shapes["first_k_dense_replace"],
+        "norm_topk_prob": True,
+        "scoring_func": "sigmoid",
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "initializer_range": 0.02,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 10000,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "num_nextn_predict_layers": 0,
+        "vocab_size": shapes["vocab_size"],
+        "use_cache": True,
+    }
+
+
 def hf_config(shapes: dict[str, Any]) -> dict[str, Any]:
+    if shapes.get("model") == "deepseek":
+        return deepseek_config(shapes)
     if shapes.get("experts"):
         return {**_llama_config(shapes), "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
                 "num_local_experts": shapes["experts"], "num_experts_per_tok": 2, "rope_theta": 1000000.0}
@@ -179,6 +307,8 @@ def expected_megatron_largest(shapes: dict[str, Any], tp: int) -> int:
     hd = shapes["head_dim"]
     mult = 128 * tp
     padded_vocab = -(-shapes["vocab_size"] // mult) * mult
+    if shapes.get("model") == "deepseek":  # embedding, the dense layer's fc1, kv_down (whole on every rank)
+        return 2 * max(padded_vocab // tp * h, 2 * inter // tp * h, (shapes["kv_lora_rank"] + 64) * h)
     qkv_rows = (shapes["num_attention_heads"] + 2 * shapes["num_key_value_heads"]) * hd
     candidates = [padded_vocab // tp * h, 2 * inter // tp * h, qkv_rows // tp * h, h * inter // tp]
     return 2 * max(candidates)
@@ -189,6 +319,12 @@ def expected_megatron_largest(shapes: dict[str, Any], tp: int) -> int:
 # --------------------------------------------------------------------------------------
 
 PATTERN_ELEMS = 1_048_573  # odd period, so rows of a matrix do not repeat column-aligned
+
+
+def _f32_pattern(name: str, numel: int) -> np.ndarray:
+    """Deterministic small fp32 values (DeepSeek's router bias)."""
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    return (0.01 * rng.standard_normal(min(numel, PATTERN_ELEMS), dtype=np.float32)).astype("<f4")
 
 
 def _bf16_pattern(name: str, numel: int, is_norm: bool) -> np.ndarray:
@@ -204,8 +340,9 @@ def _bf16_pattern(name: str, numel: int, is_norm: bool) -> np.ndarray:
 
 def _write_tensor_data(f, name: str, shape: tuple[int, ...]) -> None:
     numel = math.prod(shape)
-    block = _bf16_pattern(name, numel, is_norm=len(shape) == 1).tobytes()
-    remaining = numel * 2
+    f32 = tensor_dtype(name) == "F32"
+    block = (_f32_pattern(name, numel) if f32 else _bf16_pattern(name, numel, is_norm=len(shape) == 1)).tobytes()
+    remaining = tensor_bytes(name, shape)
     while remaining:
         chunk = block if remaining >= len(block) else block[:remaining]
         f.write(chunk)
@@ -216,8 +353,8 @@ def write_safetensors(path: Path, specs: list[tuple[str, tuple[int, ...]]]) -> N
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape in specs:
-        nbytes = math.prod(shape) * 2
-        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        nbytes = tensor_bytes(name, shape)
+        header[name] = {"dtype": tensor_dtype(name), "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     hbytes = json.dumps(header, separators=(",", ":")).encode()
     hbytes += b" " * (-len(hbytes) % 8)
@@ -236,12 +373,12 @@ def plan_shards(
     """Greedy split into shards of at most ``shard_limit`` bytes (a single larger tensor gets
     its own shard).  The target is capped at half the model so even tiny models get >= 2
     shards and the multi-shard path of the converter is always exercised."""
-    total = sum(math.prod(s) * 2 for _, s in specs)
+    total = sum(tensor_bytes(n, s) for n, s in specs)
     target = max(1, min(shard_limit, -(-total // 2)))
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     cur = 0
     for name, shape in specs:
-        nbytes = math.prod(shape) * 2
+        nbytes = tensor_bytes(name, shape)
         if shards[-1] and cur + nbytes > target:
             shards.append([])
             cur = 0
@@ -267,7 +404,7 @@ def source_plan(size_gib: float, shard_limit: int, model: str = "llama") -> dict
 
 
 def _shard_bytes(shard: dict[str, Any]) -> int:
-    return sum(math.prod(s) * 2 for _, s in shard["tensors"])
+    return sum(tensor_bytes(n, s) for n, s in shard["tensors"])
 
 
 def _cache_valid(src: Path, marker: Path, plan: dict[str, Any]) -> bool:

@@ -36,12 +36,18 @@ OPS: dict[str, tuple[str, list[str] | None]] = {
     "hf_to_meta_tp1": ("hf", ["--to", "meta", "--tp", "1"]),  # Meta pads nothing: the odd vocab needs tp 1
     "meta_tp1_to_hf": ("meta_tp1", ["--to", "hf"]),
     "fp8_quantize": ("hf", None),  # makes the hf_fp8 source (scripts/bench_fp8.py); not timed by default
-    "hf_fp8_to_bf16_hf": ("hf_fp8", ["--to", "hf"]),  # block-FP8 source (the Llama quantised) dequantised to bf16
+    "hf_fp8_to_bf16_hf": ("hf_fp8", ["--to", "hf"]),  # block-FP8 source (the model quantised) dequantised to bf16
+    "hf_to_fp32_hf": ("hf", ["--to", "hf", "--dtype", "fp32"]),  # a plain cast: twice the bytes out (not default)
     "pcp": ("hf", None),
     "naive": ("hf", None),
 }
 #: operations for Mixture-of-Experts sources only (the default for --model mixtral, with cp)
 MOE_OPS = ("hf_to_megatron_tp2_ep4", "megatron_tp2_ep4_to_hf")
+#: the default operations of --model deepseek: the MoE ones and its FP8 version dequantised
+DEEPSEEK_OPS = (*MOE_OPS, "hf_fp8_to_bf16_hf")
+#: left out of the default set: the cast next to which FP8 dequantisation is read (same output bytes from half
+#: the source size: ``--sizes 1`` cast against ``--sizes 2`` FP8)
+CAST_OPS = ("hf_to_fp32_hf",)
 #: source kinds other than the generated HF checkpoint -> the op whose output is that source (run untimed first
 #: when the op itself is not among those timed)
 DERIVED_SOURCES = {"megatron_tp8": "hf_to_megatron_tp8", "torch_dist": "hf_to_torch_dist",

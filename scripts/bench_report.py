@@ -14,6 +14,15 @@ from bench_ops import OPS, REFERENCES
 RSS_GOAL = 512 * MIB
 
 
+def _deepseek_shapes(s: dict) -> str:
+    """The MLA and expert widths of a DeepSeek source, for its line in the report ('' for the others)."""
+    if s.get("model") != "deepseek":
+        return ""
+    return (f"; MLA q LoRA {s['q_lora_rank']}, kv LoRA {s['kv_lora_rank']} + rope {s['qk_rope_head_dim']}; "
+            f"{s['experts']} routed + {s['shared_experts']} shared experts (ffn {s['moe_intermediate_size']}), "
+            f"{s['first_k_dense_replace']} dense layer")
+
+
 def summarize(runs: list[dict], sizes_info: dict[str, dict]) -> list[dict]:
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in runs:
@@ -173,7 +182,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         lines.append(
             f"- {size} GiB source: {info['source_bytes'] / GIB:.3f} GiB in {info['num_shards']} shards; hidden {s['hidden_size']}, "
             f"ffn {s['intermediate_size']}, {s['num_hidden_layers']} layers, {s['num_attention_heads']}/{s['num_key_value_heads']} heads "
-            f"(dim {s['head_dim']}), vocab {s['vocab_size']}; largest tensor `{lt['name']}` {lt['bytes'] / MIB:.2f} MiB"
+            f"(dim {s['head_dim']}), vocab {s['vocab_size']}{_deepseek_shapes(s)}; largest tensor `{lt['name']}` "
+            f"{lt['bytes'] / MIB:.2f} MiB"
         )
     lines += [
         "",

@@ -319,6 +319,72 @@ def test_wide_shapes():
                                                         "hf_to_megatron_tp1", "megatron_tp8_to_vllm_tp2", "pcp"]
 
 
+def test_deepseek_shapes():
+    """--model deepseek: DeepSeek-V3's tensors (MLA with q LoRA and kv LoRA 512 + rope 64, 16 routed and 1 shared
+    experts, the fp32 router bias, one dense first layer) at about 1 GiB, and its default ops."""
+    bench = load_bench()
+    shapes = bench.choose_shapes(1, "deepseek")
+    assert abs(bench.param_count(shapes) * 2 / 2**30 - 1) < 0.06 and shapes["num_hidden_layers"] >= 8
+    h, nh = shapes["hidden_size"], shapes["num_attention_heads"]
+    specs = dict(bench.tensor_specs(shapes))
+    a = "model.layers.1.self_attn."
+    assert specs[a + "kv_a_proj_with_mqa.weight"] == (512 + 64, h) and specs[a + "kv_b_proj.weight"] == (nh * 128, 512)
+    assert specs[a + "q_a_proj.weight"] == (shapes["q_lora_rank"], h) and specs[a + "o_proj.weight"] == (h, nh * 64)
+    assert "model.layers.0.mlp.gate_proj.weight" in specs and "model.layers.0.mlp.gate.weight" not in specs
+    assert specs["model.layers.1.mlp.experts.15.down_proj.weight"] == (h, h // 2)
+    assert specs["model.layers.1.mlp.shared_experts.up_proj.weight"] == (h // 2, h)
+    assert "model.layers.1.mlp.experts.16.up_proj.weight" not in specs
+    assert bench.tensor_dtype("model.layers.1.mlp.gate.e_score_correction_bias") == "F32"
+    config = bench.source_plan(1, 2 << 30, "deepseek")["config"]
+    assert config["architectures"] == ["DeepseekV3ForCausalLM"] and config["first_k_dense_replace"] == 1
+    assert bench.parse_args(["--model", "deepseek"]).ops == ["cp", "hf_to_megatron_tp2_ep4", "megatron_tp2_ep4_to_hf",
+                                                            "hf_fp8_to_bf16_hf", "pcp"]
+    assert "hf_to_fp32_hf" not in bench.parse_args([]).ops
+
+
+@pytest.mark.skipif(not _converter_present(), reason="reshard.cli not written yet")
+def test_bench_deepseek_ops(tmp_path):
+    """A small DeepSeek source through its three ops (its FP8 version made by the bench's quantiser: the
+    release's projections FP8, kv_a_proj_with_mqa's 576 rows in 5 block rows; router and norms not, the fp32 bias
+    kept), and the cast op on it."""
+    data, md = run_bench(tmp_path, "--model", "deepseek", "--sizes", "0.01", "--keep", "--ops", "cp",
+                         "hf_to_megatron_tp2_ep4", "megatron_tp2_ep4_to_hf", "hf_fp8_to_bf16_hf", "hf_to_fp32_hf",
+                         timeout=600)
+    for op in ("hf_to_megatron_tp2_ep4", "megatron_tp2_ep4_to_hf", "hf_fp8_to_bf16_hf", "hf_to_fp32_hf"):
+        row = next(r for r in data["summary"] if r["op"] == op)
+        assert row["status"] == "ok" and row["median_s"] > 0, row
+    assert "MLA q LoRA 48, kv LoRA 512 + rope 64; 16 routed + 1 shared experts" in md
+    sys.path.insert(0, str(REPO / "scripts"))
+    from bench_inspect import read_safetensors_header
+
+    fp8_source = tmp_path / "outputs" / "0.01" / "hf_fp8_source"
+    header = {n: i for f in sorted(fp8_source.glob("*.safetensors")) for n, i in read_safetensors_header(f).items()}
+    a = "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"
+    assert header[a]["dtype"] == "F8_E4M3" and header[a + "_scale_inv"]["shape"] == [5, 1]
+    assert header["model.layers.1.mlp.experts.3.gate_proj.weight"]["dtype"] == "F8_E4M3"
+    assert header["model.layers.1.mlp.gate.weight"]["dtype"] == "BF16"
+    assert header["model.layers.1.mlp.gate.e_score_correction_bias"]["dtype"] == "F32"
+    assert header["model.layers.1.self_attn.kv_a_layernorm.weight"]["dtype"] == "BF16"
+    back = tmp_path / "outputs" / "0.01" / "megatron_tp2_ep4_to_hf"
+    source = tmp_path / "sources" / "deepseek-0.01GiB"
+    assert read_bytes_of(back, a) == read_bytes_of(source, a)  # the round trip through Megatron, bit for bit
+
+
+def read_bytes_of(folder: Path, name: str) -> bytes:
+    """The stored bytes of tensor ``name`` in an HF folder."""
+    import struct
+
+    for f in sorted(folder.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+            if name in header:
+                lo, hi = header[name]["data_offsets"]
+                fh.seek(8 + n + lo)
+                return fh.read(hi - lo)
+    raise KeyError(name)
+
+
 def test_parallel_copy_reference(tmp_path):
     """pcp copies the same bytes as cp -r (every file identical), in N parallel streams, and each conversion gets
     a paired ratio to it and a plain ratio of medians to cp."""
