@@ -90,12 +90,13 @@ def verify(a: str, b: str, *, atol: float | None = None, rtol: float | None = No
            nproc: int | None = None, backend: Literal["gloo", "nccl"] | None = None, seq_len: int | None = None,
            batch: int | None = None, seed: int | None = None, prompt_ids: str | None = None,
            compute_dtype: str | None = None, timeout: float | None = None, workers: int = 1,
-           dry_run: bool = False, progress: bool = False):
+           dry_run: bool = False, drop_mtp: bool = False, progress: bool = False):
     """Compare checkpoints ``a`` and ``b`` as ``reshard verify`` does. The digest check (default) returns a
     :class:`reshard.verification.digest.VerifyReport` (``.equal``); ``forward=True`` runs the forward check and
     returns its report dict (``["ok"]``; ``nproc``, ``backend``, ``seq_len`` (16), ``batch`` (2), ``seed`` (0),
     ``prompt_ids``, ``compute_dtype`` ("fp32"), ``timeout`` (300 s) apply to it only and are refused
-    without it). ``dry_run=True`` returns what each process would read and its peak-memory estimate."""
+    without it). ``dry_run=True`` returns what each process would read and its peak-memory estimate;
+    ``drop_mtp`` (digest check): compare the main models, leaving multi-token-prediction layers out."""
     values = dict(nproc=nproc, backend=backend, seq_len=seq_len, batch=batch, seed=seed, prompt_ids=prompt_ids,
                   compute_dtype=compute_dtype, timeout=timeout)
     given = {k: values[k] for k in FORWARD_ONLY if values[k] is not None}
@@ -109,12 +110,15 @@ def verify(a: str, b: str, *, atol: float | None = None, rtol: float | None = No
         if dry_run:
             from reshard.verification.digest import verify_dry_run
 
-            return verify_dry_run(a, b, workers=workers, **common)
+            return verify_dry_run(a, b, workers=workers, drop_mtp=drop_mtp, **common)
         from reshard.verification.digest import verify as run_digest
 
-        return run_digest(a, b, atol=atol, rtol=rtol, workers=workers, progress=progress, **common)
+        return run_digest(a, b, atol=atol, rtol=rtol, workers=workers, progress=progress, drop_mtp=drop_mtp,
+                          **common)
     if workers != 1:
         raise ReshardError("--workers applies to the digest check; a forward check runs --nproc processes")
+    if drop_mtp:
+        raise ReshardError("--drop-mtp applies to the digest check; the forward check runs the main model only")
     options = {**given, **common}
     if dry_run:
         from reshard.verification.forward import forward_estimate

@@ -235,6 +235,8 @@ def verify(
     workers: int = typer.Option(1, "--workers", help="Processes that compare tensors (digest check; same report)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the bytes each process will read and its peak "
                                  "memory estimate; read no tensor data."),
+    drop_mtp: bool = typer.Option(False, "--drop-mtp", help="Compare the main models only, leaving "
+                                  "multi-token-prediction layers out (as a conversion to vLLM does)."),
 ):
     """Compare two checkpoints' canonical tensors (bit-exact unless dtypes differ). Exit 0 only when equal.
 
@@ -244,7 +246,8 @@ def verify(
     result = api.verify(a, b, atol=atol, rtol=rtol, vocab_size=vocab_size, architecture=architecture,
                         mapping=mapping, forward=forward, nproc=nproc, backend=backend, seq_len=seq_len, batch=batch,
                         seed=seed, prompt_ids=prompt_ids, compute_dtype=compute_dtype, timeout=timeout,
-                        workers=workers, dry_run=dry_run, progress=not as_json and sys.stderr.isatty())
+                        workers=workers, dry_run=dry_run, drop_mtp=drop_mtp,
+                        progress=not as_json and sys.stderr.isatty())
     if dry_run:
         print(json.dumps(result, indent=2) if as_json else _format_estimate(result))
         return

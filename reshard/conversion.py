@@ -8,7 +8,6 @@ import sys
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
-from reshard.core.canonical import without_mtp
 from reshard.core.model_config import SEMANTIC_FIELDS, UNCARRIED_SETTINGS
 from reshard.core.plan import CanonicalIndex, Plan, TargetFile, plan_tensor
 from reshard.errors import OutputError, PlanError, ReshardError, os_error_message
@@ -77,10 +76,7 @@ def _drop_mtp(source: Source, layout, opts: Options) -> list[str]:
     model = source.model
     if not model.mtp_layers or (layout.holds_mtp and not opts.drop_mtp):
         return []
-    count = len(model.mtp_layers)
-    source.model = without_mtp(model)
-    source.stored = [(i, t) for i, t in source.stored
-                     if all(p.canonical is None or p.canonical in source.model.tensors for p in t.pieces)]
+    count = source.drop_mtp()
     why = "--drop-mtp" if opts.drop_mtp else f"the {layout.name} layout holds the main model only"
     return [f"dropped {count} MTP (multi-token prediction) layer(s) ({why}); the output declares 0"]
 

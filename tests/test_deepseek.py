@@ -230,3 +230,15 @@ def test_newer_megatron_core_mtp_spelling_is_read(coded, tmp_path, capsys):
     convert(capsys, tmp_path / "m", tmp_path / "h", "--to", "hf")
     a, b = hf_state(coded["v3"]), hf_state(tmp_path / "h")
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_verify_drop_mtp_compares_the_main_models(coded, tmp_path, capsys):
+    """A V3 conversion to vLLM holds no MTP layer: plain verify names the missing layer, --drop-mtp compares the
+    main models (bit-exact here); the forward check refuses the option (it never runs MTP layers)."""
+    convert(capsys, coded["v3"], tmp_path / "v", "--to", "vllm", "--tp", "2")
+    code, out, _ = run_cli(capsys, "verify", coded["v3"], tmp_path / "v")
+    assert code == 1 and "mtp_layers" in out, out
+    code, out, err = run_cli(capsys, "verify", coded["v3"], tmp_path / "v", "--drop-mtp")
+    assert code == 0 and "EQUAL" in out, out + err
+    code, _, err = run_cli(capsys, "verify", coded["v3"], tmp_path / "v", "--drop-mtp", "--forward")
+    assert code == 2 and "--drop-mtp applies to the digest check" in err, err

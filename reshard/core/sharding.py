@@ -160,10 +160,11 @@ def check_replicating_degrees(model: CanonicalModel, tp: int, engine: str) -> No
     if d["nh"] % tp:
         raise PlanError(f"{engine} needs num_attention_heads % tp == 0, but {d['nh']} heads do not split over "
                         f"tp={tp}; choose a tp that divides {d['nh']}")
-    if tp >= d["ng"] and tp % d["ng"]:
+    latent = bool(model.family.mla)  # latent attention has no KV heads to split or repeat
+    if not latent and tp >= d["ng"] and tp % d["ng"]:
         raise PlanError(f"tp={tp} is more than the {d['ng']} KV heads but not a multiple of them: {engine} "
                         f"replicates KV heads only when tp % num_key_value_heads == 0")
-    if tp < d["ng"] and d["ng"] % tp:
+    if not latent and tp < d["ng"] and d["ng"] % tp:
         raise PlanError(f"{d['ng']} KV heads do not split over tp={tp}; choose a tp that divides {d['ng']}")
     if "F" in d and d["F"] % tp and dense_mlp(model):
         raise PlanError(f"cannot shard intermediate size {d['F']} over tp={tp}; choose a tp that divides it")

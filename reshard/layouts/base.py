@@ -70,6 +70,18 @@ class Source:
     info: dict[str, Any] = field(default_factory=dict)
     side_files: list[str] = field(default_factory=list)  # absolute paths of tokenizer etc. to carry along
 
+    def drop_mtp(self) -> int:
+        """Leave the model's multi-token-prediction layers out of this view (their stored tensors unused);
+        returns how many there were."""
+        from reshard.core.canonical import without_mtp
+
+        count = len(self.model.mtp_layers)
+        if count:
+            self.model = without_mtp(self.model)
+            self.stored = [(i, t) for i, t in self.stored
+                           if all(p.canonical is None or p.canonical in self.model.tensors for p in t.pieces)]
+        return count
+
     def close(self) -> None:
         for f in self.files:
             f.close()

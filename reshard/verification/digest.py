@@ -96,11 +96,15 @@ def plan_work(sa: Source, sb: Source, atol: float | None, rtol: float | None) ->
 
 def verify(a: str, b: str, *, atol: float | None = None, rtol: float | None = None,
            vocab_size: int | None = None, architecture: str | None = None, mapping: str | None = None,
-           workers: int = 1, progress: bool = False, block_bytes: int = BLOCK_BYTES) -> VerifyReport:
+           workers: int = 1, progress: bool = False, block_bytes: int = BLOCK_BYTES,
+           drop_mtp: bool = False) -> VerifyReport:
     """Compare checkpoints ``a`` and ``b`` (any layouts, any degrees) tensor by tensor, streaming: bit-exact by
-    SHA-256 where dtypes agree; after a cast, or within ``atol`` / ``rtol``, where they differ."""
+    SHA-256 where dtypes agree; after a cast, or within ``atol`` / ``rtol``, where they differ. ``drop_mtp``:
+    compare the main models only (a conversion to vLLM, which holds no MTP layers)."""
     opts = Options(vocab_size=vocab_size, architecture=architecture, mapping=mapping)
     with open_source(a, opts) as sa, open_source(b, opts) as sb:
+        if drop_mtp:
+            sa.drop_mtp(), sb.drop_mtp()
         return verify_sources(sa, sb, a, b, atol=atol, rtol=rtol, workers=workers, progress=progress,
                               block_bytes=block_bytes)
 
@@ -126,13 +130,16 @@ def verify_sources(sa: Source, sb: Source, a: str, b: str, *, atol: float | None
 
 
 def verify_dry_run(a: str, b: str, *, vocab_size: int | None = None, architecture: str | None = None,
-                   mapping: str | None = None, workers: int = 1, block_bytes: int = BLOCK_BYTES) -> dict:
+                   mapping: str | None = None, workers: int = 1, block_bytes: int = BLOCK_BYTES,
+                   drop_mtp: bool = False) -> dict:
     """What :func:`verify` would read, per process, and each process's peak-memory estimate; reads headers
     and configs only."""
     from reshard.verification.digest_run import estimate
 
     opts = Options(vocab_size=vocab_size, architecture=architecture, mapping=mapping)
     with open_source(a, opts) as sa, open_source(b, opts) as sb:
+        if drop_mtp:
+            sa.drop_mtp(), sb.drop_mtp()
         work = plan_work(sa, sb, None, None)
         return {"a": a, "b": b, "layout_a": sa.layout, "layout_b": sb.layout, "tensors": work.count,
                 "replica_checks": len(work.replica_checks), "block_bytes": block_bytes,
