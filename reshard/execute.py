@@ -24,7 +24,8 @@ import numpy as np
 from reshard.core.blocks import row_blocks
 from reshard.core.plan import Plan, TargetFile, TargetTensor
 from reshard.io import dtypes
-from reshard.io.assemble import CastOverflowError, assemble, bits_equal, check_cast, read_op, rope_rows  # noqa: F401
+from reshard.io.assemble import assemble, bits_equal, read_op, rope_rows  # noqa: F401
+from reshard.io.casts import CastOverflowError, check_cast  # noqa: F401
 from reshard.io.copy_ranges import Ranges, as_ranges, data_phase
 from reshard.io.gather import Gatherer, direct
 from reshard.io.heads import read_ahead_window

@@ -385,7 +385,7 @@ def test_windows_at_any_offset_equal_the_reference_dequantisation(dtype, monkeyp
 def test_fp16_products_are_checked_when_asked():
     """``allow_overflow=False``: values up to 1 times scale 1000 pass into fp16, one byte of 448 (448000) is
     refused."""
-    from reshard.io.assemble import CastOverflowError
+    from reshard.io.casts import CastOverflowError
 
     codes = torch.full((4, 130), 0x38, dtype=torch.uint8)  # e4m3 1.0
     s = torch.full((1, 2), 1000.0)
@@ -400,13 +400,13 @@ def test_fp16_products_are_checked_when_asked():
 def test_products_are_not_checked_when_the_scales_bound_them(tmp_path, monkeypatch):
     """--dtype fp16 of the Llama source (448 x its largest scale is below 65504): no fp32 product goes through the
     overflow check, and the output is the reference's fp16."""
-    import reshard.io.assemble
+    import reshard.io.casts
 
     path, _, stored, expected = make_fp8_hf(tmp_path / "fp8")
     assert max(float(t.max()) for n, t in stored.items() if n.endswith("_scale_inv")) * 448 < 65504
     checked = []
-    real = reshard.io.assemble.check_cast
-    monkeypatch.setattr(reshard.io.assemble, "check_cast",
+    real = reshard.io.casts.check_cast
+    monkeypatch.setattr(reshard.io.casts, "check_cast",
                         lambda name, src, cast: (checked.append(src.dtype), real(name, src, cast)))
     reshard.convert(path, str(tmp_path / "f16"), to="hf", dtype="fp16")
     assert torch.float32 not in checked and torch.bfloat16 in checked  # the bf16 tensors are checked

@@ -10,30 +10,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from reshard.core.plan import ReadOp, TargetTensor
-from reshard.errors import CheckpointError
 from reshard.io import dtypes
+from reshard.io import casts
 from reshard.io.fp8 import is_dequantized
 from reshard.io.tensorfile import TensorFile
-
-
-class CastOverflowError(CheckpointError):
-    """A cast turned finite source values into inf (e.g. 1e6 to fp16)."""
-
-
-def check_cast(name: str, source, cast) -> None:
-    """Refuse a cast of ``source`` into ``cast`` that turned finite values into inf or NaN."""
-    import torch
-
-    if source.dtype == cast.dtype or not cast.is_floating_point():
-        return
-    if source.is_floating_point() and torch.finfo(cast.dtype).max >= torch.finfo(source.dtype).max:
-        return  # a widening cast (bf16 / fp16 -> fp32, fp16 -> bf16) keeps every finite value finite
-    lost = ~torch.isfinite(cast) & torch.isfinite(source)
-    if bool(lost.any()):
-        worst = source[lost].abs().max().item()
-        raise CastOverflowError(f"casting '{name}' to {dtypes.from_torch(cast.dtype)} turns finite values into inf "
-                                f"(|value| up to {worst:g} > {torch.finfo(cast.dtype).max:g}): keep the source dtype "
-                                "or cast to bf16, or pass --allow-cast-overflow to write inf knowingly")
 
 
 def assemble(tensor: TargetTensor, files: list[TensorFile], allow_overflow: bool = True):
@@ -51,7 +31,7 @@ def assemble(tensor: TargetTensor, files: list[TensorFile], allow_overflow: bool
         if tuple(data.shape) == tuple(tensor.shape):
             cast = data.to(dtype)
             if not allow_overflow:
-                check_cast(tensor.name, data, cast)
+                casts.check_cast(tensor.name, data, cast)
             return cast
     buf = torch.zeros(tensor.shape, dtype=dtype) if tensor.has_padding else torch.empty(tensor.shape, dtype=dtype)
     for op in tensor.reads:
@@ -62,7 +42,7 @@ def assemble(tensor: TargetTensor, files: list[TensorFile], allow_overflow: bool
             part = buf.narrow(tensor.axis, op.dst_start, op.length)
         part.copy_(data)
         if not allow_overflow:
-            check_cast(tensor.name, data, part)
+            casts.check_cast(tensor.name, data, part)
     return buf
 
 

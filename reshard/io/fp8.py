@@ -243,7 +243,7 @@ def _dequantize(name: str, w8: np.ndarray, scales: np.ndarray, block: tuple[int,
     views are made once; each chunk is one lookup, one multiply per column run and one cast."""
     import torch
 
-    from reshard.io.assemble import check_cast
+    from reshard.io import casts
 
     b0, b1 = block
     m, n = w8.shape
@@ -272,7 +272,7 @@ def _dequantize(name: str, w8: np.ndarray, scales: np.ndarray, block: tuple[int,
                 product = x_torch[:j]
                 out[a:b].copy_(product)
                 if not allow_overflow:
-                    check_cast(name, product, out[a:b])
+                    casts.check_cast(name, product, out[a:b])
 
 
 def _column_blocks(c0: int, c1: int, b1: int) -> list[tuple[int, int, int, int]]:
