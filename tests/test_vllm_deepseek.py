@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 import reshard
 from deepseek_checkpoints import V3_DIMS, add_mtp_layer, build_model, save_tiny
 from helpers import run_cli
-from test_vllm_load import vllm_python  # noqa: F401 (the opt-in tests' fixture)
+from test_vllm_load import no_inductor_cache_left, vllm_python  # noqa: F401 (the opt-in tests' fixtures)
 from vllm_rules import expected_rank_mla, load_rank, vllm_expert_block
 
 pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e .[test]")
@@ -374,10 +374,14 @@ def test_vllm_expects_the_expert_parallel_key_set(tmp_path, vllm_python, served,
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(VLLM_HOST_IP="127.0.0.1", VLLM_LOOPBACK_IP="127.0.0.1", GLOO_SOCKET_IFNAME="lo",
                VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
-               VLLM_DIST_IDENT="reshard-keys")  # the CPU communicator's shared-memory name, set by vLLM's engine
+               VLLM_DIST_IDENT="reshard-keys",  # the CPU communicator's shared-memory name, set by vLLM's engine
+               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"))
     port = 29500 + os.getpid() % 1000
-    proc = subprocess.run([vllm_python, str(worker), str(out), "2", str(port), str(tmp_path / "keys")], env=env,
-                          capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+    from test_vllm_load import removing_inductor_caches
+
+    with removing_inductor_caches():
+        proc = subprocess.run([vllm_python, str(worker), str(out), "2", str(port), str(tmp_path / "keys")],
+                              env=env, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     for rank in range(2):
         want = json.load(open(tmp_path / f"keys.rank{rank}.json"))

@@ -22,9 +22,12 @@ vLLM runs in a subprocess (tests/vllm_worker.py) under that interpreter; this pr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 
 import pytest
 import torch
@@ -126,6 +129,26 @@ def reference_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
+@contextlib.contextmanager
+def removing_inductor_caches():
+    """Remove the ``torchinductor_<user>`` folders a vLLM run makes in the temp folder (its compile workers ignore
+    TORCHINDUCTOR_CACHE_DIR, and TMPDIR cannot move: vLLM's zmq socket paths under it would pass 107 characters)."""
+    before = set(os.listdir(tempfile.gettempdir()))
+    try:
+        yield
+    finally:
+        for name in set(os.listdir(tempfile.gettempdir())) - before:
+            if name.startswith("torchinductor_"):
+                shutil.rmtree(os.path.join(tempfile.gettempdir(), name), ignore_errors=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_inductor_cache_left():
+    """What vLLM's processes leave in the temp folder after a run (some outlive the worker) goes with the module."""
+    with removing_inductor_caches():
+        yield
+
+
 def launch_vllm(python: str, folder, tp: int, workdir, expert_parallel: bool = False,
                 load_format: str = "sharded_state"):
     """Run the worker; returns (process, its log, result path). Fails on the loader's shape / dtype warnings, which
@@ -140,8 +163,11 @@ def launch_vllm(python: str, folder, tp: int, workdir, expert_parallel: bool = F
                TRANSFORMERS_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="|".join(str(r) for r in range(tp)))
     if tp == 1:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    proc = subprocess.run([python, WORKER, str(folder), str(tp), str(request), str(result)], env=env,
-                          capture_output=True, text=True, timeout=1200)
+    # vLLM's caches go to the test's folder (what its compile workers leave in the temp folder is removed after)
+    env.update(TORCHINDUCTOR_CACHE_DIR=str(workdir / f"inductor-{tag}"), VLLM_CACHE_ROOT=str(workdir / f"vllm-{tag}"))
+    with removing_inductor_caches():
+        proc = subprocess.run([python, WORKER, str(folder), str(tp), str(request), str(result)], env=env,
+                              capture_output=True, text=True, timeout=1200)
     # The sharded_state loader narrows a parameter to a smaller file tensor, and casts a different dtype, with
     # only a warning: either means reshard wrote the wrong shape or dtype, even if the logprobs came out right.
     log = proc.stdout + proc.stderr
