@@ -67,8 +67,8 @@ class ExpertGrid:
 def rank_tensors(model: CanonicalModel, tp: int, rank: int, layers: list[int], first: bool, last: bool,
                  spec_name: str, padded_vocab: int, grid: ExpertGrid | None = None) -> list[StoredTensor]:
     """The tensors of one TP rank (and EP rank, ``grid``) of one pipeline chunk holding global ``layers`` (names
-    local to the chunk; routed experts under their local index)."""
-    family = model.family
+    local to the chunk; routed experts under their local index; on the last stage, MTP layers after the output
+    layer, :func:`mtp_name`)."""
     groups = model.dims["ng"]
     grid = grid or ExpertGrid(etp=tp)
     out: list[StoredTensor] = []
