@@ -28,7 +28,7 @@ from reshard.errors import CheckpointError, ReshardError
 from reshard.core.model_config import ModelConfig
 from reshard.mapping import WeightSpec
 
-#: RoPE scaling types and activations the decoder implements (decoder.rope_inv_freq, ACTIVATION_FUNCTIONS); yarn
+#: RoPE scaling types and activations the decoder implements (rope.rope_inv_freq, ACTIVATION_FUNCTIONS); yarn
 #: for multi-head latent attention only (transformers' DeepSeek modelling, with its mscale on the softmax scale).
 ROPE_TYPES = ("default", "linear", "llama3")
 MLA_ROPE_TYPES = ROPE_TYPES + ("yarn",)
