@@ -525,8 +525,8 @@ def worker(local_rank: int, cli: argparse.Namespace, init_method: str) -> None:
         dist.destroy_process_group()
 
 
-def _spawn_and_join(mp, cli: argparse.Namespace, init_method: str) -> None:
-    """``mp.spawn(worker, ..., join=True)``, but a rank killed by a signal cannot make it wait forever.
+def spawn_and_join(mp, target, args: tuple, nprocs: int) -> None:
+    """``mp.spawn(target, args, nprocs, join=True)``, but a rank killed by a signal cannot make it wait forever.
 
     ``ProcessContext.join`` watches each rank's sentinel pipe, which the rank's forked children (megatron's
     checkpoint writers) inherit: a rank killed mid-save with a writer left behind would never be seen to exit.
@@ -535,8 +535,7 @@ def _spawn_and_join(mp, cli: argparse.Namespace, init_method: str) -> None:
     """
     import time
 
-    context = mp.start_processes(worker, args=(cli, init_method), nprocs=cli.tp * cli.pp, join=False,
-                                 start_method="spawn")
+    context = mp.start_processes(target, args=args, nprocs=nprocs, join=False, start_method="spawn")
     while not context.join(timeout=1.0):
         failed = [(i, p.exitcode) for i, p in enumerate(context.processes) if p.exitcode not in (None, 0)]
         if not failed:
@@ -582,7 +581,7 @@ def main() -> int:
     import torch.multiprocessing as mp
 
     # The ranks rendezvous through a file store in a private folder: nothing listens on a network interface
-    # except gloo's own sockets, on the loopback interface.  _spawn_and_join returns only once every rank has
+    # except gloo's own sockets, on the loopback interface.  spawn_and_join returns only once every rank has
     # exited; when one fails it stops the others and raises (with the rank's traceback when it has one).
     try:  # orphans below this process re-parent to it (see _reap_strays)
         import ctypes
@@ -593,7 +592,7 @@ def main() -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="mcore_dist_harness_") as tmp:
             init_method = "file://" + os.path.join(tmp, "store")
-            _spawn_and_join(mp, cli, init_method)
+            spawn_and_join(mp, worker, (cli, init_method), cli.tp * cli.pp)
     finally:
         # The ranks are joined; what is left is multiprocessing's resource tracker (it exits when this process
         # does) and, after a failure, strays.

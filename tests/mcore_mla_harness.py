@@ -62,11 +62,10 @@ os.environ["TORCHDYNAMO_DISABLE"] = "1"
 torch = prepare_cpu()
 import torch.nn.functional as F  # noqa: E402
 
-from mcore_dist_harness import _cpu_shims, _die_with_parent, _reap_strays, read_common  # noqa: E402
+from mcore_dist_harness import _cpu_shims, _die_with_parent, _reap_strays, read_common, spawn_and_join  # noqa: E402,E501
 
 ITERATION = 7
 TRACKER = "latest_checkpointed_iteration.txt"
-CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 VOCAB, DIVISOR, SEQ = 200, 128, 12
 INIT_STD = 0.15
 NOISE_ROUTER = 0.3  # router logits far from ties: the top-k picks must not flip with fp32 rounding
@@ -314,14 +313,7 @@ def iteration_dir(ckpt: str) -> str:
 
 
 def run_save(cli) -> None:
-    import torch.distributed as dist
-    from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as ps
-    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
-
-    from mcore_moe_harness import _dist_writer_manager
+    from mcore_moe_harness import dist_save
 
     args = megatron_lm_args(cli.kind, cli.mtp, cli.tp, cli.ep, cli.etp)
     torch.manual_seed(cli.seed)  # the same seed everywhere: CPU init builds the full weight on every rank
@@ -334,30 +326,7 @@ def run_save(cli) -> None:
     else:
         input_ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(cli.seed + 2))
     result = forward(model, args, input_ids)
-    folder = os.path.join(cli.out_dir, f"iter_{ITERATION:07d}")
-    os.makedirs(folder, exist_ok=True)
-    dist.barrier()
-    group = ps.get_data_parallel_group(with_context_parallel=True)
-    state = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
-             "model": model.sharded_state_dict(metadata=dict(CONTENT_METADATA, dp_cp_group=group)),
-             "num_floating_point_operations_so_far": 0}
-    strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"), group, False)
-    # megatron's writer sends results through a queue of a Manager it would start and never stop: this rank
-    # starts it (dying with the rank) and shuts it down.
-    manager = _dist_writer_manager()
-    try:
-        filesystem_async._results_queue = manager.Queue()
-        dist_checkpointing.save(state, folder, strategy, async_sharded_save=False, validate_access_integrity=True,
-                                content_metadata=dict(CONTENT_METADATA))
-        dist.barrier()
-    finally:
-        filesystem_async._results_queue = None
-        manager.shutdown()
-    if dist.get_rank() == 0:
-        with open(os.path.join(cli.out_dir, TRACKER), "w") as f:
-            f.write(str(ITERATION))
-        torch.save(result, os.path.join(cli.out_dir, "reference.pt"))
-    dist.barrier()
+    dist_save(model, args, cli.out_dir, ITERATION, result)
 
 
 def load_one(cli, ckpt: str, out: str, input_ids: torch.Tensor) -> None:
@@ -428,29 +397,14 @@ def worker(local_rank: int, cli, init_method: str) -> None:
         dist.destroy_process_group()
 
 
-def spawn_and_join(cli) -> None:
-    """Start the ranks and wait for all; a rank that fails (or dies by a signal) stops the others and raises."""
+def run_ranks(cli) -> None:
+    """Start the ranks over a file store and wait for all (:func:`mcore_dist_harness.spawn_and_join`)."""
     import tempfile
-    import time
 
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="mcore_mla_harness_") as tmp:
-        context = mp.start_processes(worker, args=(cli, "file://" + os.path.join(tmp, "store")), nprocs=cli.world,
-                                     join=False, start_method="spawn")
-        while not context.join(timeout=1.0):
-            failed = [(i, p.exitcode) for i, p in enumerate(context.processes) if p.exitcode not in (None, 0)]
-            if not failed:
-                continue
-            deadline = time.monotonic() + 3.0  # let join() raise with the rank's traceback if it can
-            while time.monotonic() < deadline:
-                if context.join(timeout=0.5):
-                    return
-            for p in context.processes:
-                if p.is_alive():
-                    p.kill()
-                p.join()
-            raise RuntimeError(f"rank(s) exited abnormally (rank, exit code): {failed}")
+        spawn_and_join(mp, worker, (cli, "file://" + os.path.join(tmp, "store")), cli.world)
 
 
 def main() -> int:
@@ -493,7 +447,7 @@ def main() -> int:
     except (OSError, AttributeError):
         pass
     try:
-        spawn_and_join(cli)
+        run_ranks(cli)
     finally:
         from multiprocessing import resource_tracker
 

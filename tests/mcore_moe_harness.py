@@ -533,13 +533,47 @@ def _dist_writer_manager():
     return manager
 
 
-def run_dist_save(dist, cli: argparse.Namespace) -> None:
+#: what Megatron-LM records as the checkpoint's content metadata (its default save)
+DIST_CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+
+
+def dist_save(model, args, out_dir: str, iteration: int, reference: dict) -> None:
+    """``dist_checkpointing.save`` of ``model`` as Megatron-LM saves it (``OUT/iter_N`` with ``args``, the tracker
+    file), fully parallel, synchronously; rank 0 also saves ``reference`` as ``OUT/reference.pt``."""
+    import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.strategies import filesystem_async
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
+    folder = os.path.join(out_dir, f"iter_{iteration:07d}")
+    os.makedirs(folder, exist_ok=True)
+    dist.barrier()
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
+             "model": model.sharded_state_dict(metadata=dict(DIST_CONTENT_METADATA, dp_cp_group=group)),
+             "num_floating_point_operations_so_far": 0}
+    strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"), group, False)
+    # megatron's writer sends results through a queue of a Manager it would start and never stop: this rank
+    # starts it (dying with the rank) and shuts it down.
+    manager = _dist_writer_manager()
+    try:
+        filesystem_async._results_queue = manager.Queue()
+        dist_checkpointing.save(state, folder, strategy, async_sharded_save=False, validate_access_integrity=True,
+                                content_metadata=dict(DIST_CONTENT_METADATA))
+        dist.barrier()
+    finally:
+        filesystem_async._results_queue = None
+        manager.shutdown()
+    if dist.get_rank() == 0:
+        with open(os.path.join(out_dir, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(iteration))
+        torch.save(reference, os.path.join(out_dir, "reference.pt"))
+    dist.barrier()
+
+
+def run_dist_save(dist, cli: argparse.Namespace) -> None:
     args = dist_family_args(cli.family, cli.tp, cli.ep, cli.etp)
     torch.manual_seed(cli.seed)
     model, get = dist_model(args, cli.tp, cli.ep, cli.etp, init=True)
@@ -553,29 +587,7 @@ def run_dist_save(dist, cli: argparse.Namespace) -> None:
     gen = torch.Generator().manual_seed(cli.seed + 2)
     input_ids = torch.randint(0, TRUE_VOCAB, (BATCH, SEQ_LENGTH), generator=gen, dtype=torch.long)
     logits = dist_logits(model, input_ids, TRUE_VOCAB)
-    ckpt_dir = os.path.join(cli.out_dir, f"iter_{DIST_ITERATION:07d}")
-    os.makedirs(ckpt_dir, exist_ok=True)
-    dist.barrier()
-    content = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-    dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
-    state = {"args": args, "checkpoint_version": 3.0, "iteration": DIST_ITERATION,
-             "model": model.sharded_state_dict(metadata=dict(content, dp_cp_group=dp_cp_group)),
-             "num_floating_point_operations_so_far": 0}
-    strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"), dp_cp_group, False)
-    manager = _dist_writer_manager()
-    try:
-        filesystem_async._results_queue = manager.Queue()
-        dist_checkpointing.save(state, ckpt_dir, strategy, async_sharded_save=False, validate_access_integrity=True,
-                                content_metadata=dict(content))
-        dist.barrier()
-    finally:
-        filesystem_async._results_queue = None
-        manager.shutdown()
-    if dist.get_rank() == 0:
-        with open(os.path.join(cli.out_dir, "latest_checkpointed_iteration.txt"), "w") as f:
-            f.write(str(DIST_ITERATION))
-        torch.save({"input_ids": input_ids, "logits": logits}, os.path.join(cli.out_dir, "reference.pt"))
-    dist.barrier()
+    dist_save(model, args, cli.out_dir, DIST_ITERATION, {"input_ids": input_ids, "logits": logits})
 
 
 def run_dist_load(dist, cli: argparse.Namespace) -> None:

@@ -24,15 +24,12 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 import reshard
-from _mcore_helpers import run_isolated
 from deepseek_checkpoints import logits as tf_logits
 from deepseek_checkpoints import save_tiny
 from helpers import run_cli
@@ -74,15 +71,9 @@ slow = pytest.mark.slow
 def harness(*args, timeout: float = 500.0):
     """Run the harness in its own session; fail on error, timeout or a process of it left behind."""
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'reshard[test]')")
-    from test_mcore_dist_fixtures import _session_processes
+    from test_mcore_dist_fixtures import run_harness
 
-    def no_leftovers(proc) -> None:
-        deadline = time.monotonic() + 10.0
-        while (left := _session_processes(proc.pid)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not left, f"harness processes outlived it: {left}"
-
-    return run_isolated([sys.executable, HARNESS, *map(str, args)], timeout, after=no_leftovers)
+    return run_harness(HARNESS, *args, timeout=timeout)
 
 
 def degrees(tp: int, ep: int, etp: int) -> list:

@@ -92,7 +92,13 @@ def _session_processes(sid: int) -> list[str]:
 
 def run_mcore_dist_harness(*args: str, timeout: float = 300.0) -> subprocess.CompletedProcess:
     """Run ``mcore_dist_harness.py ARGS`` in its own session; fail on error, timeout or a leftover process."""
-    cmd = [sys.executable, str(HARNESS), *map(str, args)]
+    return run_harness(HARNESS, *args, timeout=timeout)
+
+
+def run_harness(harness, *args, timeout: float) -> subprocess.CompletedProcess:
+    """Run the megatron-core harness script ``harness`` with ``ARGS`` in its own session; fail on error, timeout
+    or a process of it left behind (which is killed)."""
+    cmd = [sys.executable, str(harness), *map(str, args)]
 
     def no_leftovers(proc) -> None:
         # multiprocessing's resource tracker exits on its own once the harness has; anything else is a leak.

@@ -21,19 +21,16 @@ The Mixtral case runs in the default suite (about 40 s on two cores); the other 
 
 from __future__ import annotations
 
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 import reshard
-from _mcore_helpers import run_isolated
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'reshard[test]')")
 transformers = pytest.importorskip("transformers")
-from test_mcore_dist_fixtures import _session_processes  # noqa: E402
+from test_mcore_dist_fixtures import run_harness  # noqa: E402
 
 HARNESS = Path(__file__).with_name("mcore_moe_harness.py")
 ATOL = 1e-5
@@ -44,13 +41,7 @@ ARCH = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qw
 
 def harness(*args, timeout: float = 300.0):
     """Run the harness in its own session; fail on error, timeout or a process of it left behind."""
-    def no_leftovers(proc) -> None:
-        deadline = time.monotonic() + 10.0
-        while (left := _session_processes(proc.pid)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not left, f"harness processes outlived it: {left}"
-
-    return run_isolated([sys.executable, HARNESS, *map(str, args)], timeout, after=no_leftovers)
+    return run_harness(HARNESS, *args, timeout=timeout)
 
 
 def degrees(tp, ep, etp):
