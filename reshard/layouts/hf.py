@@ -157,7 +157,7 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
     if output_spec and "tie_word_embeddings" not in config and not has_output:
         notes.append(f"config.json has no tie_word_embeddings and there is no {output_spec.hf_name}: taken as tied "
                      "(transformers' default is untied; add \"tie_word_embeddings\": true to say so)")
-    mtp = _mtp_layers_held(family, config, where, notes)
+    mtp = _mtp_layers_held(family, config, {layer for _, layer in matched.values()}, notes)
     model = build_canonical(family, config, present, tied, mtp)
     model.meaning = read_meaning(config, family, architecture, model.dims, present, tied, path).replace(
         mtp_layers=len(model.mtp_layers))
@@ -165,8 +165,7 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
     for tensor in hf_tensors(model, fused):
         name = tensor.name
         if name not in where:  # an MTP layer's tensors, its embedding and head copies included, name their layer
-            layer = template_layer("model.layers.{layer}." + name.split(".", 3)[-1], name) \
-                if name.startswith("model.layers.") else None
+            layer = (match_template(family, name, stored=True) or (None, None))[1]
             if layer is not None and layer in model.mtp_layers:
                 raise CheckpointError(f"{path}: MTP layer {layer} (multi-token prediction) is partly present: "
                                       f"tensor '{name}' is missing; complete the checkpoint, or set "
@@ -199,15 +198,15 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
                   degrees={"tp": 1, "pp": 1}, info=info, side_files=side_files)
 
 
-def _mtp_layers_held(family, config: dict, where: dict[str, int], notes: list[str]) -> int:
-    """How many of the MTP layers ``config`` declares the files hold: all of them, or none when no tensor of
-    those layers is stored (transformers' ``save_pretrained`` keeps ``num_nextn_predict_layers`` but writes no
-    MTP tensors), with a note; a partly stored set is refused when its missing tensors are looked up."""
+def _mtp_layers_held(family, config: dict, held: set[int | None], notes: list[str]) -> int:
+    """How many of the MTP layers ``config`` declares the files hold (``held``: the layers of the stored weights):
+    all of them, or none when no tensor of those layers is stored (transformers' ``save_pretrained`` keeps
+    ``num_nextn_predict_layers`` but writes no MTP tensors), with a note; a partly stored set is refused when its
+    missing tensors are looked up."""
     declared = family.mtp_count(config)
     if not declared:
         return 0
     layers = int(config[family.dim_key("L")])
-    held = {int(n.split(".")[2]) for n in where if n.startswith("model.layers.") and n.split(".")[2].isdigit()}
     if not held & set(range(layers, layers + declared)):
         notes.append(f"config.json declares {declared} MTP layer(s) ({family.mtp['layers']}) but the files hold no "
                      "tensor of them (as transformers' save_pretrained writes): read as having none; every output "
