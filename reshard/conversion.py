@@ -15,7 +15,6 @@ from reshard.distributed import ProgressRelay, World, log_prefix, world_size_fro
 from reshard.execute import execute, partition, run_units
 from reshard.replicas import ensure_replicas_agree
 from reshard.io import dtypes
-from reshard.io.fp8 import refuse_keep_fp8
 from reshard.hub import open_source
 from reshard.layouts.base import Options, Source, escapes_source, stored_dtype
 from reshard.layouts.registry import get_layout, refuse_unused_options
@@ -143,7 +142,6 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
                         f"{', '.join(UNCARRIED_SETTINGS)})")
     if workers is not None and workers < 1:
         raise PlanError(f"--workers must be at least 1 (got {workers})")
-    refuse_keep_fp8(to, keep_fp8)
     refuse_unused_options(to, {"ep": ep, "etp": etp, "expert_parallel": expert_parallel,
                                "moe_grouped_gemm": moe_grouped_gemm, "megatron_spec": megatron_spec,
                                "vocab_divisor": vocab_divisor, "max_shard_size": max_shard_size,

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from reshard.errors import CheckpointError, PlanError
+from reshard.errors import CheckpointError
 from reshard.io.tensorfile import TensorFile
 
 SCALE_SUFFIX = "_scale_inv"
@@ -316,13 +316,6 @@ def is_dequantized(files: list[TensorFile], source: int, tensor: str) -> bool:
 
 # ------------------------------------------------------------------------------------------- --keep-fp8
 
-def refuse_keep_fp8(to: str, keep: bool) -> None:
-    """``--keep-fp8`` writes FP8 into HF folders only (the fp8 bytes and scales copied, a re-shard of the files)."""
-    if keep and to != "hf":
-        raise PlanError(f"--keep-fp8 keeps FP8 weights only for --to hf (a re-shard of the files); FP8 into {to} is "
-                        "out of scope, as re-quantising is lossy: drop --keep-fp8 to write bf16")
-
-
 def add_scales(model, view: Fp8View, stored: list, first_member: dict[str, str]) -> None:
     """``--keep-fp8``: each scale becomes a canonical tensor of its own (``F32``, kept whole), placed right after the
     canonical tensor its weight's stored tensor starts with (``first_member``: weight name -> that tensor), and a
@@ -364,4 +357,4 @@ def note(view: Fp8View, dtype: str | None) -> str:
     return f"source is {view.describe(dtype)}; the output has no _scale_inv tensors and no quantization_config"
 
 
-__all__ = ["find_fp8", "wrap", "Fp8File", "refuse_keep_fp8", "add_scales", "keep_dtypes"]
+__all__ = ["find_fp8", "wrap", "Fp8File", "add_scales", "keep_dtypes"]

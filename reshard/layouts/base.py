@@ -31,6 +31,9 @@ TARGET_OPTIONS = {"ep": ("--ep", 1), "etp": ("--etp", None), "expert_parallel": 
                   "vocab_divisor": ("--make-vocab-size-divisible-by", None),
                   "max_shard_size": ("--max-shard-size", None),
                   "keep_fp8": ("--keep-fp8", False)}
+#: Why a target refuses one of them, where that says more than which targets use it ({to}: the target).
+TARGET_OPTION_REASONS = {"keep_fp8": "FP8 into {to} is out of scope, as re-quantising is lossy: drop --keep-fp8 to "
+                                     "write bf16"}
 
 
 @dataclass

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Collection
 
 from reshard.errors import CheckpointError, PlanError, ReshardError
-from reshard.layouts.base import TARGET_OPTIONS, Layout, Options, Source, import_string
+from reshard.layouts.base import TARGET_OPTION_REASONS, TARGET_OPTIONS, Layout, Options, Source, import_string
 
 BUILTIN = {
     "hf": "reshard.layouts.hf:HFLayout",
@@ -135,13 +135,16 @@ def get_layout(name: str) -> Layout:
 
 def refuse_unused_options(to: str, given: dict[str, object]) -> None:
     """Refuse a target option (``TARGET_OPTIONS``: field -> value as given) that layout ``to`` does not write
-    with, naming what does what the user meant: its own option, else the layouts that use it."""
+    with, naming what does what the user meant: its own option, else why (``TARGET_OPTION_REASONS``), else the
+    layouts that use it."""
     layout = get_layout(to)
     for field, value in given.items():
         flag, unset = TARGET_OPTIONS[field]
         if value == unset or layout.uses_options is None or field in layout.uses_options:
             continue
         hint = layout.instead.get(field)
+        if hint is None and field in TARGET_OPTION_REASONS:
+            hint = TARGET_OPTION_REASONS[field].format(to=to)
         if hint is None:
             users = [n for n in layout_names(writes=True) if field in (get_layout(n).uses_options or ())]
             hint = f"it is for {' and '.join(f'--to {n}' for n in users)}; drop it"
