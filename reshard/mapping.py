@@ -311,27 +311,41 @@ class Family:
         return tuple(evaluate(expr, dims) for expr in spec.shape)
 
 
+def _parse_condition(condition: str) -> tuple[str, str, object]:
+    """``(key, op, value)`` of a mapping's config condition; ``op`` is ``==``, ``!=``, ``set`` or ``unset``."""
+    text = condition.strip()
+    op, value = ("unset" if text.startswith("!") else "set"), None
+    key = text.lstrip("!").strip()
+    for comparison in ("==", "!="):
+        if comparison in text:
+            key, literal = (part.strip() for part in text.split(comparison, 1))
+            try:
+                op, value = comparison, ast.literal_eval(literal)
+            except (ValueError, SyntaxError):
+                raise MappingError(f"condition '{text}': '{literal}' is not a string, number or bool") from None
+            break
+    if not key.isidentifier():
+        raise MappingError(f"condition {condition!r} must be 'KEY', '!KEY' or \"KEY == 'value'\"")
+    return key, op, value
+
+
 def config_condition(condition: str, config: dict) -> bool:
     """A mapping's config condition: ``KEY`` (set and not null, 0 or false), ``!KEY`` (the opposite), or
-    ``KEY == 'value'`` / ``KEY != 'value'`` (a JSON string, number or bool compared with the key's value)."""
-    condition = condition.strip()
-    for op in ("==", "!="):
-        if op in condition:
-            key, literal = (part.strip() for part in condition.split(op, 1))
-            try:
-                value = ast.literal_eval(literal)
-            except (ValueError, SyntaxError):
-                raise MappingError(f"condition '{condition}': '{literal}' is not a string, number or bool") from None
-            return (config.get(key) == value) == (op == "==")
-    if condition.startswith("!"):
-        return not config.get(condition[1:].strip())
-    return bool(config.get(condition))
+    ``KEY == 'value'`` / ``KEY != 'value'`` (a Python string, number or bool literal compared with the key's
+    value)."""
+    key, op, value = _parse_condition(condition)
+    if op in ("==", "!="):
+        return (config.get(key) == value) == (op == "==")
+    return bool(config.get(key)) == (op == "set")
 
 
 def _check_condition(source: str, where: str, condition) -> None:
-    if not isinstance(condition, str) or not condition.strip().lstrip("!").split("=")[0].split("!")[0].strip():
+    if not isinstance(condition, str):
         raise MappingError(f"{source}: {where} condition {condition!r} must be 'KEY', '!KEY' or \"KEY == 'value'\"")
-    config_condition(condition, {})
+    try:
+        _parse_condition(condition)
+    except MappingError as exc:
+        raise MappingError(f"{source}: {where} {exc}") from None
 
 
 _ALLOWED_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,

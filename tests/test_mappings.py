@@ -37,6 +37,8 @@ def test_shipped_llama_family():
     (("split = \"row\"", "split = \"rows\""), "unknown split 'rows' (did you mean 'row'?)"),
     (("shape = [\"F\", \"H\"]", "shape = [\"FF\", \"H\"]"), "unknown symbol 'FF' (did you mean 'F'?)"),
     (("slot = \"up\"", "slot = \"upp\""), "needs slot one of gate, up"),
+    (("split = \"row\"", "split = \"row\"\nwhen = \"== 3\""), "condition '== 3' must be 'KEY', '!KEY'"),
+    (("split = \"row\"", "split = \"row\"\nwhen = \"act == silu\""), "'silu' is not a string, number or bool"),
 ])
 def test_strict_schema_errors(tmp_path, edit, message):
     path = tmp_path / "mine.toml"
