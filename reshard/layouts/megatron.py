@@ -114,8 +114,11 @@ def mtp_name(template: str, spec: WeightSpec) -> str:
     or, for a decoder-layer weight, ``mtp.layers.{layer}.transformer_layer.`` + its name in a decoder layer
     (megatron-core 0.16's MultiTokenPredictionLayer; newer versions name the module ``mtp_model_layer`` but keep
     ``transformer_layer`` on disk)."""
-    if spec.layers == "mtp":
-        return template
+    return template if spec.layers == "mtp" else mtp_decoder_layer(template)
+
+
+def mtp_decoder_layer(template: str) -> str:
+    """A decoder-layer name template as it is spelt inside MTP layer ``{layer}``."""
     return template.replace("decoder.layers.{layer}.", "mtp.layers.{layer}.transformer_layer.", 1)
 
 
@@ -161,7 +164,7 @@ def extra_state_names(family: Family, spec_name: str, num_local_layers: int, ten
             names += [t.format(layer=k) for k in range(mtp_layers) if wanted(t, t.format(layer=k))]
             continue
         names += [t.format(layer=i) for i in range(num_local_layers) if wanted(t, t.format(layer=i))]
-        inner = t.replace("decoder.layers.{layer}.", "mtp.layers.{layer}.transformer_layer.", 1)
+        inner = mtp_decoder_layer(t)
         names += [inner.format(layer=k) for k in range(mtp_layers) if wanted(t, inner.format(layer=k))]
     for t in templates:
         module = t.removesuffix("._extra_state") + "."
