@@ -261,7 +261,15 @@ def _object_kind(key: str) -> str:
 DATA_FILES = 2  # __0_0.distcp, __0_1.distcp: two writer processes can share the work
 
 
-def target_chunks(model, tp: int, padded: int, etp: int | None = None
+def located_tensors(model, padded: int) -> list[tuple[StoredTensor, Location]]:
+    """The model's TP=1 Megatron tensors (Transformer Engine names, vocab padded to ``padded``), each with its
+    place in a torch_dist folder (:func:`~reshard.layouts.torch_dist_keys.location`)."""
+    stacked = stacked_layers(model)
+    return [(t, location(t.name, stacked))
+            for t in megatron.rank_tensors(model, 1, 0, list(range(model.num_layers)), True, True, "te", padded)]
+
+
+def target_chunks(model, located: list[tuple[StoredTensor, Location]], tp: int, etp: int | None = None
                   ) -> list[tuple[str, tuple[int, ...], StoredTensor, tuple[int, ...], tuple[int, ...]]]:
     """Every chunk Megatron would store at ``tp`` (routed experts at expert-TP ``etp``, default ``tp``): (DCP key,
     global shape, chunk as pieces of the canonical tensors, saved shape, global offsets). Keys and prepended
@@ -269,12 +277,11 @@ def target_chunks(model, tp: int, padded: int, etp: int | None = None
     shard, each ``[1, ..., 1, rows, cols]``); TP-split tensors are cut in ``tp`` along their split axis
     (``linear_fc1`` in 2 x ``tp``: gates, then ups); replicated ones are one chunk. A Mixture of Experts also gets
     the pre-MLP norm under its other spelling (:func:`~reshard.layouts.torch_dist_keys.other_spelling`): a
-    Transformer Engine load asks for one, a local-spec load for the other, and unrequested keys are ignored."""
-    stacked = stacked_layers(model)
+    Transformer Engine load asks for one, a local-spec load for the other, and unrequested keys are ignored.
+    ``located``: :func:`located_tensors`."""
     sizes = {"layer": model.num_layers, "expert": model.num_experts}
     out = []
-    for tensor in megatron.rank_tensors(model, 1, 0, list(range(model.num_layers)), True, True, "te", padded):
-        loc = location(tensor.name, stacked)
+    for tensor, loc in located:
         canonical = next(p.canonical for p in tensor.pieces if p.canonical)
         spec = model.tensors[canonical].spec
         degree = (etp or tp) if spec.per_expert else tp
@@ -302,18 +309,16 @@ def _targets(source: Source, opts: Options, dtype: str) -> TargetPlan:
     padded, iteration, folder, args = run.padded, run.iteration, run.folder, run.args
     args.ckpt_format = NAME
     args.no_save_optim = args.no_save_rng = True  # a model-only checkpoint: resuming asks for no optimizer state
-    chunks = target_chunks(model, opts.tp, padded, megatron.expert_tp(opts))
+    located = located_tensors(model, padded)
+    chunks = target_chunks(model, located, opts.tp, megatron.expert_tp(opts))
     size = {c.name: dtypes.itemsize(stored_dtype(model, c, opts, dtype)) * math.prod(c.shape)
             for _, _, c, _, _ in chunks}
     groups = pack_by_size([c for _, _, c, _, _ in chunks], lambda c: size[c.name],
                           max(1, sum(size.values()) // DATA_FILES + 1))
-    stacked = stacked_layers(model)
-    locations = [location(t.name, stacked)
-                 for t in megatron.rank_tensors(model, 1, 0, list(range(model.num_layers)), True, True, "te", padded)]
     empty = object_archive([None])
-    objects = [(k, empty) for k in extra_state_keys(locations, {"layer": model.num_layers,
-                                                                "expert": model.num_experts},
-                                                    model.num_layers, stacked)]
+    objects = [(k, empty) for k in extra_state_keys([loc for _, loc in located], {"layer": model.num_layers,
+                                                                                 "expert": model.num_experts},
+                                                    model.num_layers, stacked_layers(model))]
     saved_shape = {c.name: s for _, _, c, s, _ in chunks}
     specs = [TargetSpec(f"{folder}/__0_{i}.distcp", "distcp", group,
                         payload={"saved_shapes": {c.name: saved_shape[c.name] for c in group},
