@@ -52,12 +52,6 @@ def read_config(path: str) -> dict:
     return read_json_object(os.path.join(path, "config.json"), "an HF checkpoint")
 
 
-def check_unquantized(where: str, config: dict, files: list[TensorFile]) -> fp8.Fp8View | None:
-    """Refuse a quantized checkpoint by name, except block FP8 (:func:`reshard.io.fp8.find_fp8`: its FP8 weights
-    and their ``_scale_inv`` partners, returned; None for an unquantized checkpoint)."""
-    return fp8.find_fp8(where, config, files)
-
-
 def custom_code_files(path: str, config: dict) -> list[str]:
     """The ``*.py`` modules config.json's ``auto_map`` names (``trust_remote_code`` models), to copy along."""
     auto_map = config.get("auto_map")
@@ -111,7 +105,7 @@ def open_source(path: str, opts: Options) -> Source:
 def build_source(path: str, config: dict, files: list[TensorFile], opts: Options, side_files: list[str]) -> Source:
     """The canonical view of HF tensor files whose headers are already parsed (local files or remote headers)."""
     architecture = architecture_of(config, opts, os.path.join(path, "config.json"))
-    quantized = check_unquantized(path, config, files)
+    quantized = fp8.find_fp8(path, config, files)  # refuses every quantized form but block FP8
     family = family_for_architecture(architecture, opts.mapping)
     notes = relabel_notes(config, architecture)
     if opts.keep_fp8 and quantized is None:
