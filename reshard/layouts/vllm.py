@@ -62,18 +62,19 @@ def _check_names(model: CanonicalModel) -> None:
                         "add `vllm = ...` to it in the mapping file")
 
 
+def vllm_name_table(family, holds) -> dict[str, str]:
+    """HF template -> vLLM name of every weight of ``family``: the mapping's ``vllm`` name, or its ``vllm_unfused``
+    one when another member of its vLLM pack is one the model lacks (``holds(spec)`` False: DeepSeek-V2-Lite has no
+    ``q_a_proj``, so vLLM keeps its ``kv_a_proj_with_mqa`` alone under its own name, not in ``fused_qkv_a_proj``)."""
+    weights = family.weights
+    return {spec.hf: spec.vllm_unfused if spec.vllm_unfused and any(
+                not holds(s) for s in weights if s is not spec and s.vllm_name == spec.vllm_name) else spec.vllm_name
+            for spec in weights}
+
+
 def vllm_names(model: CanonicalModel):
-    """``spec -> its vLLM name`` in ``model``: the mapping's ``vllm`` name, or its ``vllm_unfused`` one when another
-    member of its vLLM pack is absent from the model (DeepSeek-V2-Lite has no ``q_a_proj``, so vLLM keeps its
-    ``kv_a_proj_with_mqa`` alone under its own name instead of in ``fused_qkv_a_proj``)."""
-    weights = model.family.weights
-    names: dict[str, str] = {}
-    for spec in weights:
-        name = spec.vllm_name
-        if spec.vllm_unfused and any(not model.has_spec(s) for s in weights
-                                     if s is not spec and s.vllm_name == spec.vllm_name):
-            name = spec.vllm_unfused
-        names[spec.hf] = name
+    """``spec -> its vLLM name`` in ``model`` (:func:`vllm_name_table`)."""
+    names = vllm_name_table(model.family, model.has_spec)
     return lambda spec: names[spec.hf]
 
 

@@ -47,11 +47,7 @@ def _names_and_packs(family, held: list, dims: dict) -> tuple[dict, dict]:
     """(HF template -> vLLM name, HF template -> (first row, rows) in its replicated pack) for the weights the
     model ``held``: a weight whose pack partner the model lacks is stored alone under its ``vllm_unfused`` name
     (as reshard's vLLM layout writes it); a pack is its members whole, in declaration order."""
-    names = {}
-    for spec in held:
-        partners = [s for s in family.weights if s is not spec and s.vllm_name == spec.vllm_name]
-        lone = spec.vllm_unfused and any(s not in held for s in partners)
-        names[spec.hf] = spec.vllm_unfused if lone else spec.vllm_name
+    names = vllm.vllm_name_table(family, lambda s: s in held)
     packs: dict[str, list] = {}
     for spec in held:
         if spec.split == REPLICATED_PACK and spec.slot:
