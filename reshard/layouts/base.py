@@ -30,7 +30,8 @@ TARGET_OPTIONS = {"ep": ("--ep", 1), "etp": ("--etp", None), "expert_parallel": 
                   "moe_grouped_gemm": ("--moe-grouped-gemm", False), "megatron_spec": ("--megatron-spec", None),
                   "vocab_divisor": ("--make-vocab-size-divisible-by", None),
                   "max_shard_size": ("--max-shard-size", None),
-                  "keep_fp8": ("--keep-fp8", False)}
+                  "keep_fp8": ("--keep-fp8", False),
+                  "torchtitan_names": ("--torchtitan-names", "current")}
 #: Why a target refuses one of them, where that says more than which targets use it ({to}: the target).
 TARGET_OPTION_REASONS = {"keep_fp8": "FP8 into {to} is out of scope, as re-quantising is lossy: drop --keep-fp8 to "
                                      "write bf16"}
@@ -58,6 +59,10 @@ class Options:
     follow_symlinks: bool = False  # copy side files that are symlinks out of the source too
     drop_mtp: bool = False  # leave a model's multi-token-prediction layers out of the output
     keep_fp8: bool = False  # HF -> HF: copy block-FP8 weights and their scales as they are (else dequantise)
+    config: str | None = None  # a config.json for a source that saves none (DeepSpeed, torchtitan)
+    tag: str | None = None  # DeepSpeed: the checkpoint tag to read instead of the one ``latest`` names
+    master_weights: bool = False  # DeepSpeed: read the fp32 master weights (optimizer partitions), output fp32
+    torchtitan_names: str = "current"  # --to torchtitan: "current" (torchtitan HEAD) or "v0.2" parameter names
 
 
 @dataclass
