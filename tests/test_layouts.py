@@ -86,7 +86,7 @@ def test_names_are_never_clobbered(toy):
         register_layout("toy2", dict)
     with pytest.raises(ReshardError, match="built-in layout"):
         unregister_layout("megatron")
-    with pytest.raises(PlanError, match="unknown layout 'nope': use one of hf, megatron, vllm, torch_dist, trtllm, meta, toy"):
+    with pytest.raises(PlanError, match="unknown layout 'nope': use one of hf, megatron, vllm, torch_dist, trtllm, meta, deepspeed, dcp, torchtitan, toy"):
         get_layout("nope")
 
 

@@ -26,6 +26,9 @@ BUILTIN = {
     "torch_dist": "reshard.layouts.torch_dist:TorchDistLayout",
     "trtllm": "reshard.layouts.trtllm:TRTLLMLayout",
     "meta": "reshard.layouts.meta:MetaLayout",
+    "deepspeed": "reshard.layouts.deepspeed:DeepSpeedLayout",
+    "dcp": "reshard.layouts.fsdp_dcp:DcpLayout",
+    "torchtitan": "reshard.layouts.torchtitan:TorchtitanLayout",
 }
 ENTRY_POINT_GROUP = "reshard.layouts"
 _NAME = re.compile(r"^[a-z][a-z0-9_.-]*$")
