@@ -36,18 +36,21 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
             overwrite: bool = False, dry_run: bool = False, megatron_spec: Literal["te", "local"] | None = None,
             megatron_format: Literal["torch", "torch_dist"] = "torch", max_shard_size: str | int | None = None,
             vocab_size: int | None = None, make_vocab_size_divisible_by: int | None = None,
-            architecture: str | None = None, mapping: str | None = None, allow_replica_mismatch: bool = False,
+            architecture: str | None = None, mapping: str | None = None, config: str | None = None,
+            tag: str | None = None, master_weights: bool = False, allow_replica_mismatch: bool = False,
             workers: int | None = 1, push_to: str | None = None, revision: str | None = None,
             allow_lossy_config: tuple[str, ...] | list[str] = (), allow_cast_overflow: bool = False,
             follow_symlinks: bool = False, keep_fp8: bool = False, drop_mtp: bool = False,
-            progress: bool = False):
+            torchtitan_names: Literal["current", "v0.2"] = "current", progress: bool = False):
     """Convert ``src`` (a folder or ``hf://ORG/NAME[@REV]``) to layout ``to`` at the given degrees in ``dst``,
     streaming; returns a :class:`reshard.conversion.ConvertResult` (its ``plan``; ``download`` for a remote
     dry run). Options as ``reshard convert``: ``max_shard_size`` ``"5GB"`` or bytes; ``megatron_format``
     ``"torch_dist"`` with ``to="megatron"`` writes torch_dist; ``push_to`` uploads the finished output
     (``revision``: the branch); ``workers=None`` chooses as the CLI does; ``keep_fp8`` (``to="hf"``): copy a
     block-FP8 source's fp8 weights and scales unchanged instead of dequantising them; ``drop_mtp``: leave a
-    model's multi-token-prediction layers out."""
+    model's multi-token-prediction layers out; ``config`` (a config.json), ``tag`` and ``master_weights``
+    (DeepSpeed: fp32 masters) say how to read a training checkpoint; ``torchtitan_names`` (``to="torchtitan"``):
+    ``"current"`` or ``"v0.2"``."""
     from reshard.conversion import convert as run_convert
 
     if megatron_format not in ("torch", "torch_dist"):
@@ -67,10 +70,10 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
                          megatron_spec=megatron_spec,
                          max_shard_size=None if max_shard_size is None else parse_size(max_shard_size),
                          vocab_size=vocab_size, vocab_divisor=make_vocab_size_divisible_by,
-                         architecture=architecture, mapping=mapping, allow_replica_mismatch=allow_replica_mismatch,
-                         progress=progress, workers=workers, allow_lossy_config=tuple(allow_lossy_config),
+                         architecture=architecture, mapping=mapping, config=config, tag=tag,
+                         master_weights=master_weights, allow_replica_mismatch=allow_replica_mismatch, progress=progress, workers=workers, allow_lossy_config=tuple(allow_lossy_config),
                          allow_cast_overflow=allow_cast_overflow, follow_symlinks=follow_symlinks,
-                         keep_fp8=keep_fp8, drop_mtp=drop_mtp)
+                         keep_fp8=keep_fp8, drop_mtp=drop_mtp, torchtitan_names=torchtitan_names)
     result.layout = to
     if push_to and not dry_run:
         import os
@@ -86,7 +89,8 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
 
 
 def verify(a: str, b: str, *, atol: float | None = None, rtol: float | None = None, vocab_size: int | None = None,
-           architecture: str | None = None, mapping: str | None = None, forward: bool = False,
+           architecture: str | None = None, mapping: str | None = None, config: str | None = None,
+           tag: str | None = None, master_weights: bool = False, forward: bool = False,
            nproc: int | None = None, backend: Literal["gloo", "nccl"] | None = None, seq_len: int | None = None,
            batch: int | None = None, seed: int | None = None, prompt_ids: str | None = None,
            compute_dtype: str | None = None, timeout: float | None = None, workers: int = 1,
@@ -102,7 +106,8 @@ def verify(a: str, b: str, *, atol: float | None = None, rtol: float | None = No
     given = {k: values[k] for k in FORWARD_ONLY if values[k] is not None}
     if workers < 1:
         raise ReshardError(f"--workers must be at least 1 (got {workers})")
-    common = dict(vocab_size=vocab_size, architecture=architecture, mapping=mapping)
+    common = dict(vocab_size=vocab_size, architecture=architecture, mapping=mapping, config=config, tag=tag,
+                  master_weights=master_weights)
     if not forward:
         if given:
             name = next(iter(given)).replace("_", "-")
@@ -130,9 +135,11 @@ def verify(a: str, b: str, *, atol: float | None = None, rtol: float | None = No
 
 
 def inspect(path: str, *, vocab_size: int | None = None, architecture: str | None = None,
-            mapping: str | None = None) -> dict:
+            mapping: str | None = None, config: str | None = None, tag: str | None = None,
+            master_weights: bool = False) -> dict:
     """What ``reshard inspect PATH --json`` prints: layout, architecture, degrees, dtype, parameters, bytes, files
     per rank."""
     from reshard.inspection import inspect as run_inspect
 
-    return run_inspect(path, vocab_size=vocab_size, architecture=architecture, mapping=mapping)
+    return run_inspect(path, vocab_size=vocab_size, architecture=architecture, mapping=mapping, config=config,
+                       tag=tag, master_weights=master_weights)

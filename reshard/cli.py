@@ -67,6 +67,12 @@ ArchOpt = typer.Option(None, "--architecture", help="HF architecture for a sourc
                        "Megatron run without hf_config (default: the checkpoint's own; naming another needs "
                        "--allow-lossy-config architecture).")
 MappingOpt = typer.Option(None, "--mapping", help="A mapping TOML file for your own architecture family.")
+ConfigOpt = typer.Option(None, "--config", help="The model's config.json, for a source that saves none "
+                         "(torchtitan; DeepSpeed without a config.json beside 'latest').")
+TagOpt = typer.Option(None, "--tag", help="DeepSpeed: the checkpoint tag (folder) to read instead of the one "
+                      "'latest' names.")
+MasterOpt = typer.Option(False, "--master-weights", help="DeepSpeed: read the fp32 master weights from the "
+                         "optimizer partitions (output fp32) instead of the training-dtype weights.")
 JsonOpt = typer.Option(False, "--json", help="Print a JSON report.")
 TargetOpt = typer.Option(..., "--to", help="Target layout.", callback=_target_layout)
 
@@ -132,6 +138,9 @@ def convert(
                                                 help="Megatron vocab padding divisor (default: source's, else 128)."),
     architecture: Optional[str] = ArchOpt,
     mapping: Optional[str] = MappingOpt,
+    config: Optional[str] = ConfigOpt,
+    tag: Optional[str] = TagOpt,
+    master_weights: bool = MasterOpt,
     allow_replica_mismatch: bool = typer.Option(False, "--allow-replica-mismatch",
                                                 help="Take rank 0's copy when replicated tensors differ."),
     as_json: bool = JsonOpt,
@@ -152,6 +161,8 @@ def convert(
                                   "and _scale_inv scales unchanged (default: dequantise to bf16)."),
     drop_mtp: bool = typer.Option(False, "--drop-mtp", help="Leave multi-token-prediction (MTP) layers out "
                                   "(default: keep them where the target holds them)."),
+    torchtitan_names: str = typer.Option("current", "--torchtitan-names", help="With --to torchtitan: current "
+                                         "(torchtitan's present parameter names) or v0.2."),
 ):
     """Convert SRC (a folder or hf://ORG/NAME[@REV]) to another layout and/or TP/PP degree, streaming."""
     from reshard import api
@@ -161,10 +172,12 @@ def convert(
                          megatron_spec=megatron_spec.value if megatron_spec else None,
                          megatron_format=megatron_format, max_shard_size=max_shard_size, vocab_size=vocab_size,
                          make_vocab_size_divisible_by=make_vocab_size_divisible_by, architecture=architecture,
-                         mapping=mapping, allow_replica_mismatch=allow_replica_mismatch, workers=workers,
+                         mapping=mapping, config=config, tag=tag, master_weights=master_weights,
+                         allow_replica_mismatch=allow_replica_mismatch, workers=workers,
                          push_to=push_to, revision=revision, allow_lossy_config=tuple(allow_lossy_config or ()),
                          allow_cast_overflow=allow_cast_overflow, follow_symlinks=follow_symlinks,
-                         keep_fp8=keep_fp8, drop_mtp=drop_mtp, progress=not as_json and sys.stderr.isatty())
+                         keep_fp8=keep_fp8, drop_mtp=drop_mtp, torchtitan_names=torchtitan_names,
+                         progress=not as_json and sys.stderr.isatty())
     if dry_run:
         if as_json:
             print(json.dumps({**_plan_json(result.plan), "download": result.download}, indent=2))
@@ -217,6 +230,7 @@ def verify(
     rtol: Optional[float] = typer.Option(None, "--rtol", help="Relative tolerance when dtypes differ (--forward: on "
                                          "logits)."),
     vocab_size: Optional[int] = VocabOpt, architecture: Optional[str] = ArchOpt, mapping: Optional[str] = MappingOpt,
+    config: Optional[str] = ConfigOpt, tag: Optional[str] = TagOpt, master_weights: bool = MasterOpt,
     as_json: bool = JsonOpt,
     forward: bool = typer.Option(False, "--forward", help="Run a tensor-parallel forward pass on both and compare "
                                  "logits (B at --nproc ranks, each reading only its own shard files)."),
@@ -244,7 +258,7 @@ def verify(
     from reshard import api
 
     result = api.verify(a, b, atol=atol, rtol=rtol, vocab_size=vocab_size, architecture=architecture,
-                        mapping=mapping, forward=forward, nproc=nproc, backend=backend, seq_len=seq_len, batch=batch,
+                        mapping=mapping, config=config, tag=tag, master_weights=master_weights, forward=forward, nproc=nproc, backend=backend, seq_len=seq_len, batch=batch,
                         seed=seed, prompt_ids=prompt_ids, compute_dtype=compute_dtype, timeout=timeout,
                         workers=workers, dry_run=dry_run, drop_mtp=drop_mtp,
                         progress=not as_json and sys.stderr.isatty())
@@ -318,14 +332,16 @@ def _options(version: bool = typer.Option(False, "--version", is_eager=True, cal
 
 @app.command()
 def inspect(path: str = typer.Argument(...), vocab_size: Optional[int] = VocabOpt,
-            architecture: Optional[str] = ArchOpt, mapping: Optional[str] = MappingOpt, as_json: bool = JsonOpt,
-            files: bool = typer.Option(False, "--files", help="List every file of every rank (--json always "
+            architecture: Optional[str] = ArchOpt, mapping: Optional[str] = MappingOpt,
+            config: Optional[str] = ConfigOpt, tag: Optional[str] = TagOpt, master_weights: bool = MasterOpt,
+            as_json: bool = JsonOpt, files: bool = typer.Option(False, "--files", help="List every file of every rank (--json always "
                                        "does).")):
     """Show a checkpoint's layout, architecture, degrees, dtype, parameters, size and files per rank (a table;
     --json for machines)."""
     from reshard.inspection import format_inspection, inspect as run_inspect
 
-    info = run_inspect(path, vocab_size=vocab_size, architecture=architecture, mapping=mapping)
+    info = run_inspect(path, vocab_size=vocab_size, architecture=architecture, mapping=mapping, config=config,
+                       tag=tag, master_weights=master_weights)
     print(json.dumps(info, indent=2) if as_json else format_inspection(info, every_file=files))
 
 

@@ -16,7 +16,7 @@ from reshard.execute import execute, partition, run_units
 from reshard.replicas import ensure_replicas_agree
 from reshard.io import dtypes
 from reshard.hub import open_source
-from reshard.layouts.base import Options, Source, escapes_source, stored_dtype
+from reshard.layouts.base import SOURCE_OPTIONS, Options, Source, escapes_source, stored_dtype
 from reshard.layouts.registry import get_layout, refuse_unused_options
 from reshard.staging import check_destination, staged_output
 
@@ -46,6 +46,7 @@ def make_plan(source: Source, to: str, opts: Options) -> tuple[Plan, object]:
     layout = get_layout(to)
     if not layout.writes:
         raise PlanError(f"the {to} layout is read-only: it cannot be a --to target")
+    _refuse_unread_options(source, opts)
     mtp_notes = _drop_mtp(source, layout, opts)
     model = source.model
     dtype = output_dtype(source, opts)
@@ -67,6 +68,19 @@ def make_plan(source: Source, to: str, opts: Options) -> tuple[Plan, object]:
                 files=files, checks=index.checks, notes=notes, source_root=source.root)
     plan.count_read_bytes(source.row_bytes)
     return plan, target.state
+
+
+def _refuse_unread_options(source: Source, opts: Options) -> None:
+    """Refuse a source option (``SOURCE_OPTIONS``) that the source's layout does not read, naming the layouts
+    that do: ``--master-weights`` on a Hugging Face folder would otherwise be silently ignored."""
+    from reshard.layouts.registry import layout_names
+
+    reads = get_layout(source.layout).reads_options
+    for option, (flag, unset) in SOURCE_OPTIONS.items():
+        if getattr(opts, option) != unset and option not in reads:
+            users = [n for n in layout_names() if option in get_layout(n).reads_options]
+            raise PlanError(f"{flag} does not apply to a {source.layout} source: it is for "
+                            f"{' and '.join(users) or 'no'} checkpoints; drop it")
 
 
 def _drop_mtp(source: Source, layout, opts: Options) -> list[str]:
@@ -117,7 +131,9 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
             architecture: str | None = None, mapping: str | None = None, allow_replica_mismatch: bool = False,
             progress: bool = False, workers: int | None = 1, allow_lossy_config: tuple[str, ...] = (),
             allow_cast_overflow: bool = False, distributed: bool | None = None,
-            follow_symlinks: bool = False, keep_fp8: bool = False, drop_mtp: bool = False) -> ConvertResult:
+            follow_symlinks: bool = False, keep_fp8: bool = False, drop_mtp: bool = False,
+            config: str | None = None, tag: str | None = None, master_weights: bool = False,
+            torchtitan_names: str = "current") -> ConvertResult:
     """Convert checkpoint ``src`` to layout ``to`` at degrees ``tp`` x ``pp`` in folder ``dst`` (a Megatron
     Mixture of Experts also at expert-parallel ``ep`` and expert-tensor-parallel ``etp``, default ``tp``; a vLLM
     one with ``expert_parallel``: whole experts split over the ranks).
@@ -134,6 +150,8 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
     are symlinks out of the source too (else skipped with a warning). ``keep_fp8`` (``to="hf"`` only): a block-FP8
     source's fp8 weights and scales are copied as they are instead of dequantised (:mod:`reshard.io.fp8`).
     ``drop_mtp``: leave multi-token-prediction layers out (a target that cannot hold them drops them anyway).
+    ``config`` (a config.json for a source that saves none), ``tag`` and ``master_weights`` (DeepSpeed) say how to
+    read the source; ``torchtitan_names`` (``to="torchtitan"``): ``"current"`` or ``"v0.2"`` parameter names.
     """
     unknown = sorted(set(allow_lossy_config) - set(SEMANTIC_FIELDS) - set(UNCARRIED_SETTINGS))
     if unknown:
@@ -145,13 +163,16 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
     refuse_unused_options(to, {"ep": ep, "etp": etp, "expert_parallel": expert_parallel,
                                "moe_grouped_gemm": moe_grouped_gemm, "megatron_spec": megatron_spec,
                                "vocab_divisor": vocab_divisor, "max_shard_size": max_shard_size,
-                               "keep_fp8": keep_fp8})
+                               "keep_fp8": keep_fp8, "torchtitan_names": torchtitan_names})
+    if torchtitan_names not in ("current", "v0.2"):
+        raise PlanError(f"--torchtitan-names {torchtitan_names}: use current or v0.2")
     opts = Options(tp=tp, pp=pp, ep=ep, etp=etp, expert_parallel=expert_parallel, moe_grouped_gemm=moe_grouped_gemm,
                    dtype=dtypes.parse_user_dtype(dtype), megatron_spec=megatron_spec or Options.megatron_spec,
                    max_shard_size=Options.max_shard_size if max_shard_size is None else max_shard_size,
                    vocab_size=vocab_size, vocab_divisor=vocab_divisor, architecture=architecture, mapping=mapping,
                    allow_replica_mismatch=allow_replica_mismatch, allow_lossy_config=tuple(allow_lossy_config),
-                   follow_symlinks=follow_symlinks, keep_fp8=keep_fp8, drop_mtp=drop_mtp)
+                   follow_symlinks=follow_symlinks, keep_fp8=keep_fp8, drop_mtp=drop_mtp, config=config, tag=tag,
+                   master_weights=master_weights, torchtitan_names=torchtitan_names)
     world = None if dry_run or not distributed_run(distributed) else World.join()
     if world is not None:
         try:

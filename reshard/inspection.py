@@ -15,13 +15,14 @@ from reshard.progress import binary_size
 
 
 def inspect(path: str, *, vocab_size: int | None = None, architecture: str | None = None,
-            mapping: str | None = None) -> dict:
+            mapping: str | None = None, **reading) -> dict:
     """What ``reshard inspect PATH --json`` prints. ``tp``, ``pp`` (``ep``, ``etp``): the degrees the files are
     split at (torch_dist: 1, its files hold whole tensors); ``saved_degrees``: the degrees the checkpoint was saved
     at (torch_dist: its run's, also ``saved_tp`` / ``saved_pp``); ``bytes``: the weight files' total size;
     ``hub``: repo, revision and commit of an ``hf://`` path; plus the layout's own keys (``padded_vocab_size``,
-    ``iteration``, ...)."""
-    opts = Options(vocab_size=vocab_size, architecture=architecture, mapping=mapping)
+    ``iteration``, ...). ``reading``: other source-reading :class:`Options` fields (``config``, ``tag``,
+    ``master_weights``)."""
+    opts = Options(vocab_size=vocab_size, architecture=architecture, mapping=mapping, **reading)
     with open_source(path, opts) as source:
         model = source.model
         dtype_counts = collections.Counter(model.dtypes.values())

@@ -89,6 +89,10 @@ CONVERT_CASES = [
      dict(to="megatron", tp=2, ep=2, etp=1, moe_grouped_gemm=True)),
     ("moe", ["--to", "vllm", "--tp", "2", "--expert-parallel"], dict(to="vllm", tp=2, expert_parallel=True)),
     ("moe", ["--to", "megatron", "--drop-mtp"], dict(to="megatron", drop_mtp=True)),
+    # refused: DeepSpeed / torchtitan source options on a Hugging Face source, a torchtitan option for vLLM
+    ("dense", ["--to", "hf", "--config", "CONFIG", "--tag", "t", "--master-weights"],
+     dict(to="hf", config="CONFIG", tag="t", master_weights=True)),
+    ("dense", ["--to", "vllm", "--torchtitan-names", "v0.2"], dict(to="vllm", torchtitan_names="v0.2")),
 ]
 
 
@@ -96,7 +100,9 @@ CONVERT_CASES = [
 REFUSED = {("--to", "hf", "--allow-lossy-config", "nonsense"): "nonsense",
            ("--to", "hf", "--push-to", "not a repo"): "not a repo",
            ("--to", "hf", "--ep", "2"): "--ep",
-           ("--to", "vllm", "--keep-fp8"): "--keep-fp8"}
+           ("--to", "vllm", "--keep-fp8"): "--keep-fp8",
+           ("--to", "hf", "--config", "CONFIG", "--tag", "t", "--master-weights"): "--config does not apply",
+           ("--to", "vllm", "--torchtitan-names", "v0.2"): "--torchtitan-names"}
 
 
 def test_the_cases_cover_every_convert_option():

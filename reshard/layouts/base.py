@@ -32,6 +32,9 @@ TARGET_OPTIONS = {"ep": ("--ep", 1), "etp": ("--etp", None), "expert_parallel": 
                   "max_shard_size": ("--max-shard-size", None),
                   "keep_fp8": ("--keep-fp8", False),
                   "torchtitan_names": ("--torchtitan-names", "current")}
+#: Options only some sources are read with: Options field -> (the command-line flag, its value when not given).
+#: Converting from a layout that does not read one (``Layout.reads_options``) refuses it instead of ignoring it.
+SOURCE_OPTIONS = {"config": ("--config", None), "tag": ("--tag", None), "master_weights": ("--master-weights", False)}
 #: Why a target refuses one of them, where that says more than which targets use it ({to}: the target).
 TARGET_OPTION_REASONS = {"keep_fp8": "FP8 into {to} is out of scope, as re-quantising is lossy: drop --keep-fp8 to "
                                      "write bf16"}
@@ -255,6 +258,8 @@ class Layout:
     #: Which of ``TARGET_OPTIONS`` the layout writes with (any other given is refused); None: not declared (all
     #: are passed on unchecked, as for a plug-in written before this existed).
     uses_options: ClassVar[frozenset[str] | None] = None
+    #: Which of ``SOURCE_OPTIONS`` the layout reads a checkpoint with (convert refuses the others).
+    reads_options: ClassVar[frozenset[str]] = frozenset()
     #: For a target option the layout does not use: the one of its own that does what the user meant.
     instead: ClassVar[dict[str, str]] = {}
 

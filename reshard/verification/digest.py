@@ -97,11 +97,12 @@ def plan_work(sa: Source, sb: Source, atol: float | None, rtol: float | None) ->
 def verify(a: str, b: str, *, atol: float | None = None, rtol: float | None = None,
            vocab_size: int | None = None, architecture: str | None = None, mapping: str | None = None,
            workers: int = 1, progress: bool = False, block_bytes: int = BLOCK_BYTES,
-           drop_mtp: bool = False) -> VerifyReport:
+           drop_mtp: bool = False, **reading) -> VerifyReport:
     """Compare checkpoints ``a`` and ``b`` (any layouts, any degrees) tensor by tensor, streaming: bit-exact by
     SHA-256 where dtypes agree; after a cast, or within ``atol`` / ``rtol``, where they differ. ``drop_mtp``:
-    compare the main models only (a conversion to vLLM, which holds no MTP layers)."""
-    opts = Options(vocab_size=vocab_size, architecture=architecture, mapping=mapping)
+    compare the main models only (a conversion to vLLM, which holds no MTP layers). ``source``: other
+    source-reading :class:`Options` fields (``config``, ``tag``, ``master_weights``)."""
+    opts = Options(vocab_size=vocab_size, architecture=architecture, mapping=mapping, **reading)
     with open_source(a, opts) as sa, open_source(b, opts) as sb:
         if drop_mtp:
             sa.drop_mtp(), sb.drop_mtp()
@@ -131,12 +132,12 @@ def verify_sources(sa: Source, sb: Source, a: str, b: str, *, atol: float | None
 
 def verify_dry_run(a: str, b: str, *, vocab_size: int | None = None, architecture: str | None = None,
                    mapping: str | None = None, workers: int = 1, block_bytes: int = BLOCK_BYTES,
-                   drop_mtp: bool = False) -> dict:
+                   drop_mtp: bool = False, **reading) -> dict:
     """What :func:`verify` would read, per process, and each process's peak-memory estimate; reads headers
     and configs only."""
     from reshard.verification.digest_run import estimate
 
-    opts = Options(vocab_size=vocab_size, architecture=architecture, mapping=mapping)
+    opts = Options(vocab_size=vocab_size, architecture=architecture, mapping=mapping, **reading)
     with open_source(a, opts) as sa, open_source(b, opts) as sb:
         if drop_mtp:
             sa.drop_mtp(), sb.drop_mtp()

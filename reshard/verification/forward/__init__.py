@@ -20,12 +20,12 @@ def verify_forward(a: str, b: str, *, nproc: int | None = None, backend: str | N
                    batch: int = 2, seed: int = 0, prompt_ids: str | None = None, compute_dtype: str = "fp32",
                    atol: float | None = None, rtol: float | None = None, timeout: float = 300.0,
                    vocab_size: int | None = None, architecture: str | None = None,
-                   mapping: str | None = None) -> dict:
+                   mapping: str | None = None, **reading) -> dict:
     """Run the forward check of ``b`` (at ``nproc`` ranks, default its own degree) against ``a`` (sliced at the
     same degree where its layout allows, else at its own: :mod:`.planning`)."""
     job, notes = plan_job(a, b, nproc=nproc, backend=backend, seq_len=seq_len, batch=batch, seed=seed,
                           prompt_ids=prompt_ids, compute_dtype=compute_dtype, atol=atol, rtol=rtol, timeout=timeout,
-                          vocab_size=vocab_size, architecture=architecture, mapping=mapping)
+                          vocab_size=vocab_size, architecture=architecture, mapping=mapping, **reading)
     result = launch(job)
     result["seed"] = None if prompt_ids else seed
     if notes:

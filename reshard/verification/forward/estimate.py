@@ -98,14 +98,14 @@ def forward_estimate(a: str, b: str, *, nproc: int | None = None, backend: str |
                      batch: int = 2, seed: int = 0, prompt_ids: str | None = None, compute_dtype: str = "fp32",
                      atol: float | None = None, rtol: float | None = None, timeout: float = 300.0,
                      vocab_size: int | None = None, architecture: str | None = None,
-                     mapping: str | None = None) -> dict:
+                     mapping: str | None = None, **reading) -> dict:
     """Per process (rank) of ``verify_forward(a, b, ...)`` with the same options: the bytes it will read from A
     (``read_a``) and from B (``read_b``) and its peak-memory estimate (``peak_estimate``, with its parts), reading
     headers and configs only. Keys: ``a`` / ``b`` (paths), ``layout_a`` / ``layout_b``, ``lines`` (how A runs,
     compute dtype, baseline), ``processes`` (one dict per rank, in rank order)."""
     job, _ = plan_job(a, b, nproc=nproc, backend=backend, seq_len=seq_len, batch=batch, seed=seed,
                       prompt_ids=prompt_ids, compute_dtype=compute_dtype, atol=atol, rtol=rtol, timeout=timeout,
-                      vocab_size=vocab_size, architecture=architecture, mapping=mapping)
+                      vocab_size=vocab_size, architecture=architecture, mapping=mapping, **reading)
     compute = COMPUTE_DTYPES[job.compute_dtype]
     size = compute.itemsize
     b_sz, s_len = len(job.input_ids), len(job.input_ids[0])

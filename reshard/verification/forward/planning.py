@@ -52,10 +52,10 @@ def plan_job(a: str, b: str, *, nproc: int | None = None, backend: str | None = 
              batch: int = 2, seed: int = 0, prompt_ids: str | None = None, compute_dtype: str = "fp32",
              atol: float | None = None, rtol: float | None = None, timeout: float = 300.0,
              vocab_size: int | None = None, architecture: str | None = None,
-             mapping: str | None = None) -> tuple[ForwardJob, list[str]]:
+             mapping: str | None = None, **reading) -> tuple[ForwardJob, list[str]]:
     """The job :func:`~reshard.verification.forward.verify_forward` runs, and its notes; refuses (before any
     tensor is read) what cannot be checked."""
-    opts = Options(vocab_size=vocab_size, architecture=architecture, mapping=mapping)
+    opts = Options(vocab_size=vocab_size, architecture=architecture, mapping=mapping, **reading)
     with open_checkpoint(a, opts) as sa, open_checkpoint(b, opts) as sb:
         layouts = (sa.layout, sb.layout)
         degrees = (sa.degrees.get("tp", 1), sb.degrees.get("tp", 1))
