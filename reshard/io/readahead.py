@@ -25,6 +25,9 @@ def source_extents(tensor: TargetTensor, files: list[TensorFile]) -> list[tuple[
     extents = []
     for op in tensor.reads:
         file = files[op.source]
+        if not getattr(file, "direct_bytes", True):  # bytes in segments of several files (DeepSpeed partitions)
+            extents += file.extents(op.tensor)
+            continue
         loc = file.tensors[op.tensor]
         axis = op.source_axis(tensor.axis)
         if op.src_block is not None:

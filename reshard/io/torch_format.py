@@ -95,15 +95,16 @@ def allowed_globals() -> list:
 _UNSUPPORTED = re.compile(r"GLOBAL ([\w.]+)")
 
 
-def load_structure(path: str) -> Any:
+def load_structure(path: str, extra_globals: tuple = ()) -> Any:
     """Unpickle a torch zip checkpoint with ``torch.load(weights_only=True)`` and reshard's allow-list, every
     tensor on the meta device (no tensor bytes are read; each storage keeps its ``_checkpoint_offset``).
+    ``extra_globals``: more ``(stand-in, "module.Name")`` pairs a layout allows for its own files (DeepSpeed's).
 
     This is the only unpickling reshard does: a hand-written restricted unpickler would skip torch's import
     (seconds) but is exactly the kind of code that must not be trusted with a stranger's pickle."""
     check_regular(path)
     try:
-        return _torch_load_meta(path)
+        return _torch_load_meta(path, extra_globals)
     except (zipfile.BadZipFile, EOFError, ValueError) as exc:
         raise CheckpointError(f"{path}: not a readable torch checkpoint ({exc})") from None
 
@@ -128,11 +129,11 @@ def _import_torch():
     return torch
 
 
-def _torch_load_meta(path: str) -> Any:
+def _torch_load_meta(path: str, extra_globals: tuple = ()) -> Any:
     torch = _import_torch()
 
     try:
-        with torch.serialization.safe_globals(allowed_globals()):
+        with torch.serialization.safe_globals(allowed_globals() + list(extra_globals)):
             return torch.load(path, map_location="meta", weights_only=True)
     except pickle.UnpicklingError as exc:
         _refuse(path, exc)
