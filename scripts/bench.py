@@ -30,7 +30,12 @@ repeats and operations).  Its siblings in scripts/:
 - ``bench_inspect.py``: reading checkpoints on disk (headers, sizes, largest tensor);
 - ``bench_ops.py``: the operations timed and their command lines, the converter probe;
 - ``bench_timing.py``: running one child (page-cache eviction, rusage wrapper, RSS sampling);
-- ``bench_report.py``: summary, RSS growth, Markdown table and plot.
+- ``bench_report.py``: summary, RSS growth, Markdown table and plot;
+- ``bench_train.py``: the training-framework sources (a DeepSpeed ZeRO-3 checkpoint and an FSDP2 DCP folder of the
+  same Llama, written by deepspeed and torch themselves) of the ``TRAIN_OPS``, which are named with ``--ops``::
+
+    python scripts/bench.py --sizes 1 --repeat 2 --ops cp deepspeed_zero3_to_hf deepspeed_zero3_to_fp32_hf \
+        zero_to_fp32 fsdp2_dcp_to_hf fsdp2_dcp_to_fp32_hf dcp_to_torch_save --out bench-out
 """
 
 from __future__ import annotations
@@ -75,6 +80,7 @@ from bench_ops import (  # noqa: E402,F401 - REPO_ROOT, SRC_DIR, OPS: re-exporte
     OPS,
     PREPARE_ONLY,
     REFERENCES,
+    TRAIN_OPS,
     WIDE_OPS,
     REPO_ROOT,
     SRC_DIR,
@@ -88,6 +94,7 @@ from bench_ops import (  # noqa: E402,F401 - REPO_ROOT, SRC_DIR, OPS: re-exporte
 )
 from bench_report import flatness, plot, render_markdown, summarize, torchrun_ratios  # noqa: E402
 from bench_timing import CACHE_MODES, log_tail, make_cold, run_child  # noqa: E402
+from bench_train import TRAIN_SOURCES, ensure_train_source  # noqa: E402
 
 BENCH_VERSION = 1
 
@@ -114,7 +121,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "(default: llama)")
     ap.add_argument("--ops", nargs="+", choices=list(OPS), default=None, metavar="OP",
                     help="operations to run (default: all for the model; MoE ones only for mixtral and deepseek; "
-                         "hf_to_fp32_hf only when named): " + ", ".join(OPS))
+                         "hf_to_fp32_hf and the training-framework ones only when named): " + ", ".join(OPS))
     ap.add_argument("--workers", type=int, default=None, help="pass --workers N to reshard convert (only when given)")
     ap.add_argument("--torchrun", type=int, default=None, metavar="N",
                     help="also time each conversion under `torchrun --standalone --nproc-per-node N` (op name "
@@ -149,8 +156,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         elif args.model == "deepseek":
             args.ops = [*REFERENCES, *DEEPSEEK_OPS]
         else:
-            args.ops = [op for op in OPS if op not in (*MOE_OPS, *PREPARE_ONLY, *CAST_OPS)]
+            args.ops = [op for op in OPS if op not in (*MOE_OPS, *PREPARE_ONLY, *CAST_OPS, *TRAIN_OPS)]
     args.ops = [op for op in OPS if op in set(args.ops)]  # canonical order: cp, hf_to_megatron_tp8, ...
+    if args.model != "llama" and any(op in TRAIN_OPS for op in args.ops):
+        ap.error(f"the training-framework ops ({', '.join(TRAIN_OPS)}) train the Llama model only (--model llama)")
     if args.torchrun is not None:
         if args.torchrun < 2:
             ap.error("--torchrun N needs N >= 2 processes")
@@ -208,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         "baselines": {},
         "converter": None,
         "sizes_info": {},
+        "train_sources": {},
         "runs": [],
         "summary": [],
     }
@@ -271,12 +281,34 @@ def main(argv: list[str] | None = None) -> int:
 
             derived: dict[str, Path] = {}  # source kind -> prepared folder
             derived_error: dict[str, str] = {}
+            trained: dict[str, Path] = {}  # training-framework source kind -> its cached folder (kept)
+            trained_largest: dict[str, int] = {}  # ... -> bytes of its largest tensor as stored (fp32)
             needed = {OPS[op][0] for op in args.ops if OPS[op][0] != "hf" and not op_unavailable(op)}
 
             def source_for(op: str) -> tuple[Path | None, str | None]:
                 kind = OPS[op][0]
                 if kind == "hf":
                     return src, None
+                if kind in TRAIN_SOURCES:
+                    if kind not in trained and kind not in derived_error:
+                        t1 = time.perf_counter()
+                        folder, plan_t, err = ensure_train_source(
+                            cache_dir, kind, size,
+                            lambda cmd, name: run_child(cmd, logs / f"{key}-{name}.log", env, args.timeout), log)
+                        if err:
+                            derived_error[kind] = err
+                        else:
+                            trained[kind] = folder
+                            trained_largest[kind] = plan_t["largest_tensor"]["bytes"]
+                            result["train_sources"].setdefault(key, {})[kind] = {
+                                "source_dir": str(folder), "what": TRAIN_SOURCES[kind],
+                                "source_bytes": dir_bytes(folder), "prepare_s": time.perf_counter() - t1,
+                                "params": plan_t["params"], "fp32_model_bytes": plan_t["fp32_model_bytes"],
+                                "largest_tensor": plan_t["largest_tensor"], "world": plan_t["world"]}
+                            log(f"[bench]   {kind} source: {folder} ({dir_bytes(folder) / GIB:.3f} GiB)")
+                    if kind in trained:
+                        return trained[kind], None
+                    return None, derived_error[kind]
                 producer = DERIVED_SOURCES[kind]
                 if kind not in derived and kind not in derived_error and producer not in args.ops:
                     # not produced by a timed run of its producer: prepare it, untimed
@@ -295,8 +327,11 @@ def main(argv: list[str] | None = None) -> int:
 
             def timed(op: str, rep: int, op_src: Path, src_b: int, paired_with: str | None = None) -> dict[str, Any]:
                 """One cold run of ``op`` on ``op_src`` (its output deleted unless kept)."""
-                kind = next((k for k, folder in derived.items() if folder == op_src), "hf")  # copies run on any
+                kind = next((k for k, folder in (*derived.items(), *trained.items()) if folder == op_src),
+                            "hf")  # copies run on any
                 run: dict[str, Any] = {"size": key, "size_gib": size, "op": op, "repeat": rep, "source_kind": kind}
+                if kind in trained_largest:
+                    run["source_largest_tensor_bytes"] = trained_largest[kind]
                 if paired_with:
                     run["paired_with"] = paired_with
                 dst = work / f"{key}-{op}"

@@ -407,11 +407,16 @@ def _shard_bytes(shard: dict[str, Any]) -> int:
     return sum(tensor_bytes(n, s) for n, s in shard["tensors"])
 
 
-def _cache_valid(src: Path, marker: Path, plan: dict[str, Any]) -> bool:
+def marker_matches(marker: Path, plan: dict[str, Any]) -> bool:
+    """Whether a cached source's marker file records ``plan`` (what it was made from)."""
     try:
-        if json.loads(marker.read_text()) != plan:
-            return False
+        return json.loads(marker.read_text()) == plan
     except (OSError, ValueError):
+        return False
+
+
+def _cache_valid(src: Path, marker: Path, plan: dict[str, Any]) -> bool:
+    if not marker_matches(marker, plan):
         return False
     for shard in plan["shards"]:
         p = src / shard["file"]

@@ -40,6 +40,16 @@ OPS: dict[str, tuple[str, list[str] | None]] = {
     "hf_to_fp32_hf": ("hf", ["--to", "hf", "--dtype", "fp32"]),  # a plain cast: twice the bytes out (not default)
     "pcp": ("hf", None),
     "naive": ("hf", None),
+    # training-framework sources (scripts/bench_train.py; not in the default set): DeepSpeed ZeRO-3 at world 2 ->
+    # HF in the training dtype (bf16, the masters cast) and in fp32 (--master-weights), next to DeepSpeed's own
+    # zero_to_fp32; an FSDP2 DCP folder -> HF (bf16, the config's dtype; and fp32 as stored) next to torch's
+    # dcp_to_torch_save
+    "deepspeed_zero3_to_hf": ("deepspeed_zero3", ["--to", "hf"]),
+    "deepspeed_zero3_to_fp32_hf": ("deepspeed_zero3", ["--to", "hf", "--master-weights"]),
+    "zero_to_fp32": ("deepspeed_zero3", None),
+    "fsdp2_dcp_to_hf": ("fsdp2_dcp", ["--to", "hf"]),
+    "fsdp2_dcp_to_fp32_hf": ("fsdp2_dcp", ["--to", "hf", "--dtype", "fp32"]),
+    "dcp_to_torch_save": ("fsdp2_dcp", None),
 }
 #: operations for Mixture-of-Experts sources only (the default for --model mixtral, with cp)
 MOE_OPS = ("hf_to_megatron_tp2_ep4", "megatron_tp2_ep4_to_hf")
@@ -59,6 +69,10 @@ PREPARE_ONLY = ("fp8_quantize",)
 REFERENCES = ("cp", "pcp")
 #: the default operations of the "wide" model (1 layer, 1 GiB MLP weights)
 WIDE_OPS = ("hf_to_megatron_tp8", "megatron_tp8_to_hf", "megatron_tp8_to_vllm_tp2", "hf_to_megatron_tp1")
+#: the operations on training-framework sources (made and cached by scripts/bench_train.py): left out of the
+#: default set, and held to the issue-33 memory bound (peak RSS <= 2 x largest tensor + 0.5 GiB)
+TRAIN_OPS = ("deepspeed_zero3_to_hf", "deepspeed_zero3_to_fp32_hf", "zero_to_fp32", "fsdp2_dcp_to_hf",
+             "fsdp2_dcp_to_fp32_hf", "dcp_to_torch_save")
 CONVERTER_OPS = [name for name, (_, args) in OPS.items() if args is not None]
 MEGATRON_TP8_ARGS = OPS["hf_to_megatron_tp8"][1]
 
@@ -163,21 +177,36 @@ def torchrun_base(op: str) -> tuple[str, int] | None:
     return (base, int(n)) if sep else None
 
 
+def source_args(op: str, src: Path) -> list[str]:
+    """Convert arguments a source kind needs besides the op's own: a DCP folder saves no config, so the one
+    beside it is given as --config."""
+    return ["--config", str(src / "config.json")] if OPS[op][0] == "fsdp2_dcp" else []
+
+
 def build_cmd(op: str, src: Path, dst: Path, workers: int | None, reshard: list[str] | None = None) -> list[str]:
     distributed = torchrun_base(op)
     if distributed is not None:  # the module form: torchrun starts `python -m reshard` itself
         base, n = distributed
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), "-m",
-                "reshard", "convert", str(src), str(dst), *OPS[base][1], "--overwrite"]
+                "reshard", "convert", str(src), str(dst), *OPS[base][1], *source_args(base, src), "--overwrite"]
     if op == "cp":
         return ["cp", "-r", str(src), str(dst)]
     if op == "pcp":
         return [sys.executable, "-c", PCP_CODE, str(src), str(dst), str(parallel_streams())]
     if op == "naive":
         return [sys.executable, "-c", NAIVE_CODE, str(src), str(dst)]
+    if op == "zero_to_fp32":
+        from bench_train import zero_to_fp32_cmd
+
+        return zero_to_fp32_cmd(src, dst)
+    if op == "dcp_to_torch_save":
+        from bench_train import dcp_to_torch_save_cmd
+
+        return dcp_to_torch_save_cmd(src, dst)
     if op == "fp8_quantize":
         return [sys.executable, str(Path(__file__).resolve().parent / "bench_fp8.py"), str(src), str(dst)]
-    cmd = [*(reshard or default_reshard()), "convert", str(src), str(dst), *OPS[op][1], "--overwrite"]
+    cmd = [*(reshard or default_reshard()), "convert", str(src), str(dst), *OPS[op][1], *source_args(op, src),
+           "--overwrite"]
     if workers is not None:
         cmd += ["--workers", str(workers)]
     return cmd

@@ -8,10 +8,17 @@ from pathlib import Path
 from typing import Any
 
 from bench_model import GIB, MIB
-from bench_ops import OPS, REFERENCES
+from bench_ops import OPS, REFERENCES, TRAIN_OPS
 
 #: the peak RSS every conversion must stay under (issue 19: torch import included)
 RSS_GOAL = 512 * MIB
+#: issue 33: a training-framework checkpoint -> HF within 2 x its largest tensor + this
+TRAIN_RSS_SLACK = 512 * MIB
+
+
+def train_rss_bound(largest_tensor_bytes: int) -> int:
+    """Issue 33's bound for a training-framework source: peak RSS <= 2 x largest tensor + 0.5 GiB."""
+    return 2 * largest_tensor_bytes + TRAIN_RSS_SLACK
 
 
 def _deepseek_shapes(s: dict) -> str:
@@ -39,7 +46,9 @@ def summarize(runs: list[dict], sizes_info: dict[str, dict]) -> list[dict]:
         ok = [r for r in rs if r["status"] == "ok"]
         times = [r["wall_s"] for r in ok]
         info = sizes_info[size]
-        src_largest = info["largest_tensor"]["bytes"]
+        # a training-framework source's own largest tensor (fp32 as stored), else the generated HF source's
+        src_largest = next((r["source_largest_tensor_bytes"] for r in rs if r.get("source_largest_tensor_bytes")),
+                           info["largest_tensor"]["bytes"])
         row: dict[str, Any] = {
             "size": size,
             "size_gib": rs[0]["size_gib"],
@@ -97,7 +106,11 @@ def summarize(runs: list[dict], sizes_info: dict[str, dict]) -> list[dict]:
             within_rss_bound=peak <= RSS_GOAL,
             rss_per_largest_output_tensor=(peak / out_bytes) if out_bytes else None,
             output_bytes=ok[-1].get("output_bytes"),
+            source_kind=ok[0].get("source_kind", "hf"),
         )
+        if op in TRAIN_OPS:
+            row.update(train_rss_bound_bytes=train_rss_bound(src_largest),
+                       within_train_rss_bound=peak <= train_rss_bound(src_largest))
         summary.append(row)
     return summary
 
@@ -185,6 +198,13 @@ def render_markdown(result: dict[str, Any]) -> str:
             f"(dim {s['head_dim']}), vocab {s['vocab_size']}{_deepseek_shapes(s)}; largest tensor `{lt['name']}` "
             f"{lt['bytes'] / MIB:.2f} MiB"
         )
+    for size, kinds in sorted(result.get("train_sources", {}).items(), key=lambda kv: float(kv[0])):
+        for kind, t in kinds.items():
+            lt = t["largest_tensor"]
+            lines.append(
+                f"- {size} GiB {kind} source: {t['what']}; {t['source_bytes'] / GIB:.3f} GiB on disk, "
+                f"{t['params'] / 1e6:.1f} M parameters ({t['fp32_model_bytes'] / GIB:.3f} GiB in fp32); largest "
+                f"tensor `{lt['name']}` {lt['bytes'] / MIB:.2f} MiB (fp32)")
     lines += [
         "",
         "| size GiB | operation | median s | min–max s | × cp (min–max) | × cp, medians | × pcp | GiB/s | out / in | "
@@ -213,6 +233,24 @@ def render_markdown(result: dict[str, Any]) -> str:
             f"{medians} | {pcp} | {row['gib_per_s']:.3g} | {written} | {row['peak_rss_mib']:.0f} | {per} | "
             f"{'yes' if row['within_rss_bound'] else 'NO'} |"
         )
+    train_rows = [r for r in result["summary"] if r["op"] in TRAIN_OPS]
+    if train_rows:
+        lines += ["", "Training-framework sources against issue 33's bound, peak RSS <= 2 x largest tensor (as "
+                  "stored: fp32) + 0.5 GiB; × cp is against a `cp -r` of the whole source folder (the ZeRO-3 one "
+                  "holds the Adam moments too):", "",
+                  "| size GiB | operation | source | median s | × cp | peak RSS MiB | largest tensor MiB | "
+                  "RSS / largest tensor | bound MiB | within bound |",
+                  "|---:|---|---|---:|---:|---:|---:|---:|---:|:---:|"]
+        for row in sorted(train_rows, key=lambda r: (r["size_gib"], list(OPS).index(r["op"]))):
+            if row["ok_runs"] == 0:
+                lines.append(f"| {row['size']} | {row['op']} | {OPS[row['op']][0]} | {row['status']} | | | | | | |")
+                continue
+            ratio = f"{row['ratio_to_cp']:.2f}" if row["ratio_to_cp"] is not None else "n/a"
+            lines.append(
+                f"| {row['size']} | {row['op']} | {row['source_kind']} | {_fmt_s(row['median_s'])} | {ratio} | "
+                f"{row['peak_rss_mib']:.0f} | {row['largest_source_tensor_bytes'] / MIB:.2f} | "
+                f"{row['rss_per_largest_tensor']:.2f} | {row['train_rss_bound_bytes'] / MIB:.0f} | "
+                f"{'yes' if row['within_train_rss_bound'] else 'NO'} |")
     flat = flatness(result["summary"])
     if flat:
         lines += ["", "Peak RSS growth from the smallest to the largest size (flat = within 10%):", ""]
