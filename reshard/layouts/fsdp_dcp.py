@@ -1,18 +1,193 @@
-"""Placeholder: the dcp layout is being written (issue 33). It detects nothing, so no folder opens as it."""
+"""torch.distributed.checkpoint folders of HF-named models, as FSDP2, accelerate and the HF Trainer save them
+(reading): a folder with ``.metadata`` and ``__{rank}_{i}.distcp`` data files and no ``metadata.json`` (that one is
+Megatron's ``torch_dist``), given directly or as ``pytorch_model_fsdp_0/`` inside it (accelerate's / the HF
+Trainer's ``SHARDED_STATE_DICT`` in ``checkpoint-N/``). Model keys are HF names, bare (a plain
+``dcp.save(model.state_dict())``) or under one ``model.`` prefix (accelerate saves ``{"model": state_dict}``:
+``model.model.layers.0...``, ``model.lm_head.weight``), decided by matching the family's names, since HF names
+start with ``model.`` too. ``optimizer.*``, ``lr_scheduler.*``, ``dataloader.*``, ``train_state.*`` keys and byte
+items are skipped with a note. Chunks are FSDP2 ``Shard(0)`` pieces (``torch.chunk`` of dim 0, uneven allowed,
+no padding on disk), read in place (:mod:`reshard.layouts.dcp_chunks`).
+
+Also accelerate's ``FULL_STATE_DICT`` file ``pytorch_model_fsdp.bin`` (a plain ``torch.save`` of HF names, read
+with reshard's restricted unpickler); FSDP1's ``LOCAL_STATE_DICT`` ``pytorch_model_fsdp_rank{r}.bin`` (flat
+parameters) is refused. The config is ``config.json`` in the folder or its parent (``checkpoint-N/`` beside
+``pytorch_model_fsdp_0/``), else ``--config``. A folder of torchtitan names is read as :mod:`torchtitan`.
+"""
 
 from __future__ import annotations
 
-from reshard.errors import PlanError
-from reshard.layouts.base import Layout
+import os
+import re
+from dataclasses import replace
+
+from reshard.core.canonical import match_template, template_layer
+from reshard.errors import CheckpointError
+from reshard.io.dcp import DcpTensor, DistcpFile, read_metadata
+from reshard.io.heads import read_heads_while_torch_imports
+from reshard.io.tensorfile import TensorFile, TensorLocation
+from reshard.io.torch_format import TorchFile
+from reshard.layouts import hf
+from reshard.layouts.base import Layout, Options, Source, find_side_files, read_json_object
+from reshard.layouts.dcp_chunks import TRAINING_STATE, StitchedFile, dcp_stored
+from reshard.mapping import family_for_architecture
+
+NAME = "dcp"
+METADATA = ".metadata"
+ACCELERATE_FOLDER = "pytorch_model_fsdp_0"
+FULL_STATE_DICT = "pytorch_model_fsdp.bin"
+LOCAL_STATE_DICT = re.compile(r"^pytorch_model_fsdp(_\d+)?_rank\d+\.bin$")
+MEGATRON_MARKER = "metadata.json"
+PREFIX = "model."
+RESHARD_RECORD = "reshard.json"  # beside .metadata: a torchtitan folder reshard wrote
+_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+_STEP = re.compile(r"^step-\d+/$")
+
+
+def model_config(root: str, opts: Options, kind: str) -> tuple[dict, str]:
+    """(config, the folder it came from or "") of a training checkpoint: ``config.json`` in ``root`` or its
+    parent, else ``--config``; without either, refused."""
+    for folder in (root, os.path.dirname(os.path.abspath(root))):
+        path = os.path.join(folder, "config.json")
+        if os.path.isfile(path):
+            return read_json_object(path, kind), folder
+    if opts.config:
+        return read_json_object(opts.config, kind), ""
+    raise CheckpointError(f"{root}: {kind} holds no model config and there is no config.json beside it: pass "
+                          "--config FILE (the model's Hugging Face config.json)")
+
+
+def skipped_kinds(keys) -> list[str]:
+    """The training-state groups among ``keys`` (``optimizer``, ``lr_scheduler``, ...), for a note."""
+    return sorted({k.split(".")[0] for k in keys if k.startswith(TRAINING_STATE)} |
+                  ({"non-tensor items"} if any(not k.startswith(TRAINING_STATE) for k in keys) else set()))
+
+
+def build_dcp_source(layout: str, root: str, folder: str, tensors: dict[str, DcpTensor], config: dict,
+                     opts: Options, side_files: list[str], notes: list[str], interleaved: bool = False) -> Source:
+    """The canonical view of a DCP folder whose model tensors ``tensors`` are keyed by HF name: the HF reader's
+    view of their shapes and dtypes (names, config, tying checked as for an HF folder), each tensor then located
+    in its chunks (:func:`~reshard.layouts.dcp_chunks.dcp_stored`). ``interleaved``: q / k rows are in Meta's
+    interleaved-RoPE order (torchtitan's Llama)."""
+    catalog = TensorFile(os.path.join(folder, METADATA),
+                         {name: TensorLocation(t.dtype, t.shape, 0) for name, t in tensors.items()})
+    source = hf.build_source(root, config, [catalog], opts, side_files)
+    model = source.model
+    head_dim = model.dims.get("d", model.dims["H"] // model.dims["nh"])
+    files: dict[str, DistcpFile] = {}
+    stitched = StitchedFile(folder)
+    located = []
+    for _, target in source.stored:
+        canonical = target.pieces[0].canonical
+        if interleaved and model.tensors[canonical].spec.role in ("q", "k"):
+            target = replace(target, interleaved=head_dim)
+        located.extend(dcp_stored(files, stitched, folder, tensors[target.name], target))
+    file_list = [files[name] for name in sorted(files)] + ([stitched] if stitched.parts else [])
+    position = {id(f): i for i, f in enumerate(file_list)}
+    source.layout, source.files = layout, file_list
+    source.stored = [(position[id(f)], t) for f, t in located]
+    source.info["notes"] = source.info["notes"] + notes
+    source.info["folder"] = folder
+    return source
+
+
+def _strip_prefix(tensors: dict[str, DcpTensor], family, where: str) -> tuple[dict[str, DcpTensor], bool]:
+    """``tensors`` under HF names: as saved, or with one leading ``model.`` removed, whichever matches the
+    family's names (an HF model's own names start with ``model.`` too, so the prefix is decided by matching)."""
+    def unknown(names) -> list[str]:
+        return [n for n in names if match_template(family, n, stored=True) is None
+                and not n.endswith(hf.IGNORED_SUFFIXES)
+                and all(template_layer(t, n) is False for t in family.hf_ignore)]
+
+    bare = unknown(tensors)
+    if not bare:
+        return tensors, False
+    if all(k.startswith(PREFIX) for k in tensors):
+        stripped = {k[len(PREFIX):]: t for k, t in tensors.items()}
+        if not unknown(stripped):
+            return stripped, True
+    raise CheckpointError(f"{where}: tensor '{bare[0]}' is not a weight of mapping '{family.name}' (bare or under "
+                          "one 'model.' prefix); pass --config with the model's config.json, or --mapping FILE")
+
+
+def looks_torchtitan(keys) -> bool:
+    return "tok_embeddings.weight" in keys or any(k.startswith("layers.") for k in keys)
+
+
+def open_dcp_folder(root: str, folder: str, opts: Options) -> Source:
+    tensors, objects = read_metadata(folder)
+    model_keys = {k: t for k, t in tensors.items() if not k.startswith(TRAINING_STATE)}
+    if looks_torchtitan(model_keys):
+        from reshard.layouts import torchtitan
+
+        return torchtitan.open_source(root, opts)
+    if not model_keys:
+        raise CheckpointError(f"{folder} holds no model tensors (only {', '.join(skipped_kinds(tensors))}): pass the "
+                              f"folder of the model's weights (accelerate's {ACCELERATE_FOLDER}/)")
+    config, config_folder = model_config(root, opts, "a torch.distributed.checkpoint folder")
+    family = family_for_architecture(hf.architecture_of(config, opts), opts.mapping)
+    named, prefixed = _strip_prefix(model_keys, family, folder)
+    skipped = skipped_kinds(set(tensors) - set(model_keys) | set(objects))
+    notes = [f"read {os.path.relpath(folder, root) if folder != root else 'the folder'} (torch.distributed."
+             f"checkpoint, {'model.-prefixed ' if prefixed else ''}HF names)"]
+    if skipped:
+        notes.append(f"skipped {', '.join(skipped)} (not model weights)")
+    read_heads_while_torch_imports(sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".distcp")))
+    sides = find_side_files(config_folder) if config_folder else []
+    source = build_dcp_source(NAME, root, folder, named, config, opts, sides, notes)
+    source.info.update(keys="model.<HF name>" if prefixed else "<HF name>", skipped=skipped)
+    return source
+
+
+def open_source(path: str, opts: Options) -> Source:
+    names = set(os.listdir(path))
+    if os.path.isfile(os.path.join(path, ACCELERATE_FOLDER, METADATA)):
+        return open_dcp_folder(path, os.path.join(path, ACCELERATE_FOLDER), opts)
+    if METADATA in names:
+        return open_dcp_folder(path, path, opts)
+    if FULL_STATE_DICT in names:
+        config, config_folder = model_config(path, opts, f"accelerate's {FULL_STATE_DICT}")
+        bin_path = os.path.join(path, FULL_STATE_DICT)
+        read_heads_while_torch_imports([bin_path])
+        source = hf.build_source(path, config, [TorchFile(bin_path)], opts,
+                                 find_side_files(config_folder) if config_folder else [])
+        source.layout = NAME
+        source.info["notes"].append(f"read {FULL_STATE_DICT} (accelerate FULL_STATE_DICT, HF names)")
+        source.info["folder"] = path
+        return source
+    rank_files = sorted(n for n in names if LOCAL_STATE_DICT.match(n))
+    if rank_files:
+        raise CheckpointError(f"{path}: {rank_files[0]} is an FSDP1 LOCAL_STATE_DICT shard (flattened parameters "
+                              "without their layout), which cannot be converted: save with fsdp_state_dict_type "
+                              "SHARDED_STATE_DICT or FULL_STATE_DICT")
+    raise CheckpointError(f"{path}: no {METADATA}, {ACCELERATE_FOLDER}/ or {FULL_STATE_DICT}: not a "
+                          "torch.distributed.checkpoint folder")
 
 
 class DcpLayout(Layout):
-    name = "dcp"
-    summary = "torch.distributed.checkpoint folder from FSDP2 / accelerate (.metadata, HF names)"
+    """FSDP2 / accelerate / HF Trainer torch.distributed.checkpoint folders of HF-named models (read only)."""
+
+    name = NAME
+    summary = ("torch.distributed.checkpoint folder from FSDP2 / accelerate (.metadata or pytorch_model_fsdp_0/, "
+               "HF names; also pytorch_model_fsdp.bin)")
+    specificity = 15  # an HF Trainer checkpoint-N/ also holds config.json (and pytorch_model_fsdp*.bin is a .bin)
     writes = False
+    rank_loader = "reshard.verification.forward.sliced_rank:SlicedRankStream"
 
     def detect(self, names) -> bool:
-        return False
+        if MEGATRON_MARKER in names or RESHARD_RECORD in names or any(_STEP.match(n) for n in names):
+            return False  # torch_dist, reshard's torchtitan output, a torchtitan root
+        return (METADATA in names or f"{ACCELERATE_FOLDER}/{METADATA}" in names or FULL_STATE_DICT in names
+                or any(LOCAL_STATE_DICT.match(n) for n in names))
 
-    def open(self, root, opts):
-        raise PlanError("the dcp layout is not available yet")
+    def open(self, root: str, opts: Options) -> Source:
+        return open_source(root, opts)
+
+    def describe(self, source: Source) -> dict:
+        out = {"checkpoint": os.path.relpath(source.info["folder"], source.root)}
+        if "keys" in source.info:
+            out.update(keys=source.info["keys"], skipped=source.info["skipped"])
+        return out
+
+    def rank_label(self, source: Source, relpath: str) -> str:
+        m = _RANK_FILE.match(os.path.basename(relpath))
+        return m.group(1) if m else "all"

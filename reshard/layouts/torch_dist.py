@@ -20,7 +20,7 @@ import os
 import re
 
 from reshard.core.canonical import build_canonical
-from reshard.core.pieces import Piece, StoredTensor
+from reshard.core.pieces import StoredTensor
 from reshard.errors import CheckpointError
 from reshard.io import dtypes
 from reshard.io.dcp import DcpTensor, DistcpFile, metadata_pickle, read_metadata, written_chunks
@@ -31,6 +31,7 @@ from reshard.io.torch_format import TorchFile, TorchZipWriter, object_archive
 from reshard.layouts import megatron
 from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, pack_by_size,
                                   stored_dtype)
+from reshard.layouts.dcp_chunks import chunk_tensors, slice_pieces
 from reshard.layouts.torch_dist_keys import (Location, expert_objects_missing, extra_state_keys, location, other_spelling,
                                              stacked_layers)
 
@@ -63,18 +64,6 @@ def _check_backend(folder: str) -> None:
         raise CheckpointError(f"{path}: sharded_backend is {backend!r}; reshard reads 'torch_dist' checkpoints")
 
 
-def _slice_pieces(pieces: tuple[Piece, ...], start: int, stop: int) -> tuple[Piece, ...]:
-    """The pieces covering ``[start, stop)`` of a stored tensor made of ``pieces`` laid end to end."""
-    out, pos = [], 0
-    for piece in pieces:
-        lo, hi = max(start, pos), min(stop, pos + piece.length)
-        if lo < hi:
-            shift = piece.start - pos
-            out.append(Piece(piece.canonical, lo + shift, hi + shift))
-        pos += piece.length
-    return tuple(out)
-
-
 class _Index:
     """The model tensors of a DCP folder by key (``module.`` stripped), with the stacked layer count."""
 
@@ -105,67 +94,6 @@ class _Index:
             if w is not None and v is not None:
                 return [(w, Location(w.key), 0), (v, Location(v.key), w.shape[0])]
         return None
-
-
-def _chunk_tensors(files: dict[str, DistcpFile], folder: str, target: StoredTensor,
-                   regions: list[tuple[DcpTensor, Location, int]]) -> list[tuple[DistcpFile, StoredTensor]]:
-    """The chunks of ``regions`` as stored tensors, each the range of ``target``'s pieces it holds. A chunk may
-    span several layers or experts (a third-party writer's tiling): only the block at the region's index is
-    exposed (an offset into its bytes), so no more than one layer's (one expert's) slice is ever read."""
-    out, covered = [], []
-    where = target.name
-    for tensor, loc, row0 in regions:
-        index = loc.index
-        lead = len(index)
-        inner = tensor.shape[lead:]
-        axis = target.axis
-        if index:
-            where = f"'{tensor.key}' at {list(index)} (tensor '{target.name}')"
-        for i, n in zip(index, tensor.shape):
-            if not 0 <= i < n:
-                raise CheckpointError(f"{folder}: '{tensor.key}' has {n} entries on an axis where '{target.name}' "
-                                      f"needs index {i} (a config / weights mismatch?)")
-        for chunk in tensor.chunks:
-            if any(not o <= i < o + n for i, o, n in zip(index, chunk.offsets, chunk.sizes)):
-                continue
-            offsets, sizes = chunk.offsets[lead:], chunk.sizes[lead:]
-            for i, (o, n, full) in enumerate(zip(offsets, sizes, inner)):
-                if i != axis and (o, n) != (0, full):
-                    raise CheckpointError(f"{folder}: a chunk of '{tensor.key}' splits axis {i + lead}, which "
-                                          "Megatron never splits for this tensor; reshard cannot read it")
-            start = row0 + (offsets[axis] if inner else 0)
-            length = sizes[axis] if inner else 1
-            block = 0  # the chunk's block (layer, expert) at ``index``, in C order over its leading axes
-            for i, o, n in zip(index, chunk.offsets, chunk.sizes):
-                block = block * n + (i - o)
-            skip = block * math.prod(sizes) * dtypes.itemsize(tensor.dtype)
-            shape = tuple(sizes)
-            name = f"{tensor.key}@{','.join(map(str, index))}:{','.join(map(str, chunk.offsets))}"
-            data = files.get(chunk.file)
-            if data is None:
-                path = os.path.join(folder, chunk.file)
-                if not os.path.isfile(path):
-                    raise CheckpointError(f"{folder}: '{tensor.key}' is stored in {chunk.file}, which does not "
-                                          "exist: the checkpoint is incomplete")
-                data = files[chunk.file] = DistcpFile(path)
-            data.add(name, chunk, tensor.dtype, shape, skip)
-            pieces = _slice_pieces(target.pieces, start, start + length)
-            out.append((data, StoredTensor(name, shape, axis, pieces)))
-            covered.append((start, start + length))
-    covered.sort()
-    pos, extent = 0, target.shape[target.axis] if target.shape else 1
-    if where == target.name:
-        where = f"'{target.name}'"
-    for lo, hi in covered:
-        if lo != pos:
-            what = "overlap" if lo < pos else "leave a gap"
-            raise CheckpointError(f"{folder}: the chunks of {where} {what} at row {min(lo, pos)}: the checkpoint "
-                                  "is inconsistent or incomplete")
-        pos = hi
-    if pos != extent:
-        raise CheckpointError(f"{folder}: the chunks of {where} cover {pos} of its {extent} rows: a chunk is "
-                              "missing, the checkpoint is incomplete")
-    return out
 
 
 def open_source(path: str, opts: Options) -> Source:
@@ -205,7 +133,7 @@ def open_source(path: str, opts: Options) -> Source:
                                   f"{model.num_layers} layers)")
         used.update(t.key.removeprefix("module.") for t, _, _ in regions)
         locations.extend(loc for _, loc, _ in regions)
-        for data, tensor in _chunk_tensors(files, folder, target, regions):
+        for data, tensor in chunk_tensors(files, folder, target, regions):
             stored.append((data, tensor))
             for piece in tensor.pieces:
                 if piece.canonical:
@@ -295,7 +223,7 @@ def target_chunks(model, located: list[tuple[StoredTensor, Location]], tp: int, 
                 shape = tuple(stop - begin if i == tensor.axis else n for i, n in enumerate(tensor.shape))
                 offsets = tuple(begin if i == tensor.axis else 0 for i in range(len(tensor.shape)))
                 name = f"{key}@{','.join(map(str, loc.index))}:{','.join(map(str, offsets))}"
-                chunk = StoredTensor(name, shape, tensor.axis, _slice_pieces(tensor.pieces, begin, stop))
+                chunk = StoredTensor(name, shape, tensor.axis, slice_pieces(tensor.pieces, begin, stop))
                 out.append((key, (*lead, *tensor.shape), chunk, (1,) * len(lead) + shape, (*loc.index, *offsets)))
     return out
 
