@@ -107,23 +107,28 @@ def chunk_tensors(files: dict[str, DistcpFile], folder: str, target: StoredTenso
 
 class StitchedFile(TensorFile):
     """Whole tensors of a DCP folder whose chunks do not line up with the view's pieces (see the module
-    docstring). Each tensor's location is marked strided, so the executor and the verifier read it through
-    :meth:`read` (torch), never as raw byte runs; a read touches only the rows (and columns) of the chunks it
-    overlaps, in place."""
+    docstring). Like :class:`~reshard.io.segmented.SegmentedFile` it has no direct bytes (``direct_bytes``
+    False: the executor and the verifier read it through :meth:`read`, torch); a read touches only the rows (and
+    columns) of the chunks it overlaps, in place. ``path`` (what ``inspect`` lists) is the folder's ``.metadata``."""
 
     format = "distcp"
+    direct_bytes = False
 
     def __init__(self, folder: str):
         super().__init__(os.path.join(folder, ".metadata"), {})
         self.parts: dict[str, list[tuple[DistcpFile, str, tuple[int, ...], tuple[int, ...]]]] = {}
 
     @property
-    def fd(self) -> int:  # read-ahead advice only: the first data file's
-        first = next(iter(self.parts.values()))[0][0]
-        return first.fd
+    def fd(self) -> int:
+        raise AssertionError("a StitchedFile has no single descriptor (direct_bytes is False)")
 
     def close(self) -> None:  # the data files are the source's own files, closed with it
         pass
+
+    def extents(self, name: str) -> list[tuple[int, int, int]]:
+        """``(fd, offset, length)`` of the chunks of tensor ``name`` (read-ahead advice)."""
+        return [(data.fd, data.tensors[part].offset, data.tensors[part].nbytes)
+                for data, part, _, _ in self.parts[name]]
 
     def add(self, files: dict[str, DistcpFile], folder: str, tensor: DcpTensor, name: str) -> None:
         """Expose DCP tensor ``tensor`` whole as ``name``; its chunks must tile it exactly."""
@@ -146,8 +151,7 @@ class StitchedFile(TensorFile):
         if total != math.prod(shape):
             raise CheckpointError(f"{folder}: the chunks of '{tensor.key}' hold {total} of its {math.prod(shape)} "
                                   "elements: a chunk is missing, the checkpoint is incomplete")
-        strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-        self.tensors[name] = TensorLocation(tensor.dtype, shape, 0, strides)
+        self.tensors[name] = TensorLocation(tensor.dtype, shape, 0)
         self.parts[name] = parts
 
     def read(self, name: str, axis: int = 0, start: int = 0, length: int | None = None,

@@ -106,7 +106,7 @@ def _strip_prefix(tensors: dict[str, DcpTensor], family, where: str) -> tuple[di
         if not unknown(stripped):
             return stripped, True
     raise CheckpointError(f"{where}: tensor '{bare[0]}' is not a weight of mapping '{family.name}' (bare or under "
-                          "one 'model.' prefix); pass --config with the model's config.json, or --mapping FILE")
+                          "one 'model.' prefix): the config is another model's, or pass --mapping FILE for this one")
 
 
 def looks_torchtitan(keys) -> bool:
@@ -172,6 +172,7 @@ class DcpLayout(Layout):
     specificity = 15  # an HF Trainer checkpoint-N/ also holds config.json (and pytorch_model_fsdp*.bin is a .bin)
     writes = False
     rank_loader = "reshard.verification.forward.sliced_rank:SlicedRankStream"
+    reads_options = frozenset({"config"})
 
     def detect(self, names) -> bool:
         if MEGATRON_MARKER in names or RESHARD_RECORD in names or any(_STEP.match(n) for n in names):

@@ -177,6 +177,7 @@ class TorchtitanLayout(Layout):
     specificity = 16  # a step-N/ folder passed directly is detected as dcp, which hands torchtitan names here
     writes = True
     rank_loader = "reshard.verification.forward.sliced_rank:SlicedRankStream"
+    reads_options = frozenset({"config"})
     completion_markers = (METADATA,)
     uses_options = frozenset({"torchtitan_names"})
 
