@@ -2,7 +2,7 @@
 
 Spawns WORLD processes on 127.0.0.1 (gloo, ``DS_ACCELERATOR=cpu``); each CASE (``MODEL-STAGE``, MODEL ``llama`` or
 ``moe``, STAGE ``1``/``2``/``3`` or ``bf16opt``: bf16 + ZeRO-1 + fp32 gradient accumulation, which selects
-DeepSpeed's BF16_Optimizer) is trained for two steps with bf16 on and saved with ``save_checkpoint`` into
+DeepSpeed's BF16_Optimizer; a trailing ``x`` saves with ``exclude_frozen_parameters``) is trained for two steps with bf16 on and saved with ``save_checkpoint`` into
 ``OUT/CASE`` (with the model's ``config.json`` beside ``latest``). The tiny Llama is tied, has a frozen norm and
 sizes that force uneven padding; every parameter starts from seeded noise (no norm of ones, no zero bias).
 """
@@ -21,9 +21,9 @@ def build_model(kind: str):
 
     torch.manual_seed(0)
     if kind == "llama":
-        cfg = LlamaConfig(vocab_size=67, hidden_size=42, intermediate_size=50, num_hidden_layers=2,
+        cfg = LlamaConfig(vocab_size=67, hidden_size=45, head_dim=16, intermediate_size=50, num_hidden_layers=2,
                           num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=64,
-                          tie_word_embeddings=True)
+                          tie_word_embeddings=True)  # odd numels: uneven ZeRO-1/2 tails and ZeRO-3 partitions
         model = LlamaForCausalLM(cfg)
     else:
         cfg = Qwen2MoeConfig(vocab_size=67, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
@@ -53,10 +53,12 @@ def worker(rank: int, world: int, out: str, port: str, cases: list[str]) -> None
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_SIZE=str(world))
     import deepspeed
+    import deepspeed.comm.torch  # noqa: F401  (deepspeed.comm's attribute "torch" is torch itself)
 
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # plain gloo: no C++ op built into a cache
     deepspeed.init_distributed(dist_backend="gloo")
     for case in cases:
-        kind, stage = case.split("-")
+        kind, stage = case.rstrip("x").split("-")
         model = build_model(kind)
         engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                        config=ds_config(stage))
@@ -65,7 +67,7 @@ def worker(rank: int, world: int, out: str, port: str, cases: list[str]) -> None
             engine.backward(engine(input_ids=ids, labels=ids).loss)
             engine.step()
         folder = os.path.join(out, case)
-        engine.save_checkpoint(folder)
+        engine.save_checkpoint(folder, exclude_frozen_parameters=case.endswith("x"))
         if rank == 0:
             model.config.architectures = [type(model).__name__]
             model.config.save_pretrained(folder)

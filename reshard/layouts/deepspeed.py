@@ -138,6 +138,7 @@ def _tied(config: dict, read: ds.TagRead, folder: str) -> dict:
     family = family_for_architecture(hf.architecture_of(config, Options()), None)
     head = next((s for s in family.weights if s.tied_to), None)
     for alias, owner in read.shared.items():
+        alias, owner = alias.removeprefix(ds.PEFT_PREFIX), owner.removeprefix(ds.PEFT_PREFIX)
         if head is None or (alias, owner) != (head.hf_name, head.tied_to):
             raise CheckpointError(f"{folder}: shared_params ties '{alias}' to '{owner}', which is not the tied "
                                   f"embedding of mapping '{family.name}'; pass --mapping FILE")

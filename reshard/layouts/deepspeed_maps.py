@@ -93,9 +93,9 @@ def _check_fragments(where: str, name: str, offset: int, numel: int, starts: lis
         expected = (hi - lo, lo - starts[d]) if lo < hi else None
         found = (fragment.numel, fragment.start) if fragment is not None else None
         if found != expected:
-            raise CheckpointError(f"{where}: param_slice_mappings of rank {d} put '{name}' at {found} (numel, start) "
-                                  f"but param_shapes and the partitions put it at {expected}: the checkpoint is "
-                                  "inconsistent (overwritten by another run?)")
+            raise CheckpointError(f"{where}: param_shapes do not match the fp32 partitions: param_slice_mappings of "
+                                  f"rank {d} put '{name}' at {found} (numel, start), param_shapes at {expected} "
+                                  "(an inconsistent or overwritten checkpoint)")
 
 
 def zero3_map(where: str, shapes: dict, flats: list[Flat]) -> dict[str, list[Segment]]:

@@ -220,8 +220,9 @@ def frozen_zero3(folder: str, model_paths: list[str], model_states: list[dict], 
     return {name: (dtype, tuple(shape)) for name, shape in frozen.items()}, segments
 
 
-def read_universal(folder: str, states: dict, names: list[str]) -> list[TensorFile]:
-    """``zero/<name>/fp32.pt`` of a universal checkpoint, one file per parameter (shapes from ``param_shapes``)."""
+def read_universal(folder: str, states: dict) -> list[TensorFile]:
+    """``zero/<name>/fp32.pt`` of a universal checkpoint, one file per parameter (shapes from ``param_shapes``);
+    a ``shared_params`` alias's folder (a stale copy ``ds_to_universal`` writes for a tied head) is skipped."""
     shapes = {}
     for group in states.get("param_shapes") or []:
         shapes.update(group)
@@ -229,7 +230,7 @@ def read_universal(folder: str, states: dict, names: list[str]) -> list[TensorFi
     root = os.path.join(folder, "zero")
     for name in sorted(os.listdir(root)):
         path = os.path.join(root, name, "fp32.pt")
-        if not os.path.isfile(path):
+        if not os.path.isfile(path) or name in (states.get("shared_params") or {}):
             continue
         obj = load(path)
         tensor = obj.get("param") if isinstance(obj, dict) else obj
@@ -266,7 +267,7 @@ def read_tag(folder: str, master: bool) -> TagRead:
     module_file = TensorFile(model_path, {n: loc for n, loc in module.items() if loc.numel})
     if universal:
         stage = "universal (from ZeRO-3)" if z3_paths else "universal"
-        files = read_universal(folder, states, names)
+        files = read_universal(folder, states)
         held = {n for f in files for n in f.tensors}
         extra: list[TensorFile] = []
         if z3_paths and set(frozen) - held:
