@@ -289,7 +289,8 @@ def read_tag(folder: str, master: bool) -> TagRead:
         seg = read_flat_zero12(folder, states, parts)
         frozen = [n for n in module if n not in seg.tensors]
     module_file.tensors = {n: loc for n, loc in module_file.tensors.items() if n not in seg.tensors}
-    others = [TensorFile(p, {}) for p in seg.paths[1:]]  # listed by inspect; read through the segmented file
+    listed = {seg.path, module_file.path}  # the other rank files, listed by inspect (read through ``seg``)
+    others = [TensorFile(p, {}) for p in seg.paths if p not in listed]
     return TagRead([seg, module_file, *others], parts.kind, parts.world, "fp32 masters (optimizer partitions)",
                    dtype, frozen, optimizer=parts.kind, shared=shared)
 
