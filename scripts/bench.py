@@ -35,7 +35,7 @@ repeats and operations).  Its siblings in scripts/:
   same Llama, written by deepspeed and torch themselves) of the ``TRAIN_OPS``, which are named with ``--ops``::
 
     python scripts/bench.py --sizes 1 --repeat 2 --ops cp deepspeed_zero3_to_hf deepspeed_zero3_to_fp32_hf \
-        zero_to_fp32 fsdp2_dcp_to_hf fsdp2_dcp_to_fp32_hf dcp_to_torch_save --out bench-out
+        zero_to_fp32 fsdp2_dcp_to_hf fsdp2_dcp_to_bf16_hf dcp_to_torch_save --out bench-out
 """
 
 from __future__ import annotations

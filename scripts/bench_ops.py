@@ -42,13 +42,13 @@ OPS: dict[str, tuple[str, list[str] | None]] = {
     "naive": ("hf", None),
     # training-framework sources (scripts/bench_train.py; not in the default set): DeepSpeed ZeRO-3 at world 2 ->
     # HF in the training dtype (bf16, the masters cast) and in fp32 (--master-weights), next to DeepSpeed's own
-    # zero_to_fp32; an FSDP2 DCP folder -> HF (bf16, the config's dtype; and fp32 as stored) next to torch's
+    # zero_to_fp32; an FSDP2 DCP folder (fp32) -> HF at the layout's default dtype and cast to bf16, next to torch's
     # dcp_to_torch_save
     "deepspeed_zero3_to_hf": ("deepspeed_zero3", ["--to", "hf"]),
     "deepspeed_zero3_to_fp32_hf": ("deepspeed_zero3", ["--to", "hf", "--master-weights"]),
     "zero_to_fp32": ("deepspeed_zero3", None),
     "fsdp2_dcp_to_hf": ("fsdp2_dcp", ["--to", "hf"]),
-    "fsdp2_dcp_to_fp32_hf": ("fsdp2_dcp", ["--to", "hf", "--dtype", "fp32"]),
+    "fsdp2_dcp_to_bf16_hf": ("fsdp2_dcp", ["--to", "hf", "--dtype", "bf16"]),
     "dcp_to_torch_save": ("fsdp2_dcp", None),
 }
 #: operations for Mixture-of-Experts sources only (the default for --model mixtral, with cp)
@@ -72,7 +72,7 @@ WIDE_OPS = ("hf_to_megatron_tp8", "megatron_tp8_to_hf", "megatron_tp8_to_vllm_tp
 #: the operations on training-framework sources (made and cached by scripts/bench_train.py): left out of the
 #: default set, and held to the issue-33 memory bound (peak RSS <= 2 x largest tensor + 0.5 GiB)
 TRAIN_OPS = ("deepspeed_zero3_to_hf", "deepspeed_zero3_to_fp32_hf", "zero_to_fp32", "fsdp2_dcp_to_hf",
-             "fsdp2_dcp_to_fp32_hf", "dcp_to_torch_save")
+             "fsdp2_dcp_to_bf16_hf", "dcp_to_torch_save")
 CONVERTER_OPS = [name for name, (_, args) in OPS.items() if args is not None]
 MEGATRON_TP8_ARGS = OPS["hf_to_megatron_tp8"][1]
 

@@ -17,7 +17,7 @@ import pytest
 from test_bench import REPO, SIZE, load_bench, md_rows, run_bench, summary_row
 
 TRAIN_OPS = ["deepspeed_zero3_to_hf", "deepspeed_zero3_to_fp32_hf", "zero_to_fp32", "fsdp2_dcp_to_hf",
-             "fsdp2_dcp_to_fp32_hf", "dcp_to_torch_save"]
+             "fsdp2_dcp_to_bf16_hf", "dcp_to_torch_save"]
 
 
 def bench_train():
@@ -95,7 +95,7 @@ def test_train_source_cache(tmp_path):
 
 def test_train_bound_in_report():
     """The summary divides by the training source's own largest tensor (fp32) and checks the issue-33 bound; the
-    Markdown has the bound table."""
+    Markdown has the bound table, with the bound the output's largest tensor gives beside it (bf16: stricter)."""
     bench = load_bench()
     from bench_report import render_markdown, summarize
 
@@ -109,7 +109,8 @@ def test_train_bound_in_report():
                 "tree_peak_anon_bytes_sampled": 0}
         runs.append({**base, "op": "cp", "paired_with": op, "wall_s": 10.0, "peak_rss_bytes": 7 * mib})
         runs.append({**base, "op": op, "wall_s": 5.0, "peak_rss_bytes": peak, "paired_cp_s": 10.0,
-                     "ratio_to_paired_cp": 0.5})
+                     "ratio_to_paired_cp": 0.5,
+                     "output_largest_tensor": {"name": "e", "bytes": (125 if op.endswith("_hf") else 250) * mib}})
     summary = summarize(runs, info)
     rows = {r["op"]: r for r in summary}
     assert set(rows) == {"deepspeed_zero3_to_hf", "zero_to_fp32"}  # the copies of the ZeRO source: in the ratios
@@ -120,8 +121,8 @@ def test_train_bound_in_report():
     md = render_markdown({"environment": {"cpus": 2, "mem_gib": 23.5, "python": "3", "torch": "2"},
                           "cache_mode": "data", "runs": runs, "args": {"repeat": 1, "workers": None},
                           "sizes_info": {}, "summary": summary, "train_sources": {}})
-    assert "| 0.5 | deepspeed_zero3_to_hf | deepspeed_zero3 | 5.000 | 0.50 | 700 | 250.00 | 2.80 | 1012 | yes |" in md
-    assert "| 0.5 | zero_to_fp32 | deepspeed_zero3 | 5.000 | 0.50 | 3000 | 250.00 | 12.00 | 1012 | NO |" in md
+    assert "| 0.5 | deepspeed_zero3_to_hf | deepspeed_zero3 | 5.000 | 0.50 | 700 | 250.00 | 2.80 | 1012 | yes | 125.00 | 762 |" in md
+    assert "| 0.5 | zero_to_fp32 | deepspeed_zero3 | 5.000 | 0.50 | 3000 | 250.00 | 12.00 | 1012 | NO | 250.00 | 1012 |" in md
 
 
 def _frameworks_present() -> bool:
