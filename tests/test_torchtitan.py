@@ -212,3 +212,21 @@ def test_tied_model_and_option_refusals(tmp_path, capsys):
     with pytest.raises(CheckpointError, match="no model tensors"):
         open_checkpoint(_titan_folder(tmp_path / "opt" / "step-1", {"optimizer.state.x.exp_avg": torch.zeros(2)}),
                         Options(config=os.path.join(hf, "config.json")))
+
+
+@pytest.mark.parametrize("name,folder,tp", [("llama", "llama_full", 1), ("qwen3", "qwen3", 2)])
+def test_load_rank_of_a_torchtitan_step_is_the_vllm_rank_file(fsdp, tmp_path, name, folder, tp):
+    """``reshard.load_rank`` reads a torchtitan folder (chunks stitched, Llama's wq / wk permuted) as convert does
+    (the Llama's 3 heads split over tp 1 or 3, its FFN of 40 not over 3)."""
+    import reshard
+    from safetensors.torch import load_file
+
+    config = f"{fsdp}/{name}.config.json"
+    out = tmp_path / "vllm"
+    reshard.convert(f"{fsdp}/{folder}", str(out), to="vllm", tp=tp, config=config)
+    for rank in range(tp):
+        written = {k: v for f in sorted(out.glob(f"model-rank-{rank}-part-*.safetensors"))
+                   for k, v in load_file(str(f)).items()}
+        view = reshard.load_rank(f"{fsdp}/{folder}", to="vllm", tp=tp, rank=rank, config=config)
+        assert set(view) == set(written)
+        assert all(torch.equal(view[k], written[k]) for k in written)
