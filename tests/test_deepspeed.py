@@ -305,3 +305,16 @@ def test_matrix(matrix, tmp_path, capsys, world, case):
             code, out, err = run_cli(capsys, "verify", tmp_path / "default", tmp_path / to, "--forward",
                                      "--nproc", "2")
             assert code == 0, (out, err)
+
+
+def test_a_universal_checkpoint_raises_the_open_file_limit():
+    """One file per parameter: the soft limit on open files is raised for them (in a child, to keep ours)."""
+    import subprocess
+    import sys
+
+    code = ("import resource; hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]; "
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard)); "
+            "from reshard.layouts.deepspeed_read import allow_open_files; allow_open_files(500); "
+            "soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]; "
+            "assert soft == (500 if hard == resource.RLIM_INFINITY or hard >= 500 else hard), soft")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -240,7 +240,20 @@ def read_universal(folder: str, states: dict) -> list[TensorFile]:
             raise CheckpointError(f"{path}: {loc.dtype}{list(loc.shape)} does not hold '{name}' of shape "
                                   f"{list(shape)} in fp32: param_shapes do not match the universal checkpoint")
         files.append(TensorFile(path, {name: TensorLocation("F32", shape, loc.offset)}))
+    allow_open_files(len(files) + 256)
     return files
+
+
+def allow_open_files(count: int) -> None:
+    """Raise this process's soft limit on open files towards ``count`` (at most the hard limit): a universal
+    checkpoint is one file per parameter (over 1,000 for a 405B model), each kept open once read."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < count:
+        target = count if hard == resource.RLIM_INFINITY else min(count, hard)
+        if target > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
 def read_tag(folder: str, master: bool) -> TagRead:
