@@ -167,6 +167,8 @@ def test_bench_train_rows(tmp_path):
         assert row["source_kind"] == kind and row["largest_source_tensor_bytes"] == largest
         assert row["ratio_to_cp"] > 0 and row["ratio_kind"] == "median of paired runs"
         assert row["train_rss_bound_bytes"] == 2 * largest + (512 << 20)
+        if not op.endswith(("zero_to_fp32", "dcp_to_torch_save")):
+            assert row["within_train_rss_bound"], row  # reshard: torch and the plan fit in 0.5 GiB
         assert len([ln for ln in md.splitlines() if ln.startswith(f"| {SIZE} | {op} | {kind} |")]) == 1
         assert len(md_rows(md, op)) == 2  # in the main table and in the bound table
     # the cached sources outlive the run (made once per size), the outputs do not
