@@ -199,6 +199,9 @@ class _WriterThread(threading.Thread):
 #: Bytes one step buffers (the blocks of the files written in lockstep); two such buffers ping-pong. A tensor
 #: larger than its file's share of a step is streamed in row blocks (:mod:`reshard.core.blocks`).
 STEP_BYTES = 64 << 20
+#: Bytes of a step's block built through torch at once (casts, transposes): the source rows it reads, the cast
+#: and the overflow check each cost about this much (twice for a narrowing cast's source), not a whole step.
+TORCH_BYTES = 8 << 20
 
 
 @dataclass
@@ -301,6 +304,17 @@ class _Run:
             if lane.is_alive():
                 lane.join(timeout=5)
 
+    def _build(self, block: TargetTensor, dest: np.ndarray) -> None:
+        """Build ``block`` through torch into ``dest`` (its bytes in the step buffer), in sub-blocks of at most
+        ``TORCH_BYTES`` each where it can be cut: a cast reads its source rows wider than it writes them (fp32
+        masters into a bf16 output: twice), so a whole step's block would cost that much again beside the buffers."""
+        at = 0
+        for part in row_blocks(block, TORCH_BYTES):
+            data = assemble(part, self.files, allow_overflow=self.allow_overflow)
+            dest[at:at + part.nbytes] = data.contiguous().reshape(-1).view(dtypes.to_torch("U8")).numpy()
+            at += part.nbytes
+            del data  # freed before the next part is built
+
     def _take_buffer(self) -> np.ndarray:
         while True:
             self._raise_writer_error()
@@ -339,9 +353,7 @@ class _Run:
                 if direct(block, self.files):
                     items.append((block, dest))
                 else:
-                    data = assemble(block, self.files, allow_overflow=self.allow_overflow)
-                    dest[:] = data.contiguous().reshape(-1).view(dtypes.to_torch("U8")).numpy()
-                    del data  # freed before the next block is built: one block in memory besides the buffers
+                    self._build(block, dest)
                 writes[lane].append((writer, w.tensor.name, memoryview(dest), w.tensor.nbytes, w.first, w.last))
                 done[lane] += block.nbytes
             self.gather.fill(items)
