@@ -1,0 +1,269 @@
+"""Executes a live plan between processes with point-to-point ``torch.distributed`` operations.
+
+Every participant (a process in ``plan.source_ranks`` or ``plan.target_ranks``) calls :func:`transfer` with the
+same plan, ``dtype`` and ``chunk_bytes``; other processes of the group need not. The schedule
+(:mod:`reshard.live.schedule`) gives each process, per round, at most one message to send and one to receive,
+posted together with ``batch_isend_irecv``; chunks between a process's own source and target tensors are copied
+locally first. A sender packs slices of its tensors into its send buffer (casting when the target dtype is
+narrower); a receiver unpacks each chunk, transposes it, reorders RoPE rows and casts as the target needs, and
+copies it into the destination (``into``'s tensor or a new one). A lone contiguous chunk is sent straight from
+the source tensor and, when no transform applies, received straight into the destination. Extra memory per
+process: one send and one receive buffer of at most ``chunk_bytes`` each, and one chunk of transform.
+"""
+
+from __future__ import annotations
+
+import time
+
+from reshard.errors import PlanError
+from reshard.io import dtypes
+from reshard.io.assemble import rope_rows
+from reshard.live.schedule import build
+from reshard.live.source import dtype_name
+from reshard.live.stats import Received, Stats
+from reshard.live.watch import TransferError, Watch, group_store
+
+DEFAULT_CHUNK = 64 << 20
+
+
+def source_slice(tensor, op, axis: int):
+    """``op``'s slice of its (local) source tensor, in the source's orientation; ``axis``: the target's."""
+    along = op.source_axis(axis)
+    if op.src_block is not None:
+        tensor, along = tensor[op.src_block], along - 1
+    if op.rows is not None:
+        tensor = tensor.narrow(0, op.rows[0], op.rows[1] - op.rows[0])
+    return tensor.narrow(along, op.src_start, op.length)
+
+
+def slice_shape(plan, op, axis: int) -> tuple[int, ...]:
+    """The shape of :func:`source_slice` computed from the plan alone (what a receiver unpacks)."""
+    shape = list(plan.sources[op.source][op.tensor].shape)
+    along = op.source_axis(axis)
+    if op.src_block is not None:
+        shape, along = shape[1:], along - 1
+    if op.rows is not None:
+        shape[0] = op.rows[1] - op.rows[0]
+    shape[along] = op.length
+    return tuple(shape)
+
+
+def target_part(dest, op, axis: int):
+    """Where ``op`` lands in destination tensor ``dest`` (``axis``: the target tensor's)."""
+    if op.dst_block is not None:
+        return dest[op.dst_block].narrow(axis - 1, op.dst_start, op.length)
+    return dest.narrow(axis, op.dst_start, op.length)
+
+
+def place(dest, op, axis: int, data) -> None:
+    """Copy source slice ``data`` into ``dest`` the way the target stores it: transposed, RoPE rows, cast."""
+    if op.transposed:
+        data = data.t()
+    if op.interleave:
+        data = rope_rows(data, op.interleave)
+    target_part(dest, op, axis).copy_(data)
+
+
+def _on(tensor, device) -> bool:
+    """Whether ``tensor`` is on ``device`` (``"cuda"`` meaning the current CUDA device)."""
+    import torch
+
+    want = torch.device(device)
+    if want.type == "cuda" and want.index is None:
+        want = torch.device("cuda", torch.cuda.current_device())
+    return tensor.device == want
+
+
+def _flat_bytes(tensor):
+    import torch
+
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def _check_local(plan, index: int, local, chunks) -> dict:
+    """The tensors of source parallel rank ``index`` the schedule reads, checked against the plan."""
+    out = {}
+    for chunk in chunks:
+        name = chunk.op.tensor
+        if name in out:
+            continue
+        want = plan.sources[index][name]
+        if local is None or name not in local:
+            raise PlanError(f"live.transfer: source rank {plan.source_ranks[index]} has no tensor '{name}' "
+                            f"({plan.source['layout']} names, as load_rank(to='{plan.source['layout']}') gives them)")
+        tensor = local[name]
+        if tuple(tensor.shape) != want.shape or dtypes.from_torch(tensor.dtype) != want.dtype:
+            raise PlanError(f"live.transfer: '{name}' on rank {plan.source_ranks[index]} is {list(tensor.shape)} "
+                            f"{tensor.dtype}; the plan expects {list(want.shape)} {dtypes.torch_name(want.dtype)} "
+                            "(pass the live dtype as source={..., 'dtype': ...})")
+        out[name] = tensor
+    return out
+
+
+def _destinations(plan, index: int, into, dtype: str | None, device, stats: Stats) -> dict:
+    """Target parallel rank ``index``'s tensors: ``into``'s (checked, padding zeroed, constants filled) or new."""
+    import torch
+
+    into = dict(into or {})
+    tensors = plan.targets[index]
+    unknown = sorted(set(into) - {t.name for t in tensors})
+    if unknown:
+        raise PlanError(f"live.transfer: into= names '{unknown[0]}', which target rank "
+                        f"{plan.target_ranks[index]} ({plan.target['layout']}) does not hold")
+    out = {}
+    for t in tensors:
+        dest = into.get(t.name)
+        if dest is None:
+            make = torch.zeros if t.padding or t.fill is not None else torch.empty
+            dest = make(t.shape, dtype=dtypes.to_torch(t.dtype_for(dtype)), device=device)
+            stats.allocated.append(t.name)
+        elif tuple(dest.shape) != t.shape:
+            raise PlanError(f"live.transfer: into['{t.name}'] is {list(dest.shape)}; target rank "
+                            f"{plan.target_ranks[index]} holds it as {list(t.shape)}")
+        elif t.padding:
+            for block, start, length in t.padding:
+                (dest[block].narrow(t.axis - 1, start, length) if block is not None
+                 else dest.narrow(t.axis, start, length)).zero_()
+        if t.fill is not None:
+            dest.fill_(t.fill)
+        out[t.name] = dest
+    return out
+
+
+def _default_device(group):
+    import torch.distributed as dist
+
+    return "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+
+
+def transfer(plan, local_tensors=None, group=None, dtype=None, into=None, timeout: float = 300.0,
+             chunk_bytes: int = DEFAULT_CHUNK, device=None) -> Received:
+    """Run ``plan`` (:func:`reshard.live.plan`) on this process: send this rank's source slices, receive its
+    target tensors. Returns the target tensors (empty on a source-only rank) with ``.stats``.
+
+    ``local_tensors``: this process's source tensors under the source layout's names (its ``state_dict()``).
+    ``group``: the process group (default: the world); plan ranks are ranks of it. ``dtype``: cast the target
+    tensors (``"bf16"``, a ``torch.dtype``; pinned ones keep theirs). ``into``: name -> destination tensor, filled
+    in place (shape must match, dtype and device may differ; padding rows zeroed); names it lacks are
+    allocated. ``timeout``: seconds without progress on any rank after which every rank raises
+    :class:`TransferError`; any error on any rank makes every participant raise. ``chunk_bytes``: the bound of
+    one message. ``device``: where buffers and new tensors live (default ``cuda`` for NCCL, else ``cpu``)."""
+    import torch.distributed as dist
+
+    started = time.perf_counter()
+    me = dist.get_rank(group)
+    stats = Stats(me)
+    participants = sorted(set(plan.source_ranks) | set(plan.target_ranks))
+    if me not in participants:
+        return _received({}, stats, started)
+    watch = Watch(group_store(group), participants, me, timeout)
+    try:
+        name = dtype_name(dtype)
+        key = (name, chunk_bytes)
+        if key not in plan._cache:
+            plan._cache[key] = build(plan, name, chunk_bytes)
+        schedule = plan._cache[key]
+        device = device or _default_device(group)
+        src = plan.source_ranks.index(me) if me in plan.source_ranks else None
+        dst = plan.target_ranks.index(me) if me in plan.target_ranks else None
+        sends, recvs = schedule.sends(me), schedule.receives(me)
+        local_chunks = schedule.local.get(me, [])
+        mine = [c for _, m in sends for c in m.chunks] + local_chunks
+        local = _check_local(plan, src, local_tensors, mine) if src is not None else {}
+        dests = _destinations(plan, dst, into, name, device, stats) if dst is not None else {}
+        targets = plan.targets[dst] if dst is not None else []
+        for chunk in local_chunks:
+            tensor = targets[chunk.tensor]
+            place(dests[tensor.name], chunk.op, tensor.axis, source_slice(local[chunk.op.tensor], chunk.op, tensor.axis))
+            stats.local_bytes += chunk.nbytes
+        _rounds(plan, watch, group, sends, recvs, local, dests, targets, device, stats)
+        watch.finish()
+    except BaseException as exc:
+        watch.fail(exc)
+        if isinstance(exc, TransferError):
+            raise
+        raise TransferError(f"live transfer failed on rank {me}: {type(exc).__name__}: {exc}") from exc
+    return _received(dests, stats, started)
+
+
+def _received(dests: dict, stats: Stats, started: float) -> Received:
+    out = Received(dests)
+    stats.seconds = time.perf_counter() - started
+    out.stats = stats
+    return out
+
+
+def _rounds(plan, watch, group, sends, recvs, local, dests, targets, device, stats) -> None:
+    """Post this process's messages round by round, unpacking each received one into its destinations."""
+    import torch
+    import torch.distributed as dist
+
+    send_at, recv_at = dict(sends), dict(recvs)
+    buffers = {}
+
+    def buffer(kind: str, nbytes: int):
+        buf = buffers.get(kind)
+        if buf is None or buf.numel() < nbytes:
+            buf = buffers[kind] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return buf[:nbytes]
+
+    def peer(rank: int) -> int:
+        return rank if group is None else dist.get_global_rank(group, rank)
+
+    for r in sorted(set(send_at) | set(recv_at)):
+        ops, unpack = [], None
+        if r in send_at:
+            msg = send_at[r]
+            ops.append(dist.P2POp(dist.isend, _pack(plan, msg, local, buffer, device), peer(msg.dst), group))
+        if r in recv_at:
+            msg = recv_at[r]
+            into, unpack = _recv_target(plan, msg, dests, targets, buffer, device)
+            ops.append(dist.P2POp(dist.irecv, into, peer(msg.src), group))
+        watch.wait(dist.batch_isend_irecv(ops), f"round {r}")
+        if r in send_at:
+            stats.messages_sent += 1
+            stats.count_send(send_at[r].dst, sum(c.nbytes for c in send_at[r].chunks))
+        if r in recv_at:
+            if unpack is not None:
+                unpack()
+            stats.messages_received += 1
+            stats.count_receive(recv_at[r].src, sum(c.nbytes for c in recv_at[r].chunks))
+        stats.rounds += 1
+        watch.progressed()
+
+
+def _pack(plan, msg, local, buffer, device):
+    """The bytes of message ``msg``: a lone contiguous chunk as it is, else the chunks packed into the buffer."""
+    def slice_of(chunk):
+        return source_slice(local[chunk.op.tensor], chunk.op, plan.targets[chunk.target][chunk.tensor].axis)
+
+    if len(msg.chunks) == 1:
+        data = slice_of(msg.chunks[0])
+        if data.is_contiguous() and dtypes.from_torch(data.dtype) == msg.chunks[0].wire and \
+                _on(data, device):
+            return _flat_bytes(data)
+    buf = buffer("send", msg.nbytes)
+    for chunk in msg.chunks:
+        data = slice_of(chunk)
+        buf[chunk.offset:chunk.offset + chunk.nbytes].view(dtypes.to_torch(chunk.wire)).view(data.shape).copy_(data)
+    return buf
+
+
+def _recv_target(plan, msg, dests, targets, buffer, device):
+    """(the tensor to receive ``msg`` into, a function that unpacks it afterwards, or None when received in
+    place: a lone chunk with no transform, contiguous in a destination of the wire dtype)."""
+    if len(msg.chunks) == 1:
+        chunk = msg.chunks[0]
+        tensor = targets[chunk.tensor]
+        part = target_part(dests[tensor.name], chunk.op, tensor.axis)
+        if not (chunk.op.transposed or chunk.op.interleave) and part.is_contiguous() and \
+                dtypes.from_torch(part.dtype) == chunk.wire and _on(part, device):
+            return _flat_bytes(part), None
+    buf = buffer("recv", msg.nbytes)
+
+    def unpack():
+        for chunk in msg.chunks:
+            tensor = targets[chunk.tensor]
+            data = buf[chunk.offset:chunk.offset + chunk.nbytes].view(dtypes.to_torch(chunk.wire))
+            place(dests[tensor.name], chunk.op, tensor.axis, data.view(slice_shape(plan, chunk.op, tensor.axis)))
+    return buf, unpack

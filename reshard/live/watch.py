@@ -1,0 +1,114 @@
+"""Failure handling for a live transfer: every participant raises within ``timeout`` when any of them fails.
+
+The status board is the process group's store (the rendezvous ``TCPStore``), under a prefix of its own per
+transfer call: ``failed`` (the first failure's message, set by the rank that raised), ``progress`` (a counter every
+rank bumps after each round it completes), ``done/<rank>``. A rank waiting for its messages, or at the end for
+the other ranks' ``done``, polls its own operations and the board: it raises as soon as ``failed`` is set, when
+its operations fail (a peer's socket closed: a dead process), when the store itself is gone, or when ``progress``
+has not moved for ``timeout`` seconds (a hung or killed peer). The ranks waiting are thus bounded by ``timeout``
+after the last progress any rank made, however long the whole transfer takes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from reshard.errors import ReshardError
+
+_CALLS: dict[tuple[int, ...], int] = {}  # participants -> transfers started, the same on every participant
+
+
+class TransferError(ReshardError):
+    """A live transfer failed on this rank or another; every participant raises it (or its own error)."""
+
+    exit_code = 1
+
+
+def group_store(group):
+    """The store of ``group`` (None: the default group)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    pg = group if group is not None else c10d._get_default_group()
+    return c10d._get_process_group_store(pg)
+
+
+class Watch:
+    """The board of one transfer call between ``participants`` (process ranks), seen from rank ``me``."""
+
+    POLL_STORE = 0.05  # seconds between looks at the board while waiting
+
+    def __init__(self, store, participants: list[int], me: int, timeout: float, label: str = ""):
+        key = tuple(participants)
+        call = _CALLS.get(key, 0)
+        _CALLS[key] = call + 1
+        self.store, self.participants, self.me, self.timeout = store, participants, me, float(timeout)
+        self.prefix = f"reshard_live/{label}{'-'.join(map(str, key))}/{call}/"
+        self.seen = -1
+        self.deadline = time.monotonic() + self.timeout
+
+    def _key(self, name: str) -> str:
+        return self.prefix + name
+
+    def check(self) -> None:
+        """Raise if another rank failed; extend the deadline if any rank progressed; raise past the deadline."""
+        try:
+            if self.store.check([self._key("failed")]):
+                raise TransferError(f"live transfer failed on another rank: {self.store.get(self._key('failed')).decode()}")
+            count = self.store.add(self._key("progress"), 0)
+        except TransferError:
+            raise
+        except Exception as exc:  # the store's host (rank 0's process) is gone
+            raise TransferError(f"rank {self.me}: lost the process group's store ({type(exc).__name__}: {exc}): "
+                                "a rank died") from exc
+        now = time.monotonic()
+        if count != self.seen:
+            self.seen, self.deadline = count, now + self.timeout
+        elif now > self.deadline:
+            raise TransferError(f"rank {self.me}: no rank made progress for {self.timeout:g} s: a peer hung or died")
+
+    def progressed(self) -> None:
+        self.store.add(self._key("progress"), 1)
+
+    def wait(self, works, what: str) -> None:
+        """Wait for ``works`` (torch.distributed Work objects), watching the board meanwhile. A daemon thread
+        waits on them (gloo's point-to-point works only complete inside ``wait``); when this rank gives up, the
+        thread is left to the process group's own timeout."""
+        done, errors = threading.Event(), []
+
+        def run() -> None:
+            try:
+                for w in works:
+                    w.wait()
+            except BaseException as exc:  # a failed operation: a peer's closed socket, the group's timeout
+                errors.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name=f"reshard-live-{what}", daemon=True).start()
+        while not done.wait(self.POLL_STORE):
+            self.check()
+        if errors:
+            raise TransferError(f"rank {self.me}: {what} failed ({type(errors[0]).__name__}: {errors[0]}): a peer "
+                                "died or gave up") from errors[0]
+
+    def finish(self) -> None:
+        """Say this rank is done and wait until every participant is; the last one out clears the board."""
+        self.store.set(self._key(f"done/{self.me}"), "1")
+        done = [self._key(f"done/{r}") for r in self.participants]
+        while not self.store.check(done):
+            self.check()
+            time.sleep(self.POLL_STORE / 5)
+        if self.store.add(self._key("exit"), 1) == len(self.participants):
+            for key in done + [self._key("progress"), self._key("exit")]:
+                self.store.delete_key(key)
+
+    def fail(self, exc: BaseException) -> None:
+        """Post this rank's failure (the first posted is the one everybody reports); never raises."""
+        if isinstance(exc, TransferError) and "on another rank" in str(exc):
+            return
+        try:
+            if not self.store.check([self._key("failed")]):
+                self.store.set(self._key("failed"), f"rank {self.me}: {type(exc).__name__}: {exc}")
+        except Exception:
+            pass
