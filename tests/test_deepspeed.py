@@ -318,3 +318,17 @@ def test_a_universal_checkpoint_raises_the_open_file_limit():
             "soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]; "
             "assert soft == (500 if hard == resource.RLIM_INFINITY or hard >= 500 else hard), soft")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_plan_lists_what_convert_writes(ckpts, tmp_path, capsys):
+    """``reshard plan`` of a ZeRO-3 folder names the files and tensor bytes ``convert`` then writes."""
+    import json
+
+    code, out, err = run_cli(capsys, "plan", ckpts["moe-3"], "--to", "vllm", "--tp", "2", "--json")
+    assert code == 0, err
+    plan = json.loads(out)
+    convert(ckpts["moe-3"], str(tmp_path / "vllm"), to="vllm", tp=2)
+    written = sorted(p.name for p in (tmp_path / "vllm").glob("*.safetensors"))
+    assert sorted(f["path"] for f in plan["files"]) == written
+    tensors = [t for name in written for t in load_file(str(tmp_path / "vllm" / name)).values()]
+    assert plan["bytes"] == sum(t.numel() * t.element_size() for t in tensors)

@@ -230,3 +230,21 @@ def test_load_rank_of_a_torchtitan_step_is_the_vllm_rank_file(fsdp, tmp_path, na
         view = reshard.load_rank(f"{fsdp}/{folder}", to="vllm", tp=tp, rank=rank, config=config)
         assert set(view) == set(written)
         assert all(torch.equal(view[k], written[k]) for k in written)
+
+
+def test_plan_lists_what_convert_writes(fsdp, tmp_path, capsys):
+    """``reshard plan`` of a torchtitan step names the files and tensor bytes ``convert`` then writes."""
+    from safetensors.torch import load_file
+
+    config = f"{fsdp}/qwen3.config.json"
+    code, out, err = run_cli(capsys, "plan", f"{fsdp}/qwen3", "--to", "vllm", "--tp", "2", "--config", config,
+                             "--json")
+    assert code == 0, err
+    plan = json.loads(out)
+    code, _, err = run_cli(capsys, "convert", f"{fsdp}/qwen3", tmp_path / "vllm", "--to", "vllm", "--tp", "2",
+                           "--config", config)
+    assert code == 0, err
+    written = sorted(p.name for p in (tmp_path / "vllm").glob("*.safetensors"))
+    assert sorted(f["path"] for f in plan["files"]) == written
+    tensors = [t for name in written for t in load_file(str(tmp_path / "vllm" / name)).values()]
+    assert plan["bytes"] == sum(t.numel() * t.element_size() for t in tensors)
