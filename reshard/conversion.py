@@ -66,7 +66,7 @@ def make_plan(source: Source, to: str, opts: Options) -> tuple[Plan, object]:
         notes.append(f"dropping non-model state from the source: {', '.join(dropped)}")
     plan = Plan(source_layout=source.layout, target_layout=to, source_files=[f.path for f in source.files],
                 files=files, checks=index.checks, notes=notes, source_root=source.root)
-    plan.count_read_bytes(source.row_bytes)
+    plan.count_read_bytes(source.row_bytes, source.byte_shares)
     return plan, target.state
 
 

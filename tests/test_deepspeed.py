@@ -332,3 +332,6 @@ def test_plan_lists_what_convert_writes(ckpts, tmp_path, capsys):
     assert sorted(f["path"] for f in plan["files"]) == written
     tensors = [t for name in written for t in load_file(str(tmp_path / "vllm" / name)).values()]
     assert plan["bytes"] == sum(t.numel() * t.element_size() for t in tensors)
+    read = plan["bytes_read_per_source"]  # ZeRO-3: every weight half on each rank's optimizer file
+    optim = {k: v for k, v in read.items() if k.endswith("optim_states.pt")}
+    assert len(optim) == 2 and all(v > 0.45 * sum(read.values()) for v in optim.values()), read

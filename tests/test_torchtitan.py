@@ -248,3 +248,6 @@ def test_plan_lists_what_convert_writes(fsdp, tmp_path, capsys):
     assert sorted(f["path"] for f in plan["files"]) == written
     tensors = [t for name in written for t in load_file(str(tmp_path / "vllm" / name)).values()]
     assert plan["bytes"] == sum(t.numel() * t.element_size() for t in tensors)
+    read = plan["bytes_read_per_source"]  # FSDP2 chunks: each rank's data file holds about half of every weight
+    data = {k: v for k, v in read.items() if k.endswith(".distcp")}
+    assert len(data) == 2 and all(v > 0.4 * sum(read.values()) for v in data.values()), read

@@ -100,15 +100,19 @@ class Plan:
     def nbytes(self) -> int:
         return sum(f.nbytes for f in self.files)
 
-    def count_read_bytes(self, row_bytes) -> None:
+    def count_read_bytes(self, row_bytes, shares=None) -> None:
         """Fill :attr:`read_bytes`: bytes each source file contributes, given ``row_bytes(source, tensor, axis,
-        in_block)`` (``in_block``: one index along ``axis`` within one block of a stacked tensor)."""
+        in_block)`` (``in_block``: one index along ``axis`` within one block of a stacked tensor). ``shares(source,
+        tensor)``: for a tensor whose bytes lie in several files (ZeRO partitions, stitched DCP chunks), the
+        fraction of them in each (path -> fraction), else None."""
         totals = dict.fromkeys(self.source_files, 0)
         for f in self.files:
             for t in f.tensors:
                 for op in t.reads:
-                    totals[self.source_files[op.source]] += op.length * row_bytes(
-                        op.source, op.tensor, op.source_axis(t.axis), op.src_block is not None)
+                    n = op.length * row_bytes(op.source, op.tensor, op.source_axis(t.axis), op.src_block is not None)
+                    spread = shares(op.source, op.tensor) if shares else None
+                    for path, fraction in (spread or {self.source_files[op.source]: 1}).items():
+                        totals[path] = totals.get(path, 0) + round(n * fraction)
         self.read_bytes = totals
 
 

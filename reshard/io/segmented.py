@@ -70,6 +70,14 @@ class SegmentedFile(TensorFile):
         size = dtypes.itemsize(self.tensors[name].dtype)
         return [(self._descriptor(i), offset, count * size) for i, offset, count in self.segments[name]]
 
+    def byte_shares(self, name: str) -> dict[str, float]:
+        """The fraction of tensor ``name``'s elements in each file (a plan's bytes read per file)."""
+        total = self.tensors[name].numel or 1
+        shares: dict[str, float] = {}
+        for index, _, count in self.segments[name]:
+            shares[self.paths[index]] = shares.get(self.paths[index], 0) + count / total
+        return shares
+
     def read_elements(self, name: str, first: int, count: int, out) -> None:
         """Fill the uint8 byte view ``out`` with elements ``[first, first + count)`` of flattened ``name``."""
         size = dtypes.itemsize(self.tensors[name].dtype)

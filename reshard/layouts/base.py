@@ -103,6 +103,12 @@ class Source:
     def __exit__(self, *exc):
         self.close()
 
+    def byte_shares(self, source: int, tensor: str) -> dict[str, float] | None:
+        """The fraction of ``tensor``'s bytes in each file, for a source file whose tensors span several files
+        (``TensorFile.byte_shares``); None for an ordinary file."""
+        shares = getattr(self.files[source], "byte_shares", None)
+        return shares(tensor) if shares else None
+
     def row_bytes(self, source: int, tensor: str, axis: int, in_block: bool = False) -> int:
         loc = self.files[source].tensors[tensor]
         n = loc.nbytes // (loc.shape[0] or 1) if in_block else loc.nbytes

@@ -154,6 +154,14 @@ class StitchedFile(TensorFile):
         self.tensors[name] = TensorLocation(tensor.dtype, shape, 0)
         self.parts[name] = parts
 
+    def byte_shares(self, name: str) -> dict[str, float]:
+        """The fraction of tensor ``name``'s elements in each data file (a plan's bytes read per file)."""
+        total = math.prod(self.tensors[name].shape) or 1
+        shares: dict[str, float] = {}
+        for data, _, _, sizes in self.parts[name]:
+            shares[data.path] = shares.get(data.path, 0) + math.prod(sizes) / total
+        return shares
+
     def read(self, name: str, axis: int = 0, start: int = 0, length: int | None = None,
              rows: tuple[int, int] | None = None):
         import torch
