@@ -24,6 +24,18 @@ from reshard import live
 from reshard.io.assemble import bits_equal
 
 
+def tiny_mixtral(root) -> str:
+    """A tiny Mixtral (4 experts, 8 heads, 4 KV heads: Megatron tp4 works) saved by transformers in ``root``."""
+    import transformers
+
+    from helpers import tiny_transformers_model
+
+    path = os.path.join(str(root), "mixtral")
+    tiny_transformers_model(transformers, "MixtralConfig", num_local_experts=4, num_experts_per_tok=2,
+                            num_key_value_heads=4).save_pretrained(path)
+    return path
+
+
 def rank_kwargs(spec: dict, index: int) -> dict:
     """load_rank's keywords for parallel rank ``index`` of ``spec`` (i = tp_rank + tp * (ep_rank + ep * pp_rank))."""
     tp, pp, ep = spec.get("tp", 1), spec.get("pp", 1), spec.get("ep", 1)
@@ -109,7 +121,7 @@ def main() -> None:
         with open(os.path.join(out, f"{rank}.json"), "w") as f:
             json.dump(results, f)
     if not spec.get("broken"):
-        dist.destroy_process_group()
+        dist.barrier()  # rank 0 hosts the store: nobody leaves while another still talks to it
     sys.stdout.flush()
     os._exit(0)  # a failed transfer leaves operations pending on the broken group: do not wait for them
 

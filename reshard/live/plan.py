@@ -40,9 +40,10 @@ class SourceTensor:
 
 @dataclass
 class LiveTensor:
-    """One target rank's tensor: ``reads`` (``ReadOp.source``: the source parallel rank), ``padding`` spans
-    ``(block, start, length)`` along ``axis`` (zeros), or ``fill`` (a constant). ``pinned``: its dtype is fixed
-    (a constant's, an fp32 router bias), ``transfer(dtype=...)`` does not change it."""
+    """One target rank's tensor: ``reads`` (``ReadOp.source``: the source parallel rank that sends it; ``holders``:
+    every source parallel rank holding the same bytes), ``padding`` spans ``(block, start, length)`` along
+    ``axis`` (zeros), or ``fill`` (a constant). ``pinned``: its dtype is fixed (a constant's, an fp32 router
+    bias), ``transfer(dtype=...)`` does not change it."""
 
     name: str
     shape: tuple[int, ...]
@@ -52,6 +53,7 @@ class LiveTensor:
     padding: tuple[tuple[int | None, int, int], ...] = ()
     fill: float | None = None
     pinned: bool = False
+    holders: list[tuple[int, ...]] = field(default_factory=list)  # per read: the source ranks holding its bytes
 
     def dtype_for(self, dtype: str | None) -> str:
         return self.dtype if self.pinned or dtype is None else dtype
@@ -101,6 +103,20 @@ class LivePlan:
         from reshard.live.source import dtype_name
 
         return sum(t.nbytes(dtype_name(dtype)) for t in self.targets[index] if t.fill is None)
+
+    def payload_bytes(self, index: int, dtype=None) -> int:
+        """Bytes target parallel rank ``index`` receives or copies: its tensors less padding and constants."""
+        from reshard.live.source import dtype_name
+
+        total = 0
+        for t in self.targets[index]:
+            if t.fill is not None:
+                continue
+            shape = t.shape[1:] if t.padding and t.padding[0][0] is not None else t.shape
+            axis = t.axis - (len(shape) < len(t.shape))
+            pad = sum(length for _, _, length in t.padding) * math.prod(shape) // shape[axis] if t.padding else 0
+            total += t.nbytes(dtype_name(dtype)) - pad * dtypes.itemsize(t.dtype_for(dtype_name(dtype)))
+        return total
 
     def describe(self, dtype=None) -> str:
         """Who sends what to whom: one line per pair of processes, with bytes and slices, then totals."""
@@ -199,7 +215,10 @@ def plan(config, source: dict, target: dict, source_ranks, target_ranks) -> Live
             pinned = st.dtype is not None or (canon in model.tensors and model.tensors[canon].spec.dtype is not None)
             padding = tuple((p.block, off, p.length) for p, off in st.offsets() if p.canonical is None)
             tensor = LiveTensor(st.name, tuple(st.shape), planned.dtype, st.axis, [], padding, st.fill, pinned)
-            tensor.reads = [holders.choose(op, live, tensor, j, load) for op in _with_rows(st, planned.reads)]
+            for item in _with_rows(st, planned.reads):
+                op, held_by = holders.choose(item, live, tensor, j, load)
+                tensor.reads.append(op)
+                tensor.holders.append(held_by)
             tensors.append(tensor)
         live.targets.append(tensors)
     return live
@@ -232,9 +251,9 @@ class _Holders:
                         (piece.start, piece.stop, source, tensor.name, offset, tensor.transposed, piece.block,
                          tensor.interleaved))
 
-    def choose(self, item, live: LivePlan, tensor: LiveTensor, j: int, load: list[int]) -> ReadOp:
-        """``op`` (reading canonical rows from ``first``) from the holder that sends it best: one on the target's
-        own process, else the least loaded, else the planner's (first) choice."""
+    def choose(self, item, live: LivePlan, tensor: LiveTensor, j: int, load: list[int]):
+        """(``op`` (reading canonical rows from ``first``) from the holder that sends it best: one on the
+        target's own process, else the least loaded, else the planner's (first) choice; the holders)."""
         op, canonical, first = item
         last = first + op.length
         spans = self.spans[canonical]
@@ -246,4 +265,4 @@ class _Holders:
         start, _, source, name, offset, _, block, _ = best
         chosen = replace(op, source=source, tensor=name, src_start=offset + first - start, src_block=block)
         load[source] += live.op_elements(chosen, tensor.axis) * dtypes.itemsize(tensor.dtype)
-        return chosen
+        return chosen, tuple(sorted({s[2] for s in same}))

@@ -80,24 +80,28 @@ def _flat_bytes(tensor):
     return tensor.reshape(-1).view(torch.uint8)
 
 
-def _check_local(plan, index: int, local, chunks) -> dict:
-    """The tensors of source parallel rank ``index`` the schedule reads, checked against the plan."""
-    out = {}
-    for chunk in chunks:
-        name = chunk.op.tensor
-        if name in out:
-            continue
-        want = plan.sources[index][name]
-        if local is None or name not in local:
-            raise PlanError(f"live.transfer: source rank {plan.source_ranks[index]} has no tensor '{name}' "
-                            f"({plan.source['layout']} names, as load_rank(to='{plan.source['layout']}') gives them)")
-        tensor = local[name]
-        if tuple(tensor.shape) != want.shape or dtypes.from_torch(tensor.dtype) != want.dtype:
-            raise PlanError(f"live.transfer: '{name}' on rank {plan.source_ranks[index]} is {list(tensor.shape)} "
-                            f"{tensor.dtype}; the plan expects {list(want.shape)} {dtypes.torch_name(want.dtype)} "
-                            "(pass the live dtype as source={..., 'dtype': ...})")
-        out[name] = tensor
-    return out
+class _Local:
+    """Source parallel rank ``index``'s tensors, looked up in the caller's mapping at each use (a mapping may
+    build them on demand), each checked against the plan on first use; names are checked up front."""
+
+    def __init__(self, plan, index: int, local, chunks):
+        self.plan, self.index, self.local, self.checked = plan, index, local, set()
+        for name in dict.fromkeys(c.op.tensor for c in chunks):
+            if local is None or name not in local:
+                raise PlanError(f"live.transfer: source rank {plan.source_ranks[index]} has no tensor '{name}' "
+                                f"({plan.source['layout']} names, as load_rank(to='{plan.source['layout']}') "
+                                "gives them)")
+
+    def __getitem__(self, name: str):
+        tensor = self.local[name]
+        if name not in self.checked:
+            want = self.plan.sources[self.index][name]
+            if tuple(tensor.shape) != want.shape or dtypes.from_torch(tensor.dtype) != want.dtype:
+                raise PlanError(f"live.transfer: '{name}' on rank {self.plan.source_ranks[self.index]} is "
+                                f"{list(tensor.shape)} {tensor.dtype}; the plan expects {list(want.shape)} "
+                                f"{dtypes.torch_name(want.dtype)} (pass the live dtype as source={{..., 'dtype': ...}})")
+            self.checked.add(name)
+        return tensor
 
 
 def _destinations(plan, index: int, into, dtype: str | None, device, stats: Stats) -> dict:
@@ -169,7 +173,7 @@ def transfer(plan, local_tensors=None, group=None, dtype=None, into=None, timeou
         sends, recvs = schedule.sends(me), schedule.receives(me)
         local_chunks = schedule.local.get(me, [])
         mine = [c for _, m in sends for c in m.chunks] + local_chunks
-        local = _check_local(plan, src, local_tensors, mine) if src is not None else {}
+        local = _Local(plan, src, local_tensors, mine) if src is not None else {}
         dests = _destinations(plan, dst, into, name, device, stats) if dst is not None else {}
         targets = plan.targets[dst] if dst is not None else []
         for chunk in local_chunks:

@@ -89,6 +89,7 @@ class Watch:
         while not done.wait(self.POLL_STORE):
             self.check()
         if errors:
+            self.check()  # a peer that failed posted why before its sockets closed: report that
             raise TransferError(f"rank {self.me}: {what} failed ({type(errors[0]).__name__}: {errors[0]}): a peer "
                                 "died or gave up") from errors[0]
 
