@@ -18,21 +18,20 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import replace
 
 from reshard.core.canonical import match_template, template_layer
 from reshard.errors import CheckpointError
-from reshard.io.dcp import DcpTensor, DistcpFile, read_metadata
+from reshard.io.dcp import DcpTensor, read_metadata
 from reshard.io.heads import read_heads_while_torch_imports
-from reshard.io.tensorfile import TensorFile, TensorLocation
 from reshard.io.torch_format import TorchFile
 from reshard.layouts import hf
 from reshard.layouts.base import Layout, Options, Source, find_side_files, read_json_object
-from reshard.layouts.dcp_chunks import TRAINING_STATE, StitchedFile, dcp_stored
+from reshard.layouts.dcp_chunks import TRAINING_STATE
+from reshard.layouts.dcp_source import METADATA, build_dcp_source, skipped_kinds
+from reshard.layouts import torchtitan
 from reshard.mapping import family_for_architecture
 
 NAME = "dcp"
-METADATA = ".metadata"
 ACCELERATE_FOLDER = "pytorch_model_fsdp_0"
 FULL_STATE_DICT = "pytorch_model_fsdp.bin"
 LOCAL_STATE_DICT = re.compile(r"^pytorch_model_fsdp(_\d+)?_rank\d+\.bin$")
@@ -54,40 +53,6 @@ def model_config(root: str, opts: Options, kind: str) -> tuple[dict, str]:
         return read_json_object(opts.config, kind), ""
     raise CheckpointError(f"{root}: {kind} holds no model config and there is no config.json beside it: pass "
                           "--config FILE (the model's Hugging Face config.json)")
-
-
-def skipped_kinds(keys) -> list[str]:
-    """The training-state groups among ``keys`` (``optimizer``, ``lr_scheduler``, ...), for a note."""
-    return sorted({k.split(".")[0] for k in keys if k.startswith(TRAINING_STATE)} |
-                  ({"non-tensor items"} if any(not k.startswith(TRAINING_STATE) for k in keys) else set()))
-
-
-def build_dcp_source(layout: str, root: str, folder: str, tensors: dict[str, DcpTensor], config: dict,
-                     opts: Options, side_files: list[str], notes: list[str], interleaved: bool = False) -> Source:
-    """The canonical view of a DCP folder whose model tensors ``tensors`` are keyed by HF name: the HF reader's
-    view of their shapes and dtypes (names, config, tying checked as for an HF folder), each tensor then located
-    in its chunks (:func:`~reshard.layouts.dcp_chunks.dcp_stored`). ``interleaved``: q / k rows are in Meta's
-    interleaved-RoPE order (torchtitan's Llama)."""
-    catalog = TensorFile(os.path.join(folder, METADATA),
-                         {name: TensorLocation(t.dtype, t.shape, 0) for name, t in tensors.items()})
-    source = hf.build_source(root, config, [catalog], opts, side_files)
-    model = source.model
-    head_dim = model.dims.get("d", model.dims["H"] // model.dims["nh"])
-    files: dict[str, DistcpFile] = {}
-    stitched = StitchedFile(folder)
-    located = []
-    for _, target in source.stored:
-        canonical = target.pieces[0].canonical
-        if interleaved and model.tensors[canonical].spec.role in ("q", "k"):
-            target = replace(target, interleaved=head_dim)
-        located.extend(dcp_stored(files, stitched, folder, tensors[target.name], target))
-    file_list = [files[name] for name in sorted(files)] + ([stitched] if stitched.parts else [])
-    position = {id(f): i for i, f in enumerate(file_list)}
-    source.layout, source.files = layout, file_list
-    source.stored = [(position[id(f)], t) for f, t in located]
-    source.info["notes"] = source.info["notes"] + notes
-    source.info["folder"] = folder
-    return source
 
 
 def _strip_prefix(tensors: dict[str, DcpTensor], family, where: str) -> tuple[dict[str, DcpTensor], bool]:
@@ -117,8 +82,6 @@ def open_dcp_folder(root: str, folder: str, opts: Options) -> Source:
     tensors, objects = read_metadata(folder)
     model_keys = {k: t for k, t in tensors.items() if not k.startswith(TRAINING_STATE)}
     if looks_torchtitan(model_keys):
-        from reshard.layouts import torchtitan
-
         return torchtitan.open_source(root, opts)
     if not model_keys:
         raise CheckpointError(f"{folder} holds no model tensors (only {', '.join(skipped_kinds(tensors))}): pass the "

@@ -34,7 +34,7 @@ from reshard.layouts import hf
 from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, find_side_files, pack_by_size,
                                   read_json_object, stored_dtype)
 from reshard.layouts.dcp_chunks import TRAINING_STATE
-from reshard.layouts.fsdp_dcp import METADATA, build_dcp_source, skipped_kinds
+from reshard.layouts.dcp_source import METADATA, build_dcp_source, skipped_kinds
 from reshard.layouts.torchtitan_names import FAMILIES, hf_name, titan_name
 from reshard.mapping import family_for_architecture
 
