@@ -123,7 +123,10 @@ def main() -> None:
     if not spec.get("broken"):
         dist.barrier()  # rank 0 hosts the store: nobody leaves while another still talks to it
     sys.stdout.flush()
-    os._exit(0)  # a failed transfer leaves operations pending on the broken group: do not wait for them
+    if spec.get("normal_exit"):  # the interpreter's own exit, as a user's script ends after the error
+        dist.destroy_process_group()
+        return
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -223,7 +223,9 @@ def _rounds(plan, watch, group, sends, recvs, local, dests, targets, device, sta
             msg = recv_at[r]
             into, unpack = _recv_target(plan, msg, dests, targets, buffer, device)
             ops.append(dist.P2POp(dist.irecv, into, peer(msg.src), group))
-        watch.wait(dist.batch_isend_irecv(ops), f"round {r}")
+        peers = ([f"sending to rank {send_at[r].dst}"] if r in send_at else []) + \
+            ([f"receiving from rank {recv_at[r].src}"] if r in recv_at else [])
+        watch.wait(dist.batch_isend_irecv(ops), f"round {r} ({', '.join(peers)})")
         if r in send_at:
             stats.messages_sent += 1
             stats.count_send(send_at[r].dst, sum(c.nbytes for c in send_at[r].chunks))

@@ -50,17 +50,21 @@ class Watch:
     def _key(self, name: str) -> str:
         return self.prefix + name
 
-    def check(self) -> None:
-        """Raise if another rank failed; extend the deadline if any rank progressed; raise past the deadline."""
+    def _board(self, action):
+        """``action()`` on the store; a store that is gone (its host, rank 0's process, died) raises."""
         try:
-            if self.store.check([self._key("failed")]):
-                raise TransferError(f"live transfer failed on another rank: {self.store.get(self._key('failed')).decode()}")
-            count = self.store.add(self._key("progress"), 0)
-        except TransferError:
-            raise
-        except Exception as exc:  # the store's host (rank 0's process) is gone
+            return action()
+        except Exception as exc:
             raise TransferError(f"rank {self.me}: lost the process group's store ({type(exc).__name__}: {exc}): "
                                 "a rank died") from exc
+
+    def check(self) -> None:
+        """Raise if another rank failed; extend the deadline if any rank progressed; raise past the deadline."""
+        failed = self._key("failed")
+        if self._board(lambda: self.store.check([failed])):
+            message = self._board(lambda: self.store.get(failed)).decode()
+            raise TransferError(f"live transfer failed on another rank: {message}")
+        count = self._board(lambda: self.store.add(self._key("progress"), 0))
         now = time.monotonic()
         if count != self.seen:
             self.seen, self.deadline = count, now + self.timeout
@@ -68,12 +72,12 @@ class Watch:
             raise TransferError(f"rank {self.me}: no rank made progress for {self.timeout:g} s: a peer hung or died")
 
     def progressed(self) -> None:
-        self.store.add(self._key("progress"), 1)
+        self._board(lambda: self.store.add(self._key("progress"), 1))
 
     def wait(self, works, what: str) -> None:
         """Wait for ``works`` (torch.distributed Work objects), watching the board meanwhile. A daemon thread
-        waits on them (gloo's point-to-point works only complete inside ``wait``); when this rank gives up, the
-        thread is left to the process group's own timeout."""
+        waits on them (gloo's point-to-point works only complete inside ``wait``, and a ``wait`` with a timeout
+        breaks the pair); when this rank gives up, the thread ends with its peer, or at the group's timeout."""
         done, errors = threading.Event(), []
 
         def run() -> None:
@@ -85,9 +89,15 @@ class Watch:
             finally:
                 done.set()
 
-        threading.Thread(target=run, name=f"reshard-live-{what}", daemon=True).start()
-        while not done.wait(self.POLL_STORE):
-            self.check()
+        threading.Thread(target=run, name="reshard-live-wait", daemon=True).start()
+        try:
+            while not done.wait(self.POLL_STORE):
+                self.check()
+        except TransferError:
+            # Give the pending operation a moment to fail too (its peer gives up and exits, closing the socket):
+            # a process that exits with one still blocked aborts in torch's teardown.
+            done.wait(min(self.timeout / 2, 10.0))
+            raise
         if errors:
             self.check()  # a peer that failed posted why before its sockets closed: report that
             raise TransferError(f"rank {self.me}: {what} failed ({type(errors[0]).__name__}: {errors[0]}): a peer "
@@ -95,14 +105,14 @@ class Watch:
 
     def finish(self) -> None:
         """Say this rank is done and wait until every participant is; the last one out clears the board."""
-        self.store.set(self._key(f"done/{self.me}"), "1")
+        self._board(lambda: self.store.set(self._key(f"done/{self.me}"), "1"))
         done = [self._key(f"done/{r}") for r in self.participants]
-        while not self.store.check(done):
+        while not self._board(lambda: self.store.check(done)):
             self.check()
             time.sleep(self.POLL_STORE / 5)
-        if self.store.add(self._key("exit"), 1) == len(self.participants):
+        if self._board(lambda: self.store.add(self._key("exit"), 1)) == len(self.participants):
             for key in done + [self._key("progress"), self._key("exit")]:
-                self.store.delete_key(key)
+                self._board(lambda: self.store.delete_key(key))
 
     def fail(self, exc: BaseException) -> None:
         """Post this rank's failure (the first posted is the one everybody reports); never raises."""
