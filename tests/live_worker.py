@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import reshard
 from reshard import live
+from reshard.io import dtypes
 from reshard.io.assemble import bits_equal
 
 
@@ -65,12 +66,40 @@ class Failing(Mapping):
         return len(self.tensors)
 
 
+def rss(field: str) -> int:
+    """VmRSS / VmHWM of this process, in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def run_memory_case(case: dict, plan, rank: int) -> dict:
+    """A transfer of tensors made from the plan's shapes (a model too big for position coding): this process's
+    peak RSS above what it held when the transfer started (its own tensors, touched), VmHWM reset first."""
+    local = None
+    if rank in plan.source_ranks:
+        held = plan.sources[plan.source_ranks.index(rank)]
+        local = {n: torch.empty(t.shape, dtype=getattr(torch, dtypes.torch_name(t.dtype))).fill_(rank + 1)
+                 for n, t in held.items()}
+    into = None
+    if rank in plan.target_ranks:
+        into = {t.name: torch.empty(t.shape, dtype=getattr(torch, dtypes.torch_name(t.dtype))).fill_(0)
+                for t in plan.targets[plan.target_ranks.index(rank)]}
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = rss("VmRSS")
+    got = live.transfer(plan, local, into=into, timeout=120)
+    return {"name": case["name"], "rank": rank, "error": None, "stats": got.stats.as_dict(),
+            "extra_rss": rss("VmHWM") - before, "held": before, "seconds": got.stats.seconds}
+
+
 def run_case(case: dict, rank: int) -> dict | None:
     source, target = case["source"], case["target"]
     sources, targets = case["source_ranks"], case["target_ranks"]
     if rank not in sources and rank not in targets:
         return None
     plan = live.plan(case["config"], source=source, target=target, source_ranks=sources, target_ranks=targets)
+    if case.get("memory"):
+        return run_memory_case(case, plan, rank)
     local = None
     if rank in sources:
         local = reshard.load_rank(case["ckpt"], to=source["layout"], **rank_kwargs(source, sources.index(rank)))

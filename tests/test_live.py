@@ -165,3 +165,31 @@ def test_a_failing_rank_makes_every_rank_raise_within_the_timeout(models, tmp_pa
         assert "rank 1" in results[0][kind]["error"] and "rank 1" in results[2][kind]["error"]
     else:
         assert results[1] == {}
+
+
+BIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632,
+       "num_hidden_layers": 10, "num_attention_heads": 16, "num_key_value_heads": 8, "vocab_size": 32000,
+       "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+       "hidden_act": "silu", "torch_dtype": "bfloat16", "attention_bias": False, "mlp_bias": False}
+
+
+@pytest.mark.slow
+def test_memory_above_the_own_tensors_stays_within_two_chunks(tmp_path):
+    """A 1.2 GB bf16 Llama, Megatron tp2 pp2 -> vLLM tp2 on 6 processes, then tp2 -> vLLM tp2 on 2: each
+    rank's peak RSS above its own tensors stays <= 2 x chunk + 64 MiB (tensors from the plan's shapes)."""
+    chunk = 64 << 20
+    plan = live.plan(BIG, source=MEGATRON_TP2_PP2, target=VLLM_TP2, source_ranks=range(4), target_ranks=[4, 5])
+    assert sum(plan.target_bytes(j) for j in range(2)) >= 1 << 30
+    cases = [dict(name="disjoint", config=BIG, source=MEGATRON_TP2_PP2, target=VLLM_TP2, source_ranks=[0, 1, 2, 3],
+                  target_ranks=[4, 5], memory=True),
+             dict(name="colocated", config=BIG, source={"layout": "megatron", "tp": 2}, target=VLLM_TP2,
+                  source_ranks=[0, 1], target_ranks=[0, 1], memory=True),  # local copies, chunk by chunk
+             dict(name="crossed", config=BIG, source={"layout": "megatron", "tp": 2}, target=VLLM_TP2,
+                  source_ranks=[0, 1], target_ranks=[1, 0], memory=True)]  # each sends and receives at once
+    results, codes = launch(tmp_path, "memory", 6, cases, wait=300.0)
+    assert codes == [0] * 6
+    for rank, res in enumerate(results):
+        for name, r in res.items():
+            print(f"live {name} rank {rank}: held {r['held'] >> 20} MiB, +{r['extra_rss'] >> 20} MiB peak, "
+                  f"{r['seconds']:.2f} s, sent {r['stats']['bytes_sent'] >> 20} MiB")
+            assert r["extra_rss"] <= 2 * chunk + (64 << 20), (name, rank, r["extra_rss"] >> 20)
