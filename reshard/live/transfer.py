@@ -137,7 +137,8 @@ def _destinations(plan, index: int, into, dtype: str | None, device, stats: Stat
 def _default_device(group):
     import torch.distributed as dist
 
-    return "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    backend = str(dist.get_backend(group))
+    return "cuda" if "nccl" in backend and "gloo" not in backend else "cpu"
 
 
 def transfer(plan, local_tensors=None, group=None, dtype=None, into=None, timeout: float = 300.0,
@@ -184,7 +185,7 @@ def transfer(plan, local_tensors=None, group=None, dtype=None, into=None, timeou
         watch.finish()
     except BaseException as exc:
         watch.fail(exc)
-        if isinstance(exc, TransferError):
+        if isinstance(exc, TransferError) or not isinstance(exc, Exception):  # Ctrl-C stays itself
             raise
         raise TransferError(f"live transfer failed on rank {me}: {type(exc).__name__}: {exc}") from exc
     return _received(dests, stats, started)
