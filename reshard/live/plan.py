@@ -137,7 +137,8 @@ class LivePlan:
             lines.append(f"  rank {s} -> rank {d}: {how} {_size(pairs[(s, d)])} in {slices[(s, d)]} slices")
         for j, rank in enumerate(self.target_ranks):
             lines.append(f"  target rank {rank} (parallel rank {j}): {len(self.targets[j])} tensors, "
-                         f"{_size(self.target_bytes(j, dtype))}")
+                         f"{_size(self.target_bytes(j, dtype))}, of which {_size(self.payload_bytes(j, dtype))} "
+                         "received (the rest: padding and constants)")
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
 
 
