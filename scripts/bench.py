@@ -31,6 +31,8 @@ repeats and operations).  Its siblings in scripts/:
 - ``bench_ops.py``: the operations timed and their command lines, the converter probe;
 - ``bench_timing.py``: running one child (page-cache eviction, rusage wrapper, RSS sampling);
 - ``bench_report.py``: summary, RSS growth, Markdown table and plot;
+- ``bench_live.py``: the ``--live`` rows: ``reshard.live.transfer`` between gloo processes (Megatron -> vLLM,
+  disjoint and colocated) next to a naive all-gather-then-slice baseline, seconds and peak RSS per rank;
 - ``bench_train.py``: the training-framework sources (a DeepSpeed ZeRO-3 checkpoint and an FSDP2 DCP folder of the
   same Llama, written by deepspeed and torch themselves) of the ``TRAIN_OPS``, which are named with ``--ops``::
 
@@ -129,6 +131,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--verify", action="store_true", help="also time `reshard verify` of each source against its "
                     "conversion, next to reading both and to that conversion, and `verify --forward --nproc 2` "
                     "with each process's peak RSS (scripts/bench_verify.py)")
+    ap.add_argument("--live", action="store_true", help="also time live resharding between gloo processes "
+                    "(reshard.live.transfer and a naive all-gather baseline, peak RSS per rank; scripts/bench_live.py)")
     ap.add_argument("--keep", action="store_true", help="keep the outputs of the last repeat under OUT/outputs")
     ap.add_argument("--plot", action="store_true", help="write OUT/bench.png (needs matplotlib: pip install -e '.[bench]')")
     ap.add_argument("--cache-dir", type=Path, default=None, help="where generated sources are cached (default: OUT/sources)")
@@ -203,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "argv": sys.argv if argv is None else ["bench.py", *argv],
         "args": {"sizes": args.sizes, "repeat": args.repeat, "ops": args.ops, "workers": args.workers,
-                 "torchrun": args.torchrun,
+                 "torchrun": args.torchrun, "live": args.live,
                  "keep": args.keep, "shard_gib": args.shard_gib, "timeout": args.timeout},
         "environment": {
             "cpus": os.cpu_count(),
@@ -406,6 +410,12 @@ def main(argv: list[str] | None = None) -> int:
                 forward = measure_forward_row(src, work, logs, 2, args.timeout)
                 result.setdefault("verify_forward", []).append({"size": key, "model": args.model, **forward})
                 save()
+            if args.live:
+                from bench_live import measure as measure_live
+
+                result.setdefault("live", []).extend(measure_live(src, key, work / "live", args.repeat,
+                                                                  timeout=args.timeout, log=log))
+                save()
             for kind, folder in derived.items():
                 if args.keep:
                     keep_output(folder, out / "outputs" / key / f"{kind}_source")
@@ -424,6 +434,10 @@ def main(argv: list[str] | None = None) -> int:
 
         md += "\n\n## Verify (digest check, cold)\n\n" + render_verify(result["verify"]) + "\n"
         md += "\n## Verify --forward (--nproc 2)\n\n" + render_forward(result["verify_forward"]) + "\n"
+    if result.get("live"):
+        from bench_live import render as render_live
+
+        md += "\n\n## Live resharding (gloo, 127.0.0.1)\n\n" + render_live(result["live"]) + "\n"
     (out / "bench.md").write_text(md)
     print(md)
     if args.plot:
