@@ -44,13 +44,13 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import subprocess
 import sys
 
 TRAINERS = 2  # Megatron tp 2: live ranks 0 and 1
 ENGINE = TRAINERS  # the vLLM engine: live rank 2
 WORLD = TRAINERS + 1
+DTYPE_KEY = "reshard-live-example/dtype"  # the engine's dtype, for the trainers: the wire carries it
 PROMPTS = [[1, 17, 99, 3, 512, 640, 7, 998, 250, 64, 963, 2], [5, 900, 42, 42, 8, 700, 333]]
 # what torchrun sets; the engine drops them before vLLM starts its own world of 1 (with TORCHELASTIC_USE_AGENT_STORE
 # set, torch would look for vLLM's rendezvous store in torchrun's agent instead of hosting it)
@@ -106,7 +106,8 @@ def trainer(args, store, rank: int, timeout) -> dict:
                             timeout=timeout)  # the trainer's own world (its Megatron groups would live here)
     weights = reshard.load_rank(args.ckpt, to="megatron", tp=TRAINERS, rank=rank)  # the model's state_dict()
     group = live_group(store, rank, WORLD, timeout)
-    got = live.transfer(make_plan(args.ckpt), weights, group=group, dtype=args.dtype)
+    dtype = store.get(DTYPE_KEY).decode()  # every participant passes the same dtype: the engine's
+    got = live.transfer(make_plan(args.ckpt), weights, group=group, dtype=dtype)
     print(f"trainer {rank}: {got.stats}", flush=True)
     dist.destroy_process_group(group)
     dist.destroy_process_group()
@@ -181,8 +182,10 @@ def engine(args, store, timeout) -> dict:
     llm = LLM(model=args.ckpt, load_format="dummy", tensor_parallel_size=1, dtype=args.dtype or "auto",
               skip_tokenizer_init=True, enforce_eager=True, max_model_len=128, max_num_seqs=4, seed=0)
     before = prompt_logprobs(llm, args.prompts, args.top_k)
+    dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")  # what "auto" chose, e.g. bfloat16
+    store.set(DTYPE_KEY, dtype)
     group = live_group(store, ENGINE, WORLD, timeout)
-    result = llm.apply_model(lambda model: update(model, args.ckpt, group, args.dtype))[0]
+    result = llm.apply_model(lambda model: update(model, args.ckpt, group, dtype))[0]
     llm.reset_prefix_cache()  # KV blocks cached from the old weights
     after = prompt_logprobs(llm, args.prompts, args.top_k)
     for ids, old, new in zip(args.prompts, before, after):
@@ -200,10 +203,8 @@ def spawn(argv: list[str]) -> int:
     """Run the three ranks as this script's children, the way torchrun would (this process hosts the store)."""
     import torch.distributed as dist
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=True, wait_for_workers=False)  # noqa: F841 (kept)
+    store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False)  # a free port
+    port = store.port
     procs = []
     for rank in range(WORLD):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
@@ -218,20 +219,24 @@ def spawn(argv: list[str]) -> int:
                         codes[i] = p.wait(timeout=0.5)
                     except subprocess.TimeoutExpired:
                         continue
-                    if codes[i] != 0:  # one rank failed: the others raise within the transfer's timeout
-                        print(f"rank {i} exited with {codes[i]}", file=sys.stderr, flush=True)
+                    if codes[i] != 0:  # as torchrun does: one rank failed, stop the others
+                        print(f"rank {i} exited with {codes[i]}: stopping the others", file=sys.stderr, flush=True)
+                        for other in procs:
+                            if other.poll() is None:
+                                other.kill()
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    return max(abs(c) for c in codes)
+    return max((abs(c) for c in codes if c), default=0)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("ckpt", help="a checkpoint folder reshard reads, with a Hugging Face config.json")
-    parser.add_argument("--dtype", default=None, help="the engine's dtype, and the transfer's (default: the model's)")
+    parser.add_argument("--dtype", default=None,
+                        help="the engine's dtype (default: vLLM's choice); the trainers cast to it on the way")
     parser.add_argument("--prompts", type=json.loads, default=PROMPTS, help="JSON list of token-id lists")
     parser.add_argument("--top-k", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the rendezvous and the transfer")
