@@ -142,6 +142,19 @@ def read_json_object(path: str, what: str) -> dict:
     return value
 
 
+def training_config(folders: list[str], opts: Options, kind: str) -> tuple[dict, str | None]:
+    """``(config, the folder it was found in)`` of a training checkpoint, which saves no HF config of its own:
+    ``--config FILE`` when given (folder None), else the first ``config.json`` in ``folders``; neither is
+    refused (``kind`` names the checkpoint in the message)."""
+    if opts.config:
+        return read_json_object(opts.config, "--config"), None
+    for folder in folders:
+        if os.path.isfile(os.path.join(folder, "config.json")):
+            return read_json_object(os.path.join(folder, "config.json"), kind), folder
+    raise CheckpointError(f"{folders[0]}: {kind} holds no model config and there is no config.json beside it: pass "
+                          "--config FILE (the model's Hugging Face config.json)")
+
+
 def chosen_architecture(named: str | None, opts: Options, where: str) -> str | None:
     """``--architecture`` if given, else the architecture the checkpoint names. Forcing another than the one it
     names is refused unless ``--allow-lossy-config architecture``: the forced class ignores what the named one

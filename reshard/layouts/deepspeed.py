@@ -23,7 +23,7 @@ from reshard.errors import CheckpointError
 from reshard.io.hf_files import weight_files
 from reshard.layouts import deepspeed_read as ds
 from reshard.layouts import hf
-from reshard.layouts.base import Layout, Options, Source, find_side_files, read_json_object
+from reshard.layouts.base import Layout, Options, Source, find_side_files, training_config
 from reshard.mapping import family_for_architecture
 
 NAME = "deepspeed"
@@ -60,19 +60,6 @@ def tag_folder(root: str, opts: Options) -> tuple[str, str, str | None]:
     raise CheckpointError(f"{root} has no latest file and no *_model_states.pt: not a DeepSpeed checkpoint")
 
 
-def model_config(folder: str, beside: str, opts: Options) -> tuple[dict, str]:
-    """The HF config describing the model: ``--config FILE``, else ``config.json`` beside ``latest``, else in the
-    tag folder; neither is refused."""
-    if opts.config:
-        return read_json_object(opts.config, "--config"), opts.config
-    for place in (beside, folder):
-        path = os.path.join(place, "config.json")
-        if os.path.isfile(path):
-            return read_json_object(path, "a DeepSpeed checkpoint"), path
-    raise CheckpointError(f"{beside} has no config.json beside latest (DeepSpeed saves none): pass --config FILE, "
-                          "the model's Hugging Face config.json")
-
-
 def _hf_weights(beside: str) -> bool:
     try:
         return bool(weight_files(beside))
@@ -98,7 +85,8 @@ def open_source(root: str, opts: Options) -> Source:
                 source.info["notes"].append(f"read the HF weights of the Trainer checkpoint ({', '.join(os.path.basename(f.path) for f in source.files)}); --master-weights reads the fp32 masters of {tag}/")
                 source.info["deepspeed"] = {"tag": tag, "weights_read": "HF safetensors of the Trainer folder"}
                 return source
-    config, config_path = model_config(folder, beside, opts)
+    config, found_in = training_config([beside, folder], opts, "a DeepSpeed checkpoint")
+    config_path = os.path.join(found_in, "config.json") if found_in else opts.config
     read = ds.read_tag(folder, master)
     ds.strip_peft(read.files, folder)
     config = _tied(config, read, folder)

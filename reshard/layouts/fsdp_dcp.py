@@ -25,7 +25,7 @@ from reshard.io.dcp import DcpTensor, read_metadata
 from reshard.io.heads import read_heads_while_torch_imports
 from reshard.io.torch_format import TorchFile
 from reshard.layouts import hf
-from reshard.layouts.base import Layout, Options, Source, find_side_files, read_json_object
+from reshard.layouts.base import Layout, Options, Source, find_side_files, training_config
 from reshard.layouts.dcp_chunks import TRAINING_STATE
 from reshard.layouts.dcp_source import METADATA, build_dcp_source, skipped_kinds
 from reshard.layouts import torchtitan
@@ -40,19 +40,6 @@ PREFIX = "model."
 RESHARD_RECORD = "reshard.json"  # beside .metadata: a torchtitan folder reshard wrote
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 _STEP = re.compile(r"^step-\d+/$")
-
-
-def model_config(root: str, opts: Options, kind: str) -> tuple[dict, str]:
-    """(config, the folder it came from or "") of a training checkpoint: ``config.json`` in ``root`` or its
-    parent, else ``--config``; without either, refused."""
-    for folder in (root, os.path.dirname(os.path.abspath(root))):
-        path = os.path.join(folder, "config.json")
-        if os.path.isfile(path):
-            return read_json_object(path, kind), folder
-    if opts.config:
-        return read_json_object(opts.config, kind), ""
-    raise CheckpointError(f"{root}: {kind} holds no model config and there is no config.json beside it: pass "
-                          "--config FILE (the model's Hugging Face config.json)")
 
 
 def _strip_prefix(tensors: dict[str, DcpTensor], family, where: str) -> tuple[dict[str, DcpTensor], bool]:
@@ -74,6 +61,12 @@ def _strip_prefix(tensors: dict[str, DcpTensor], family, where: str) -> tuple[di
                           "one 'model.' prefix): the config is another model's, or pass --mapping FILE for this one")
 
 
+def config_folders(root: str) -> list[str]:
+    """Where the HF config of a DCP folder may lie: in it, or in its parent (``checkpoint-N/`` beside
+    ``pytorch_model_fsdp_0/``)."""
+    return [root, os.path.dirname(os.path.abspath(root))]
+
+
 def looks_torchtitan(keys) -> bool:
     return "tok_embeddings.weight" in keys or any(k.startswith("layers.") for k in keys)
 
@@ -86,7 +79,7 @@ def open_dcp_folder(root: str, folder: str, opts: Options) -> Source:
     if not model_keys:
         raise CheckpointError(f"{folder} holds no model tensors (only {', '.join(skipped_kinds(tensors))}): pass the "
                               f"folder of the model's weights (accelerate's {ACCELERATE_FOLDER}/)")
-    config, config_folder = model_config(root, opts, "a torch.distributed.checkpoint folder")
+    config, config_folder = training_config(config_folders(root), opts, "a torch.distributed.checkpoint folder")
     family = family_for_architecture(hf.architecture_of(config, opts), opts.mapping)
     named, prefixed = _strip_prefix(model_keys, family, folder)
     skipped = skipped_kinds(set(tensors) - set(model_keys) | set(objects))
@@ -108,7 +101,7 @@ def open_source(path: str, opts: Options) -> Source:
     if METADATA in names:
         return open_dcp_folder(path, path, opts)
     if FULL_STATE_DICT in names:
-        config, config_folder = model_config(path, opts, f"accelerate's {FULL_STATE_DICT}")
+        config, config_folder = training_config(config_folders(path), opts, f"accelerate's {FULL_STATE_DICT}")
         bin_path = os.path.join(path, FULL_STATE_DICT)
         read_heads_while_torch_imports([bin_path])
         source = hf.build_source(path, config, [TorchFile(bin_path)], opts,
