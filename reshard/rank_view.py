@@ -19,15 +19,6 @@ from reshard.layouts.base import Options
 RANK_KEYS = ("tp", "pp", "ep")
 
 
-def _dtype_name(dtype) -> str | None:
-    """A user dtype (``"bf16"``, a safetensors name such as ``"BF16"``, or a ``torch.dtype``) as a safetensors name."""
-    if dtype is None or isinstance(dtype, str) and dtypes.is_known(dtype):
-        return dtype
-    if isinstance(dtype, str):
-        return dtypes.parse_user_dtype(dtype)
-    return dtypes.from_torch(dtype)
-
-
 def _check_rank(what: str, rank: int, degree: int) -> None:
     if degree < 1:
         raise PlanError(f"{what} degree must be at least 1 (got {degree})")
@@ -75,7 +66,7 @@ def load_rank(src: str, to: str = "vllm", *, tp: int = 1, pp: int = 1, rank: int
     _check_rank("expert-parallel", ep_rank, ep)
     layout = get_layout(to)
     view = layout.rank_view_of or to
-    opts = Options(tp=tp, pp=pp, ep=ep, etp=etp, expert_parallel=expert_parallel, dtype=_dtype_name(dtype),
+    opts = Options(tp=tp, pp=pp, ep=ep, etp=etp, expert_parallel=expert_parallel, dtype=dtypes.as_dtype_name(dtype),
                    **options)
     with open_source(src, opts) as source:
         plan, _ = make_plan(source, view, opts)

@@ -59,6 +59,23 @@ def parse_user_dtype(text: str | None) -> str | None:
         raise ReshardError(f"unknown --dtype '{text}': use bf16, fp16 or fp32") from None
 
 
+def as_dtype_name(dtype) -> str | None:
+    """A dtype given in the Python API as a safetensors name: ``"bf16"`` / ``"fp32"`` (as ``--dtype``), a
+    safetensors name (``"BF16"``), torch's spelling (``"bfloat16"``, a config's ``torch_dtype``) or a
+    ``torch.dtype``; None passes through. An unknown string is refused as ``--dtype`` refuses it."""
+    if dtype is None or isinstance(dtype, str) and is_known(dtype):
+        return dtype
+    if isinstance(dtype, str):
+        try:
+            return parse_user_dtype(dtype)
+        except ReshardError as exc:
+            try:
+                return from_torch(dtype)
+            except ReshardError:
+                raise exc from None
+    return from_torch(dtype)
+
+
 def hf_config_dtype(name: str) -> str:
     """The config.json spelling (``torch_dtype``) of a dtype."""
     return torch_name(name)

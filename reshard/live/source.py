@@ -14,7 +14,7 @@ import dataclasses
 import os
 
 from reshard.core.canonical import build_canonical
-from reshard.errors import CheckpointError, PlanError, ReshardError
+from reshard.errors import CheckpointError, PlanError
 from reshard.io import dtypes
 from reshard.layouts.base import Options, Source, read_json_object
 from reshard.layouts.hf import architecture_of, hf_tensors
@@ -54,16 +54,8 @@ def options(spec: dict, what: str) -> tuple[str, Options]:
     return spec["layout"], Options(**fields)
 
 
-def dtype_name(dtype) -> str | None:
-    """A user dtype (``"bf16"``, ``"BF16"``, ``"bfloat16"``, a ``torch.dtype``) as a safetensors name."""
-    if dtype is None or isinstance(dtype, str) and dtypes.is_known(dtype):
-        return dtype
-    if isinstance(dtype, str):
-        try:
-            return dtypes.parse_user_dtype(dtype)
-        except ReshardError:  # "bfloat16", "torch.float32": torch's spelling
-            pass
-    return dtypes.from_torch(dtype)
+#: A user dtype as a safetensors name (the Python API's rule, shared with ``load_rank``).
+dtype_name = dtypes.as_dtype_name
 
 
 def _present_optional(family, architecture: str, config: dict) -> set[str]:
