@@ -70,7 +70,7 @@ class Part:
 def resolve(op: ReadOp, tensor: TargetTensor, files: list[TensorFile]) -> Part | None:
     """``op``'s :class:`Part`; None when its source block is strided or its source has no direct bytes (a
     :class:`~reshard.io.segmented.SegmentedFile`): torch reads it."""
-    if not getattr(files[op.source], "direct_bytes", True):
+    if not files[op.source].direct_bytes:
         return None
     loc = files[op.source].tensors[op.tensor]
     if op.src_block is not None:

@@ -25,7 +25,7 @@ def source_extents(tensor: TargetTensor, files: list[TensorFile]) -> list[tuple[
     extents = []
     for op in tensor.reads:
         file = files[op.source]
-        if not getattr(file, "direct_bytes", True):  # bytes in segments of several files (DeepSpeed partitions)
+        if not file.direct_bytes:  # bytes in segments of several files (DeepSpeed partitions)
             extents += file.extents(op.tensor)
             continue
         loc = file.tensors[op.tensor]

@@ -67,6 +67,9 @@ class TensorFile:
     """A read-only tensor file (safetensors or torch zip) indexed by tensor name."""
 
     format = "?"
+    #: Every tensor lies at one offset of this file's descriptor: the executor may copy and gather its raw bytes
+    #: (False: a view over several files, read through :meth:`read` only; it gives ``extents`` for read-ahead).
+    direct_bytes = True
 
     def __init__(self, path: str, tensors: dict[str, TensorLocation]):
         self.path = path

@@ -82,7 +82,9 @@ def open_source(root: str, opts: Options) -> Source:
                 notes.append(f"the HF weights of {beside} are incomplete ({exc}); read {tag}/ instead")
             else:
                 source.layout = NAME
-                source.info["notes"].append(f"read the HF weights of the Trainer checkpoint ({', '.join(os.path.basename(f.path) for f in source.files)}); --master-weights reads the fp32 masters of {tag}/")
+                files = ", ".join(os.path.basename(f.path) for f in source.files)
+                source.info["notes"].append(f"read the HF weights of the Trainer checkpoint ({files}); "
+                                            f"--master-weights reads the fp32 masters of {tag}/")
                 source.info["deepspeed"] = {"tag": tag, "weights_read": "HF safetensors of the Trainer folder"}
                 return source
     config, found_in = training_config([beside, folder], opts, "a DeepSpeed checkpoint")
