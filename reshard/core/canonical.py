@@ -64,6 +64,11 @@ class CanonicalModel:
     def vocab_size(self) -> int:
         return self.dims["V"]
 
+    @property
+    def head_dim(self) -> int:
+        """Rows per attention head of q / k: the config's ``head_dim``, else hidden / heads."""
+        return self.dims.get("d", self.dims["H"] // self.dims["nh"])
+
     sparse_layers: tuple[int, ...] = ()  # the Mixture-of-Experts layers of the decoder
     mtp_layers: tuple[int, ...] = ()  # the multi-token-prediction layers, indexed after the decoder's (L + k)
 

@@ -32,7 +32,7 @@ def build_dcp_source(layout: str, root: str, folder: str, tensors: dict[str, Dcp
                          {name: TensorLocation(t.dtype, t.shape, 0) for name, t in tensors.items()})
     source = hf.build_source(root, config, [catalog], opts, side_files)
     model = source.model
-    head_dim = model.dims.get("d", model.dims["H"] // model.dims["nh"])
+    head_dim = model.head_dim
     files: dict[str, DistcpFile] = {}
     stitched = StitchedFile(folder)
     located = []

@@ -63,7 +63,7 @@ def check_degrees(model: CanonicalModel, n: int) -> None:
 def rank_tensors(model: CanonicalModel, n: int, rank: int) -> list[StoredTensor]:
     """Every tensor of model-parallel file ``rank`` of ``n``, in Meta's order (embedding, layers, norm, output)."""
     out = []
-    d = model.dims.get("d", model.dims["H"] // model.dims["nh"])
+    d = model.head_dim
     for tensor in model.tensors.values():
         spec = tensor.spec
         members = pack_members(model, spec, tensor.layer, lambda s: s.meta)

@@ -120,7 +120,7 @@ def titan_tensors(source: Source, spelling: str) -> list[StoredTensor]:
     if model.meaning.sliding_window:
         raise PlanError("torchtitan's Llama and Qwen3 attend to every position: a sliding-window model cannot be "
                         "written --to torchtitan")
-    head_dim = model.dims.get("d", model.dims["H"] // model.dims["nh"])
+    head_dim = model.head_dim
     out = []
     for tensor in hf.hf_tensors(model):
         role = model.tensors[tensor.pieces[0].canonical].spec.role
