@@ -82,6 +82,10 @@ class TensorFile:
             self._fd = open_fd(self.path)
         return self._fd
 
+    def byte_shares(self, name: str) -> dict[str, float] | None:
+        """The fraction of tensor ``name``'s bytes in each file, for a view over several files; None: all here."""
+        return None
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)

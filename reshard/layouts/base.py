@@ -106,8 +106,7 @@ class Source:
     def byte_shares(self, source: int, tensor: str) -> dict[str, float] | None:
         """The fraction of ``tensor``'s bytes in each file, for a source file whose tensors span several files
         (``TensorFile.byte_shares``); None for an ordinary file."""
-        shares = getattr(self.files[source], "byte_shares", None)
-        return shares(tensor) if shares else None
+        return self.files[source].byte_shares(tensor)
 
     def row_bytes(self, source: int, tensor: str, axis: int, in_block: bool = False) -> int:
         loc = self.files[source].tensors[tensor]
