@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import functools
 import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
@@ -184,6 +185,19 @@ class WeightSpec:
     copy_of: str | None = None  # an HF-only copy of this weight (MTP's embedding / head): not a canonical tensor
 
     layers: str = "all"  # which layers hold it: all | sparse (MoE layers) | dense | mtp (MTP layers only)
+    # Vision-language models (reshard/mapping_vlm.py): a tower or projector weight, the dims symbol of its qkv
+    # head count, its native-Megatron names and split, its split in the HF-module Megatron layout, where it is
+    # stored [in, out], the layouts that do not hold it, and a Megatron view of another shape (CLIP's class token).
+    tower: str | None = None
+    heads: str | None = None
+    megatron_native_te: str | None = None
+    megatron_native_local: str | None = None
+    split_native: str | None = None
+    split_megatron_hf: str = "replicated"
+    megatron_hf_transposed: bool = False
+    vllm_transposed: bool = False
+    absent_in: tuple[str, ...] = ()
+    megatron_shape: tuple[str, ...] | None = None
 
     @property
     def per_layer(self) -> bool:
@@ -196,9 +210,17 @@ class WeightSpec:
             return mtp
         return self.layers == "all" or (sparse or mtp) == (self.layers == "sparse")
 
-    def split_in(self, layout: str) -> str:
-        """Its split kind in ``layout`` (``megatron_local`` may differ from the others)."""
+    def split_in(self, layout: str, vision: str = "hf") -> str:
+        """Its split kind in ``layout`` (``megatron_local`` may differ from the others; a tower weight's Megatron
+        split depends on the ``vision`` layout, hf modules or native)."""
+        if self.tower and layout.startswith("megatron"):
+            return (self.split_native or self.split) if vision == "native" else self.split_megatron_hf
         return self.split_megatron_local if layout == "megatron_local" and self.split_megatron_local else self.split
+
+    def held_in(self, layout: str) -> bool:
+        """Whether ``layout`` (vllm | megatron_native | ...) holds it (vLLM and native Megatron build no CLIP
+        block past LLaVA's feature layer)."""
+        return layout not in self.absent_in
 
     @property
     def per_expert(self) -> bool:
@@ -210,9 +232,11 @@ class WeightSpec:
         """The dimension along which ranks hold different parts (0 except row-parallel weights)."""
         return 1 if self.split == "row" else 0
 
-    def megatron_name(self, spec: str, sparse: bool = False, grouped: bool = False) -> str:
+    def megatron_name(self, spec: str, sparse: bool = False, grouped: bool = False, vision: str = "hf") -> str:
         """Its Megatron name in layer spec ``spec`` (te | local), on a MoE layer when ``sparse``, with
-        TEGroupedMLP experts when ``grouped``."""
+        TEGroupedMLP experts when ``grouped``; a tower weight's in vision layout ``vision`` (hf | native)."""
+        if self.tower and vision == "native":
+            return self.megatron_native_te if spec == "te" else self.megatron_native_local
         if grouped and self.megatron_grouped:
             return self.megatron_grouped
         if sparse and self.megatron_sparse:
@@ -250,6 +274,7 @@ class Family:
     moe: dict = field(default_factory=dict)  # the [moe] table (MOE_KEYS)
     mla: dict = field(default_factory=dict)  # the [mla] table (MLA_KEYS): dims symbols
     mtp: dict = field(default_factory=dict)  # the [mtp] table (MTP_KEYS)
+    multimodal: object | None = None  # a composed vision-language family's mapping_vlm.Multimodal
 
     def sparse_layers(self, config: dict, layers: int) -> tuple[int, ...]:
         """The layers whose MLP is a Mixture of Experts (none for a dense family): every ``sparse_step``-th
@@ -284,7 +309,7 @@ class Family:
         key = self.dims[symbol][0]
         if isinstance(key, str):
             return key
-        return next((k for k in key if config is not None and config.get(k) is not None), key[0])
+        return next((k for k in key if config is not None and _lookup(config, k) is not None), key[0])
 
     def resolve_dims(self, config: dict) -> dict[str, int]:
         """Bind every dimension symbol to an integer from an HF-style config dict."""
@@ -293,8 +318,8 @@ class Family:
         for _ in range(len(pending) + 1):
             for sym, (_, default) in list(pending.items()):
                 key = self.dim_key(sym, config)
-                if config.get(key) is not None:
-                    values[sym] = int(config[key])
+                if _lookup(config, key) is not None:
+                    values[sym] = int(_lookup(config, key))
                 elif default is None:
                     raise MappingError(f"config is missing '{key}' (needed by mapping '{self.name}' as {sym})")
                 else:
@@ -309,6 +334,15 @@ class Family:
 
     def shape_of(self, spec: WeightSpec, dims: dict[str, int]) -> tuple[int, ...]:
         return tuple(evaluate(expr, dims) for expr in spec.shape)
+
+
+def _lookup(config: dict, key: str):
+    """``config[key]``; a dotted or ``count:`` key (a VLM's ``vision_config.hidden_size``) through
+    :func:`reshard.mapping_vlm.lookup`."""
+    if "." not in key and ":" not in key:
+        return config.get(key)
+    from reshard.mapping_vlm import lookup
+    return lookup(config, key)
 
 
 def _parse_condition(condition: str) -> tuple[str, str, object]:
@@ -640,22 +674,32 @@ def shipped_mappings_dir():
 
 def shipped_mapping_text(name: str) -> str:
     """The text of shipped mapping ``name`` (see :func:`shipped_mapping_names`)."""
-    names = shipped_mapping_names()
+    names = shipped_mapping_names() + shipped_mapping_names(multimodal=True)
     if name not in names:
         raise MappingError(f"no shipped mapping '{name}'{_suggest(name, names)}")
     return (shipped_mappings_dir() / f"{name}.toml").read_text()
 
 
-def shipped_mapping_names() -> list[str]:
-    return sorted(p.name[:-5] for p in shipped_mappings_dir().iterdir() if p.name.endswith(".toml"))
+def shipped_mapping_names(multimodal: bool = False) -> list[str]:
+    """The shipped text-family mapping files (``multimodal``: the vision-language ones, mapping_vlm.py)."""
+    names = sorted(p.name[:-5] for p in shipped_mappings_dir().iterdir() if p.name.endswith(".toml"))
+    return [n for n in names if _is_multimodal_file(n) == multimodal]
+
+
+@functools.lru_cache(maxsize=None)
+def _is_multimodal_file(name: str) -> bool:
+    return "text" in tomllib.loads((shipped_mappings_dir() / f"{name}.toml").read_text())
 
 
 def load_shipped(name: str) -> Family:
     return parse_family(tomllib.loads(shipped_mapping_text(name)), f"mappings/{name}.toml")
 
 
-def family_for_architecture(architecture: str, mapping_file: str | Path | None = None) -> Family:
-    """The family whose mapping lists ``architecture``; a user's ``--mapping`` file takes precedence."""
+def family_for_architecture(architecture: str, mapping_file: str | Path | None = None,
+                            config: dict | None = None) -> Family:
+    """The family whose mapping lists ``architecture``; a user's ``--mapping`` file takes precedence. A
+    vision-language architecture's family is composed for ``config`` (reshard/mapping_vlm.py); an unknown one
+    with a vision tower is refused naming the supported ones."""
     if mapping_file is not None:
         fam = load_family_file(mapping_file)
         if architecture not in fam.architectures:
@@ -668,5 +712,10 @@ def family_for_architecture(architecture: str, mapping_file: str | Path | None =
         if architecture in fam.architectures:
             return fam
         known.extend(fam.architectures)
+    from reshard.mapping_vlm import refuse_unknown_multimodal, vlm_family
+    composed = vlm_family(architecture, config)
+    if composed is not None:
+        return composed
+    refuse_unknown_multimodal(architecture, config or {})
     raise MappingError(f"unknown architecture '{architecture}' (known: {', '.join(known)}); "
                        "pass --mapping FILE with a mapping file for your family")

@@ -31,7 +31,9 @@ TARGET_OPTIONS = {"ep": ("--ep", 1), "etp": ("--etp", None), "expert_parallel": 
                   "vocab_divisor": ("--make-vocab-size-divisible-by", None),
                   "max_shard_size": ("--max-shard-size", None),
                   "keep_fp8": ("--keep-fp8", False),
-                  "torchtitan_names": ("--torchtitan-names", "current")}
+                  "torchtitan_names": ("--torchtitan-names", "current"),
+                  "hf_spelling": ("--hf-spelling", "hub"), "megatron_vision": ("--megatron-vision", None),
+                  "vllm_vision": ("--vllm-vision", "weights")}
 #: Options only some sources are read with: Options field -> (the command-line flag, its value when not given).
 #: Converting from a layout that does not read one (``Layout.reads_options``) refuses it instead of ignoring it.
 SOURCE_OPTIONS = {"config": ("--config", None), "tag": ("--tag", None), "master_weights": ("--master-weights", False)}
@@ -66,6 +68,10 @@ class Options:
     tag: str | None = None  # DeepSpeed: the checkpoint tag to read instead of the one ``latest`` names
     master_weights: bool = False  # DeepSpeed: read the fp32 master weights (optimizer partitions), output fp32
     torchtitan_names: str = "current"  # --to torchtitan: "current" (torchtitan HEAD) or "v0.2" parameter names
+    hf_spelling: str = "hub"  # --to hf, a vision-language model: "hub" (transformers 4 names) or "v5"
+    megatron_vision: str | None = None  # Megatron vision tower: "hf" modules or "native" (default: the family's)
+    vllm_vision: str = "weights"  # --to vllm: "weights" (the tower split as vLLM splits it) or "none" (text only)
+    allow_missing: tuple[str, ...] = ()  # what a target may be written without: "vision" (unused CLIP blocks)
 
 
 @dataclass

@@ -27,7 +27,9 @@ from reshard.io.torch_format import TorchFile
 from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, check_shape, chosen_architecture,
                                   find_side_files, pack_by_size, read_json_object)
 from reshard.layouts.hf_config import read_meaning, without_dropped_settings, write_config as write_hf_config
+from reshard.layouts.hf_spelling import respell_read, respell_write
 from reshard.mapping import family_for_architecture
+from reshard.mapping_vlm import flat_view, nested
 
 NAME = "hf"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; recomputed at run time
@@ -106,7 +108,9 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
     """The canonical view of HF tensor files whose headers are already parsed (local files or remote headers)."""
     architecture = architecture_of(config, opts, os.path.join(path, "config.json"))
     quantized = fp8.find_fp8(path, config, files)  # refuses every quantized form but block FP8
-    family = family_for_architecture(architecture, opts.mapping)
+    family = family_for_architecture(architecture, opts.mapping, config)
+    if family.multimodal:
+        config = flat_view(config)
     notes = relabel_notes(config, architecture)
     if opts.keep_fp8 and quantized is None:
         raise PlanError(f"--keep-fp8: {path} has no FP8 weights; drop --keep-fp8")
@@ -128,7 +132,7 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
                 raise CheckpointError(f"tensor '{name}' is stored twice ({paths[where[name]]} and {paths[i]})")
             where[name] = i
     check_index(path, paths, files)
-    file_names = _add_optional_prefix(family, where)
+    file_names = _add_optional_prefix(family, where) if not family.multimodal else respell_read(family, where, notes)
     fused = any(match_template(family, n, fused=True) is not None and match_template(family, n, stored=True) is None
                 for n in where)
     matched = {}
@@ -280,7 +284,8 @@ def targets(model: CanonicalModel, opts: Options) -> list[TargetSpec]:
     def nbytes(t: StoredTensor) -> int:
         return dtypes.itemsize(t.dtype or opts.dtype or model.dtypes[t.pieces[0].canonical]) * math.prod(t.shape)
 
-    shards = pack_by_size(fp8.keep_dtypes(model, hf_tensors(model)), nbytes, opts.max_shard_size)
+    tensors = respell_write(model.family, fp8.keep_dtypes(model, hf_tensors(model)), opts.hf_spelling)
+    shards = pack_by_size(tensors, nbytes, opts.max_shard_size)
     if len(shards) == 1:
         names = ["model.safetensors"]
     else:
@@ -290,8 +295,9 @@ def targets(model: CanonicalModel, opts: Options) -> list[TargetSpec]:
 
 def output_config(model: CanonicalModel, dtype: str, loss: ConfigLoss) -> dict:
     """The output's config.json: the source's, with every meaning-bearing key written from the canonical config
-    (what the architecture cannot spell goes to ``loss``) and the output dtype under every dtype key it has."""
-    config = write_hf_config(model.meaning, model.config, model.family, loss)
+    (what the architecture cannot spell goes to ``loss``) and the output dtype under every dtype key it has (a
+    vision-language model's: nested as the source's, text_config holding the language model's keys)."""
+    config = nested(write_hf_config(model.meaning, model.config, model.family, loss))
     keys = [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]
     for key in keys:
         config[key] = dtypes.hf_config_dtype(dtype)
@@ -306,9 +312,9 @@ def planned_config(model: CanonicalModel, dtype: str, opts: Options, target: str
 
 
 def write_config(out: str, config: dict) -> None:
-    """Write ``config.json`` into ``out``."""
+    """Write ``config.json`` into ``out`` (a vision-language model's flat view nested back, mapping_vlm.py)."""
     with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
+        json.dump(nested(config), f, indent=2, sort_keys=True)
         f.write("\n")
 
 
@@ -351,7 +357,7 @@ class HFLayout(Layout):
     rank_loader = "reshard.verification.forward.sliced_rank:SlicedRankStream"
     completion_markers = (INDEX, "model.safetensors")
     remote_headers = True
-    uses_options = frozenset({"max_shard_size", "keep_fp8"})
+    uses_options = frozenset({"max_shard_size", "keep_fp8", "hf_spelling"})
 
     def detect(self, names) -> bool:
         return "config.json" in names and any(is_weight_file(n) for n in names)

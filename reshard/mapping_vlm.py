@@ -1,0 +1,354 @@
+"""Vision-language mapping files: a text family composed under a prefix, plus a vision tower and projector.
+
+A VLM mapping file has ``[family]``, ``[text]`` (which text family and architecture the language model is, and the
+prefixes its names take in each layout), ``[vision]`` (the block count symbol, the Megatron layouts), ``[dims]``
+(the tower's dimension symbols, config keys dotted into ``vision_config``), ``[hf]`` (the spellings read and the
+transformers-5 spelling written on request) and ``[[tower]]`` weights. :func:`compose` binds it to one config: the
+text family's weights renamed under the prefixes, the tower's ``{vblock}`` / ``{ds}`` blocks expanded into
+first-stage weights, so every layout's code handles a VLM as a family with more first-stage weights.
+
+Config: a VLM's config.json nests the language model in ``text_config``. Inside reshard a VLM's config is the
+*flat view* (:func:`flat_view`): the text keys at the top, the VLM's own top-level keys beside them, the source's
+nested form kept under :data:`NESTED`; :func:`nested` gives config.json back in the source's shape.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+
+from reshard.errors import MappingError, PlanError
+from reshard.mapping import (DIM_KEYS, PACK_SLOTS, SPLIT_KINDS, ArchitectureConfig, ConfigSpelling, Family,
+                             WeightSpec, _check_keys, _suggest, evaluate, load_shipped, shipped_mapping_names)
+
+VLM_TOP_KEYS = {"family", "text", "vision", "dims", "hf", "megatron", "tower"}
+TEXT_KEYS = {"family", "architecture", "config", "hf", "vllm", "megatron"}
+VISION_KEYS = {"blocks", "deepstack", "used_blocks", "megatron_default", "megatron_refused", "placement"}
+VLM_HF_KEYS = {"read", "v5"}
+TOWER_KEYS = {"hf", "split", "slot", "shape", "heads", "hf_stored", "hf_transposed", "optional", "vllm",
+              "vllm_transposed", "megatron_hf", "split_megatron_hf", "megatron_native", "megatron_native_te",
+              "megatron_native_local", "split_native", "absent_in", "megatron_shape", "megatron_hf_transposed"}
+MEGATRON_VISIONS = ("hf", "native")
+ABSENT_LAYOUTS = ("vllm", "megatron_native")
+#: Where the source's nested config.json is kept inside a flat view (never written out: :func:`nested`).
+NESTED = "__reshard_nested_config__"
+#: Top-level keys of a VLM config that stay the VLM's own when the text config has them too.
+VLM_OWN = ("architectures", "model_type")
+
+
+@dataclass(frozen=True)
+class Multimodal:
+    """What a composed VLM family adds to its text family: the text family and architecture, the used / total
+    vision blocks, the Megatron vision layouts (``megatron_default``; ``megatron_refused``: layout -> why) and
+    the HF spellings (``read``: (prefix, canonical prefix), first match wins; ``v5``: canonical prefix -> the
+    transformers-5 prefix)."""
+
+    text_family: str
+    text_architecture: str
+    blocks: int
+    used_blocks: int
+    megatron_default: str
+    megatron_refused: tuple[tuple[str, str], ...] = ()
+    read: tuple[tuple[str, str], ...] = ()
+    v5: tuple[tuple[str, str], ...] = ()
+    deepstack: int = 0
+
+    def refusal(self, vision: str) -> str | None:
+        return dict(self.megatron_refused).get(vision)
+
+
+def lookup(config: dict, key: str):
+    """``config[key]``, a dotted key looked up in nested tables (``vision_config.hidden_size``); ``count:KEY``:
+    the length of a list value, 1 for a scalar, None when unset."""
+    count = key.startswith("count:")
+    value = config
+    for part in key.removeprefix("count:").split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    if count and value is not None:
+        return len(value) if isinstance(value, list) else 1
+    return value
+
+
+# ------------------------------------------------------------------------------------------------ config
+
+def flat_view(config: dict) -> dict:
+    """A VLM config.json as reshard reads it: ``text_config``'s keys at the top (the text family's keys), the
+    VLM's ``architectures``, ``model_type`` and top-level ``tie_word_embeddings`` over them, the other top-level
+    keys (``vision_config``, token ids) beside them, and the nested original under :data:`NESTED`. A config
+    without ``text_config`` (old flat Qwen2.5-VL configs) or already flat is returned as it is."""
+    text = config.get("text_config")
+    if NESTED in config or not isinstance(text, dict):
+        return dict(config)
+    flat = {k: v for k, v in text.items() if k not in VLM_OWN}
+    flat.update({k: v for k, v in config.items() if k != "text_config" and (k not in text or k in VLM_OWN
+                                                                            or k == "tie_word_embeddings")})
+    flat[NESTED] = copy.deepcopy(config)
+    return flat
+
+
+def nested(config: dict) -> dict:
+    """config.json in the source's shape from a flat view (:func:`flat_view`): each key goes back where it came
+    from (a key both levels had goes to the level the flat view read it from, and to the other level too when
+    the two held the same value), new keys into ``text_config``; a key the writer removed is removed."""
+    if NESTED not in config:
+        return config
+    base = config[NESTED]
+    text, top = dict(base["text_config"]), {k: v for k, v in base.items() if k != "text_config"}
+    flat = {k: v for k, v in config.items() if k != NESTED}
+    for table in (text, top):
+        for key in [k for k in table if k not in flat and k not in VLM_OWN]:
+            del table[key]
+    for key, value in flat.items():
+        in_top, in_text = key in top, key in base["text_config"]
+        from_top = in_top and (not in_text or key in VLM_OWN or key == "tie_word_embeddings")
+        mirrored = in_top and in_text and base["text_config"][key] == base[key]
+        if from_top or not in_text and in_top:
+            top[key] = value
+            if in_text and mirrored and key not in VLM_OWN:
+                text[key] = value
+        elif in_text:
+            text[key] = value
+            if mirrored:
+                top[key] = value
+        else:
+            text[key] = value
+    top["text_config"] = text
+    return {k: top[k] for k in sorted(top)}
+
+
+# ----------------------------------------------------------------------------------------------- parsing
+
+def is_vlm_data(data: dict) -> bool:
+    return "text" in data
+
+
+def check_vlm_file(data: dict, source: str) -> None:
+    """Validate a VLM mapping file's tables (the weights are validated when composed)."""
+    _check_keys(source, "the top level", data, VLM_TOP_KEYS)
+    for table, valid in (("text", TEXT_KEYS), ("vision", VISION_KEYS), ("hf", VLM_HF_KEYS)):
+        _check_keys(source, f"[{table}]", data.get(table, {}), valid)
+    if "family" not in data["text"]:
+        raise MappingError(f"{source}: [text] needs family (the text family's mapping name)")
+    vision = data.get("vision", {})
+    if vision.get("megatron_default", "hf") not in MEGATRON_VISIONS:
+        raise MappingError(f"{source}: [vision] megatron_default must be one of {', '.join(MEGATRON_VISIONS)}")
+    for sym, entry in data.get("dims", {}).items():
+        if not isinstance(entry, dict) or "key" not in entry:
+            raise MappingError(f"{source}: dims.{sym} must be a table with a 'key' (and optional 'default')")
+        _check_keys(source, f"dims.{sym}", entry, DIM_KEYS)
+    for i, w in enumerate(data.get("tower", [])):
+        where = f"tower weight #{i + 1} ({w.get('hf', '?')})"
+        _check_keys(source, where, w, TOWER_KEYS)
+        for required in ("hf", "split", "shape"):
+            if required not in w:
+                raise MappingError(f"{source}: {where} is missing '{required}'")
+        for key in ("split", "split_megatron_hf", "split_native"):
+            if key in w and w[key] not in SPLIT_KINDS:
+                raise MappingError(f"{source}: {where} {key} '{w[key]}' is unknown{_suggest(w[key], SPLIT_KINDS)}")
+        if w["split"] in PACK_SLOTS and w.get("slot") not in PACK_SLOTS[w["split"]]:
+            raise MappingError(f"{source}: {where} needs slot one of {', '.join(PACK_SLOTS[w['split']])}")
+        if w["split"] == "qkv" and "heads" not in w:
+            raise MappingError(f"{source}: {where} is split qkv: name the dims symbol of its head count (heads)")
+        for layout in w.get("absent_in", ()):
+            if layout not in ABSENT_LAYOUTS:
+                raise MappingError(f"{source}: {where} absent_in '{layout}' is not one of {', '.join(ABSENT_LAYOUTS)}")
+
+
+def _renamer(table: dict[str, str]):
+    """A name rewriter for prefix table ``{old prefix: new prefix}`` (longest prefix first)."""
+    pairs = sorted(table.items(), key=lambda kv: -len(kv[0]))
+
+    def rename(name: str | None) -> str | None:
+        if name is None:
+            return None
+        for old, new in pairs:
+            if name.startswith(old):
+                return new + name[len(old):]
+        return name
+
+    return rename
+
+
+def _text_architecture(text: dict, text_family: Family, config: dict, source: str) -> str:
+    if "architecture" in text:
+        return text["architecture"]
+    model_type = (config.get(NESTED) or {}).get("text_config", {}).get("model_type") or config.get("model_type")
+    for name, spelling in text_family.config.architectures:
+        if spelling.model_type == model_type or model_type in spelling.other_model_types:
+            return name
+    raise PlanError(f"text_config.model_type '{model_type}' is not a language model reshard knows for "
+                    f"{source} (known: {', '.join(s.model_type for _, s in text_family.config.architectures)})")
+
+
+def used_blocks(config: dict, blocks: int, key: str | None) -> int:
+    """The vision blocks whose output is used: all, or (LLaVA's ``vision_feature_layer``: hidden state l is the
+    output of block l, negative from the end of ``blocks + 1`` states; a list uses the deepest)."""
+    if key is None:
+        return blocks
+    value = lookup(config, key)
+    layers = value if isinstance(value, list) else [value if value is not None else -1]
+    return max(blocks + 1 + int(v) if int(v) < 0 else int(v) for v in layers)
+
+
+def compose(data: dict, source: str, config: dict) -> Family:
+    """The family of a VLM mapping file bound to ``config`` (a flat view, :func:`flat_view`)."""
+    text = data["text"]
+    text_family = load_shipped(text["family"])
+    architecture = data["family"]["architectures"][0]
+    text_arch = _text_architecture(text, text_family, config, source)
+    hf_name = _renamer(text.get("hf", {}))
+    vllm_name = _renamer(text.get("vllm", {}))
+    prefix = text.get("megatron", "")
+
+    def meg(name: str | None) -> str | None:
+        return None if name is None else prefix + name
+
+    renamed = [dataclasses.replace(
+        w, hf=hf_name(w.hf), hf_stored=hf_name(w.hf_stored), hf_fused=hf_name(w.hf_fused),
+        tied_to=hf_name(w.tied_to), copy_of=hf_name(w.copy_of), vllm=vllm_name(w.vllm_name),
+        vllm_unfused=vllm_name(w.vllm_unfused), megatron_te=meg(w.megatron_te), megatron_local=meg(w.megatron_local),
+        megatron_sparse=meg(w.megatron_sparse), megatron_grouped=meg(w.megatron_grouped),
+        megatron_legacy_grouped=meg(w.megatron_legacy_grouped), trtllm=None, meta=None) for w in text_family.weights]
+    dims = dict(text_family.dims)
+    for sym, entry in data.get("dims", {}).items():
+        key = entry["key"]
+        dims[sym] = (key if isinstance(key, str) else tuple(key), entry.get("default"))
+    probe = dataclasses.replace(text_family, dims=dims)
+    values = probe.resolve_dims(config)
+    vision = data.get("vision", {})
+    blocks = values[vision["blocks"]] if "blocks" in vision else 0
+    used = used_blocks(config, blocks, vision.get("used_blocks"))
+    deepstack = values[vision["deepstack"]] if "deepstack" in vision else 0
+    tower = _expand_tower(data.get("tower", []), blocks, used, deepstack, set(dims), source)
+    spelling = text_family.config.architecture(text_arch)
+    model_type = config.get("model_type") or architecture
+    vlm_spelling = dataclasses.replace(spelling, model_type=model_type, other_model_types=())
+    extra = {spec: tuple(meg(t) for t in templates) + tuple(_expand_templates(
+                 data.get("megatron", {}).get(f"extra_state_native_{spec}", []), blocks, used, deepstack))
+             for spec, templates in text_family.extra_state.items()}
+    groups = tuple((g, tuple(hf_name(t) for t in ts)) for g, ts in text_family.config.bias_groups)
+    config_spelling = dataclasses.replace(text_family.config, bias_groups=groups,
+                                          architectures=((architecture, vlm_spelling),))
+    hf = data.get("hf", {})
+    multimodal = Multimodal(
+        text_family=text_family.name, text_architecture=text_arch, blocks=blocks, used_blocks=used,
+        megatron_default=vision.get("megatron_default", "hf"),
+        megatron_refused=tuple(sorted(vision.get("megatron_refused", {}).items())),
+        read=tuple((a, b) for a, b in hf.get("read", [])), v5=tuple((a, b) for a, b in hf.get("v5", [])),
+        deepstack=deepstack)
+    return dataclasses.replace(
+        text_family, name=data["family"]["name"], description=data["family"].get("description", ""),
+        architectures=tuple(data["family"]["architectures"]), dims=dims, weights=tuple(tower + renamed),
+        extra_state=extra, source=source, vllm_scales=tuple(vllm_name(s) for s in text_family.vllm_scales),
+        vllm_tied_name=vllm_name(text_family.vllm_tied_name), config=config_spelling,
+        hf_ignore=tuple(hf_name(t) for t in text_family.hf_ignore), hf_optional_prefix="", multimodal=multimodal)
+
+
+def _expand_templates(templates: list[str], blocks: int, used: int, deepstack: int) -> list[str]:
+    out = []
+    for t in templates:
+        if "{vblock}" in t:
+            out += [t.replace("{vblock}", str(b)) for b in range(used)]
+        elif "{ds}" in t:
+            out += [t.replace("{ds}", str(k)) for k in range(deepstack)]
+        else:
+            out.append(t)
+    return out
+
+
+def _expand_tower(entries: list[dict], blocks: int, used: int, deepstack: int, symbols: set[str],
+                  source: str) -> list[WeightSpec]:
+    """The tower's weights in state-dict order: the entries before the first block weight, each ``{vblock}``
+    block (block-major), each ``{ds}`` deepstack merger, then the rest. Blocks past the used ones are absent
+    wherever unused blocks are (vLLM, native Megatron)."""
+    def placeholder(w):
+        return "{vblock}" if "{vblock}" in w["hf"] else "{ds}" if "{ds}" in w["hf"] else None
+
+    kinds = [placeholder(w) for w in entries]
+    first = next((i for i, k in enumerate(kinds) if k), len(entries))
+    last = max((i for i, k in enumerate(kinds) if k), default=first - 1)
+    items = [(w, None, None) for w in entries[:first]]
+    for mark, count in (("{vblock}", blocks), ("{ds}", deepstack)):
+        block = [w for w, k in zip(entries, kinds) if k == mark]
+        items += [(w, mark, i) for i in range(count) for w in block]
+    items += [(w, None, None) for w in entries[last + 1:] if not placeholder(w)]
+    items += [(w, None, None) for w, k in zip(entries[first:last + 1], kinds[first:last + 1]) if not k]
+    return [_tower_spec(w, mark, index, mark == "{vblock}" and index >= used, symbols, source)
+            for w, mark, index in items]
+
+
+def _tower_spec(w: dict, mark: str | None, index: int | None, unused: bool, symbols: set[str],
+                source: str) -> WeightSpec:
+    def name(template):
+        return template if template is None or mark is None else template.replace(mark, str(index))
+
+    for expr in w["shape"]:
+        try:
+            evaluate(str(expr), {s: 1 for s in symbols})
+        except KeyError as exc:
+            raise MappingError(f"{source}: tower weight {w['hf']} shape uses unknown symbol {exc}") from None
+    hf_module = name(w.get("megatron_hf"))
+    absent = tuple(w.get("absent_in", ())) + (ABSENT_LAYOUTS if unused else ())
+    return WeightSpec(
+        hf=name(w["hf"]), split=w["split"], shape=tuple(str(s) for s in w["shape"]), slot=w.get("slot"),
+        optional=bool(w.get("optional", False)), stage="first", hf_stored=name(w.get("hf_stored")),
+        hf_transposed=bool(w.get("hf_transposed", False)), vllm=name(w.get("vllm")),
+        megatron_te=hf_module, megatron_local=hf_module, tower="vision", heads=w.get("heads"),
+        vllm_transposed=bool(w.get("vllm_transposed", False)),
+        split_megatron_hf=w.get("split_megatron_hf", "replicated"),
+        megatron_hf_transposed=bool(w.get("megatron_hf_transposed", False)),
+        megatron_native_te=name(w.get("megatron_native_te", w.get("megatron_native"))),
+        megatron_native_local=name(w.get("megatron_native_local", w.get("megatron_native"))),
+        split_native=w.get("split_native"), absent_in=tuple(dict.fromkeys(absent)),
+        megatron_shape=tuple(str(s) for s in w["megatron_shape"]) if "megatron_shape" in w else None)
+
+
+# ------------------------------------------------------------------------------------------------ lookup
+
+@dataclass
+class _Template:
+    name: str
+    data: dict
+    source: str
+    architectures: tuple[str, ...] = field(default=())
+
+
+def vlm_templates() -> list[_Template]:
+    """The shipped VLM mapping files, unbound."""
+    from reshard.mapping import shipped_mapping_text
+    out = []
+    for name in shipped_mapping_names(multimodal=True):
+        data = tomllib.loads(shipped_mapping_text(name))
+        if is_vlm_data(data):
+            check_vlm_file(data, f"mappings/{name}.toml")
+            out.append(_Template(name, data, f"mappings/{name}.toml", tuple(data["family"]["architectures"])))
+    return out
+
+
+def multimodal_architectures() -> list[str]:
+    return [a for t in vlm_templates() for a in t.architectures]
+
+
+def vlm_family(architecture: str, config: dict | None) -> Family | None:
+    """The composed family of VLM ``architecture`` for ``config`` (None when no VLM file lists it); refused
+    without a config (a layout that carries no vision tower)."""
+    for template in vlm_templates():
+        if architecture in template.architectures:
+            if config is None:
+                raise PlanError(f"{architecture} is a vision-language model: this layout carries no vision tower; "
+                                "convert it between hf, megatron, torch_dist and vllm")
+            return compose(template.data, template.source, flat_view(config))
+    return None
+
+
+def refuse_unknown_multimodal(architecture: str, config: dict) -> None:
+    """A config with a ``vision_config`` whose architecture no mapping lists: refused naming what is supported."""
+    if isinstance(config.get("vision_config"), dict) or "ForConditionalGeneration" in architecture:
+        raise PlanError(f"{architecture} is a vision-language model reshard does not support; supported "
+                        f"multimodal architectures: {', '.join(multimodal_architectures())}")
+
+
+__all__ = ["ArchitectureConfig", "ConfigSpelling", "Multimodal", "compose", "flat_view", "nested", "lookup",
+           "vlm_family", "refuse_unknown_multimodal", "multimodal_architectures", "used_blocks"]
