@@ -16,6 +16,7 @@ from reshard.execute import execute, partition, run_units
 from reshard.replicas import ensure_replicas_agree
 from reshard.io import dtypes
 from reshard.hub import open_source
+from reshard.layouts.vision import drop_unheld, refuse_multimodal
 from reshard.layouts.base import SOURCE_OPTIONS, Options, Source, escapes_source, stored_dtype
 from reshard.layouts.registry import get_layout, refuse_unused_options
 from reshard.staging import check_destination, staged_output
@@ -47,7 +48,8 @@ def make_plan(source: Source, to: str, opts: Options) -> tuple[Plan, object]:
     if not layout.writes:
         raise PlanError(f"the {to} layout is read-only: it cannot be a --to target")
     _refuse_unread_options(source, opts)
-    mtp_notes = _drop_mtp(source, layout, opts)
+    refuse_multimodal(source.model, to)
+    mtp_notes = _drop_mtp(source, layout, opts) + drop_unheld(source, to, opts)
     model = source.model
     dtype = output_dtype(source, opts)
     target = layout.targets(source, opts, dtype)

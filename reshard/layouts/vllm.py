@@ -24,7 +24,7 @@ import re
 from dataclasses import replace
 
 from reshard.version import __version__
-from reshard.core.canonical import CanonicalModel, build_canonical
+from reshard.core.canonical import CanonicalModel, build_canonical, stored_whole
 from reshard.core.pieces import StoredTensor
 from reshard.core.sharding import (check_vllm_degrees, pack_members, rank_slice, vllm_padded_vocab,
                                    vllm_qkv_pieces)
@@ -37,7 +37,9 @@ from reshard.layouts import hf
 from reshard.layouts.hf_config import read_meaning, without_dropped_settings
 from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, check_shape, find_side_files,
                                   pack_by_size, stored_dtype)
+from reshard.layouts.vision import check_tower_degrees, without
 from reshard.mapping import WeightSpec, family_for_architecture
+from reshard.mapping_vlm import flat_view
 
 NAME = "vllm"
 PATTERN = "model-rank-{rank}-part-{part}.safetensors"
@@ -92,13 +94,15 @@ def rank_tensors(model: CanonicalModel, tp: int, rank: int, padded_vocab: int,
     experts are stacked per layer (``w13_weight [E, 2I/tp, H]`` = per expert ``[gate_r; up_r]``, ``w2_weight
     [E, H, I/tp]``); with ``expert_parallel`` the rank holds its block of whole experts instead."""
     family = model.family
-    groups = model.dims["ng"]
     name_of = vllm_names(model)
     out: list[StoredTensor] = []
     head_spec = next((s for s in family.weights if s.tied_to), None)
     emb_spec = next((s for s in family.weights if head_spec and s.hf == head_spec.tied_to), None)
 
     def emit(spec: WeightSpec, layer: int | None, name: str | None = None) -> None:
+        if not spec.held_in(NAME):
+            return
+        groups = model.dims[spec.heads or "ng"]
         template = name or name_of(spec)
         stored_name = template.format(layer=layer) if layer is not None else template
         if spec.per_expert:
@@ -117,6 +121,9 @@ def rank_tensors(model: CanonicalModel, tp: int, rank: int, padded_vocab: int,
             return
         members = pack_members(model, spec, layer, name_of)
         if members is None:
+            return
+        if spec.vllm_transposed:  # kept [in, out] as HF stores it, whole on every rank (Gemma 3's projector)
+            out.append(stored_whole(stored_name, members, transposed=True))
             return
         out.append(rank_slice(stored_name, spec, members, rank, tp, groups, padded_vocab, vllm_qkv_pieces))
 
@@ -207,7 +214,9 @@ def _recorded_tp(path: str, files: list[SafetensorsFile]) -> int | None:
 def open_source(path: str, opts: Options) -> Source:
     config = hf.read_config(path)
     architecture = hf.architecture_of(config, opts, os.path.join(path, "config.json"))
-    family = family_for_architecture(architecture, opts.mapping)
+    family = family_for_architecture(architecture, opts.mapping, config)
+    if family.multimodal:
+        config = flat_view(config)
     notes = hf.relabel_notes(config, architecture)
     config, dropped_settings = without_dropped_settings(config, family, opts.allow_lossy_config)
     notes += dropped_settings
@@ -241,6 +250,11 @@ def open_source(path: str, opts: Options) -> Source:
                if s.optional and (s.vllm_name.format(layer=0) if s.per_layer else s.vllm_name) in where[0]}
     model = build_canonical(family, config, present, tied)
     model.meaning = read_meaning(config, family, architecture, model.dims, present, tied, path)
+    tower = {n for n, t in model.tensors.items() if t.spec.tower}
+    if tower and not any(name_of_tower in where[0] for name_of_tower in
+                         {s.vllm_name for s in family.weights if s.tower}):
+        model = without(model, tower)  # written text only (--vllm-vision none): every tower tensor is absent
+        notes.append("the folder holds no vision tower (written for a text-only engine)")
     _check_names(model)
     expert_parallel = _expert_parallel(model, files, where[0], tp)
     try:
@@ -303,6 +317,7 @@ def targets(model: CanonicalModel, opts: Options, dtype: str) -> tuple[list[Targ
         raise PlanError("vLLM sharded_state files hold tensor-parallel ranks only: --pp must be 1 for --to vllm")
     _check_names(model)
     check_vllm_degrees(model, opts.tp, opts.expert_parallel)
+    check_tower_degrees(model, opts.tp, NAME)
     padded = vllm_padded_vocab(model.vocab_size)
     specs = []
     for rank in range(opts.tp):
@@ -339,7 +354,7 @@ class VLLMLayout(Layout):
     specificity = 10  # a vLLM folder also holds config.json and *.safetensors, as an HF one does
     rank_loader = "reshard.verification.forward.vllm_rank:VllmRankStream"
     completion_markers = ("model-rank-0-part-0.safetensors",)
-    uses_options = frozenset({"expert_parallel", "max_shard_size"})
+    uses_options = frozenset({"expert_parallel", "max_shard_size", "vllm_vision"})
     instead = {field: "vLLM splits whole experts over its --tp ranks with --expert-parallel (as "
                       "enable_expert_parallel loads them)" for field in ("ep", "etp")}
 

@@ -1,0 +1,126 @@
+"""Vision towers in the layouts: which Megatron layout a tower takes, what TP degrees it splits over, and the tower
+tensors a source does not hold (vLLM and megatron-core build no CLIP layer past LLaVA's ``vision_feature_layer``
+and no ``post_layernorm``; an engine served text only has no tower at all).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from reshard.core.canonical import CanonicalModel
+from reshard.errors import PlanError
+
+#: Layouts that hold a vision tower (the others refuse a vision-language model).
+TOWER_LAYOUTS = ("hf", "megatron", "torch_dist", "vllm")
+MEGATRON_LAYOUTS = ("megatron", "torch_dist")
+VLLM_VISIONS = ("weights", "none")
+
+
+def megatron_vision(model: CanonicalModel, choice: str | None) -> str:
+    """The Megatron vision layout for ``model``: ``choice`` (``--megatron-vision hf|native``) or the family's
+    default; a layout no framework builds for the family is refused with the reason."""
+    mm = model.family.multimodal
+    if mm is None:
+        if choice is not None:
+            raise PlanError(f"--megatron-vision is for vision-language models; {model.family.name} has no vision "
+                            "tower: drop it")
+        return "hf"
+    vision = choice or mm.megatron_default
+    if vision not in ("hf", "native"):
+        raise PlanError(f"--megatron-vision {vision}: use hf (the tower's HF modules, whole on every TP rank) or "
+                        "native (vision_model.decoder.layers.*, split at the language model's TP)")
+    refusal = mm.refusal(vision)
+    if refusal:
+        raise PlanError(f"--megatron-vision {vision} for {model.family.name}: {refusal}")
+    return vision
+
+
+def layout_kind(layout: str, model: CanonicalModel, opts) -> str:
+    """The name a weight's ``absent_in`` uses for the target: vllm, megatron_native, or the layout's own."""
+    if layout in MEGATRON_LAYOUTS:
+        return "megatron_native" if megatron_vision(model, opts.megatron_vision) == "native" else "megatron_hf"
+    return layout
+
+
+def check_tower_degrees(model: CanonicalModel, tp: int, kind: str) -> None:
+    """Refuse a TP degree the vision tower cannot split over in layout ``kind`` (vllm | megatron_native; the HF
+    modules of ``megatron_hf`` are whole on every rank): heads and every split width must divide, independently of
+    the language model (vLLM issue 24004)."""
+    mm = model.family.multimodal
+    if mm is None or tp == 1:
+        return
+    config_key = next((model.family.dim_key(s.heads) for s in model.family.weights if s.heads), None)
+    for tensor in model.tensors.values():
+        spec = tensor.spec
+        if not spec.tower or not spec.held_in(kind):
+            continue
+        split = spec.split_in("megatron" if kind.startswith("megatron") else kind,
+                              "native" if kind == "megatron_native" else "hf")
+        if split == "qkv" and model.dims[spec.heads] % tp:
+            raise PlanError(f"the vision tower's {model.dims[spec.heads]} attention heads ({config_key}) do not split "
+                            f"over tp={tp} ({tensor.name}); choose a tp that divides them"
+                            + (", or --megatron-vision hf (the tower whole on every rank)"
+                               if kind == "megatron_native" and not mm.refusal("hf") else ""))
+        if split in ("column", "row", "gate_up") and tensor.shape[spec.axis] % tp:
+            raise PlanError(f"the vision tower's {tensor.name} has {tensor.shape[spec.axis]} "
+                            f"{'rows' if spec.axis == 0 else 'columns'} to split, which do not divide over tp={tp}; "
+                            "choose a tp that divides them")
+
+
+def refuse_multimodal(model: CanonicalModel, layout: str) -> None:
+    """A layout without vision towers refuses a vision-language model before anything is written."""
+    if model.family.multimodal is not None and layout not in TOWER_LAYOUTS:
+        raise PlanError(f"the {layout} layout carries no vision tower, and {model.family.name} is a vision-language "
+                        f"model: convert it to {', '.join(TOWER_LAYOUTS)}")
+
+
+def absent_tensors(source) -> list[str]:
+    """The canonical tensors no stored tensor of ``source`` holds (in canonical order)."""
+    held = {p.canonical for _, t in source.stored for p in t.pieces if p.canonical}
+    return [name for name in source.model.tensors if name not in held]
+
+
+def without(model: CanonicalModel, names: set[str]) -> CanonicalModel:
+    kept = {n: t for n, t in model.tensors.items() if n not in names}
+    return dataclasses.replace(model, tensors=kept, dtypes={n: d for n, d in model.dtypes.items() if n in kept})
+
+
+def drop_unheld(source, layout: str, opts) -> list[str]:
+    """Tower tensors the source does not hold (a vLLM or native-Megatron LLaVA; a text-only vLLM folder) leave the
+    model: silently where the target does not hold them either, with a note under ``--allow-missing vision``, and
+    refused otherwise naming them. Also a text-only vLLM output (``--vllm-vision none``) leaves the tower out."""
+    model = source.model
+    if model.family.multimodal is None:
+        if "vision" in opts.allow_missing or opts.vllm_vision != "weights":
+            raise PlanError(f"--allow-missing vision and --vllm-vision are for vision-language models; "
+                            f"{model.family.name} has no vision tower: drop them")
+        return []
+    if opts.vllm_vision not in VLLM_VISIONS:
+        raise PlanError(f"--vllm-vision {opts.vllm_vision}: use weights (the tower split as vLLM splits it) or none "
+                        "(no tower: an engine with limit_mm_per_prompt all 0)")
+    if opts.vllm_vision != "weights" and layout != "vllm":
+        raise PlanError("--vllm-vision is for --to vllm: drop it")
+    notes = []
+    absent = absent_tensors(source)
+    kind = layout_kind(layout, model, opts)
+    needed = [n for n in absent if model.tensors[n].spec.held_in(kind) and not
+              (layout == "vllm" and opts.vllm_vision == "none")]
+    if needed and "vision" not in opts.allow_missing:
+        shown = ", ".join(needed[:3]) + (f" and {len(needed) - 3} more" if len(needed) > 3 else "")
+        raise PlanError(f"{len(needed)} vision tensors are not in the source ({shown}): vLLM and megatron-core build "
+                        "only the tower layers the model uses (LLaVA: up to vision_feature_layer, no "
+                        f"post_layernorm), or the source was written text only; the {layout} output needs them. "
+                        "Pass --allow-missing vision to write it without them (transformers initialises them; "
+                        "LLaVA's logits do not use them)")
+    if needed:
+        notes.append(f"--allow-missing vision: wrote the output without {len(needed)} vision tensors the source does "
+                     f"not hold ({', '.join(needed[:3])}{', ...' if len(needed) > 3 else ''})")
+    dropped = set(absent)
+    if layout == "vllm" and opts.vllm_vision == "none":
+        tower = {n for n, t in model.tensors.items() if t.spec.tower}
+        notes.append(f"--vllm-vision none: wrote the language model only ({len(tower)} vision tensors left out), for "
+                     "an engine with limit_mm_per_prompt all 0")
+        dropped |= tower
+    if dropped:
+        source.model = without(model, dropped)
+    return notes
