@@ -41,7 +41,10 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
             workers: int | None = 1, push_to: str | None = None, revision: str | None = None,
             allow_lossy_config: tuple[str, ...] | list[str] = (), allow_cast_overflow: bool = False,
             follow_symlinks: bool = False, keep_fp8: bool = False, drop_mtp: bool = False,
-            torchtitan_names: Literal["current", "v0.2"] = "current", progress: bool = False):
+            torchtitan_names: Literal["current", "v0.2"] = "current",
+            hf_spelling: Literal["hub", "v5"] = "hub", megatron_vision: Literal["hf", "native"] | None = None,
+            vllm_vision: Literal["weights", "none"] = "weights", allow_missing: tuple[str, ...] | list[str] = (),
+            progress: bool = False):
     """Convert ``src`` (a folder or ``hf://ORG/NAME[@REV]``) to layout ``to`` at the given degrees in ``dst``,
     streaming; returns a :class:`reshard.conversion.ConvertResult` (its ``plan``; ``download`` for a remote
     dry run). Options as ``reshard convert``: ``max_shard_size`` ``"5GB"`` or bytes; ``megatron_format``
@@ -50,7 +53,10 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
     block-FP8 source's fp8 weights and scales unchanged instead of dequantising them; ``drop_mtp``: leave a
     model's multi-token-prediction layers out; ``config`` (a config.json), ``tag`` and ``master_weights``
     (DeepSpeed: fp32 masters) say how to read a training checkpoint; ``torchtitan_names`` (``to="torchtitan"``):
-    ``"current"`` or ``"v0.2"``."""
+    ``"current"`` or ``"v0.2"``. Vision-language models: ``hf_spelling`` (``to="hf"``: ``"hub"`` or ``"v5"``),
+    ``megatron_vision`` (``"hf"`` or ``"native"``; default: the family's), ``vllm_vision`` (``"weights"`` or
+    ``"none"``: language model only) and ``allow_missing=("vision",)`` (write without the tower tensors the
+    source lacks)."""
     from reshard.conversion import convert as run_convert
 
     if megatron_format not in ("torch", "torch_dist"):
@@ -73,7 +79,9 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
                          architecture=architecture, mapping=mapping, config=config, tag=tag,
                          master_weights=master_weights, allow_replica_mismatch=allow_replica_mismatch, progress=progress, workers=workers, allow_lossy_config=tuple(allow_lossy_config),
                          allow_cast_overflow=allow_cast_overflow, follow_symlinks=follow_symlinks,
-                         keep_fp8=keep_fp8, drop_mtp=drop_mtp, torchtitan_names=torchtitan_names)
+                         keep_fp8=keep_fp8, drop_mtp=drop_mtp, torchtitan_names=torchtitan_names,
+                         hf_spelling=hf_spelling, megatron_vision=megatron_vision, vllm_vision=vllm_vision,
+                         allow_missing=tuple(allow_missing))
     result.layout = to
     if push_to and not dry_run:
         import os

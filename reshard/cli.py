@@ -163,6 +163,18 @@ def convert(
                                   "(default: keep them where the target holds them)."),
     torchtitan_names: str = typer.Option("current", "--torchtitan-names", help="With --to torchtitan: current "
                                          "(torchtitan's present parameter names) or v0.2."),
+    hf_spelling: str = typer.Option("hub", "--hf-spelling", help="With --to hf, a vision-language model: hub "
+                                    "(the names Hub checkpoints and vLLM use) or v5 (transformers 5's own)."),
+    megatron_vision: Optional[str] = typer.Option(None, "--megatron-vision", help="Megatron, a vision-language "
+                                                  "model: hf (the tower's HF modules, whole on every TP rank) or "
+                                                  "native (vision_model.decoder.layers.*, split at --tp); default: "
+                                                  "the family's."),
+    vllm_vision: str = typer.Option("weights", "--vllm-vision", help="With --to vllm, a vision-language model: "
+                                    "weights (the tower split as vLLM splits it) or none (language model only, for "
+                                    "limit_mm_per_prompt all 0)."),
+    allow_missing: Optional[list[str]] = typer.Option(None, "--allow-missing", metavar="WHAT", help="vision: write "
+                                                      "the output without the vision tensors the source lacks "
+                                                      "(vLLM / megatron-core LLaVA build no unused CLIP layer)."),
 ):
     """Convert SRC (a folder or hf://ORG/NAME[@REV]) to another layout and/or TP/PP degree, streaming."""
     from reshard import api
@@ -177,7 +189,8 @@ def convert(
                          push_to=push_to, revision=revision, allow_lossy_config=tuple(allow_lossy_config or ()),
                          allow_cast_overflow=allow_cast_overflow, follow_symlinks=follow_symlinks,
                          keep_fp8=keep_fp8, drop_mtp=drop_mtp, torchtitan_names=torchtitan_names,
-                         progress=not as_json and sys.stderr.isatty())
+                         hf_spelling=hf_spelling, megatron_vision=megatron_vision, vllm_vision=vllm_vision,
+                         allow_missing=tuple(allow_missing or ()), progress=not as_json and sys.stderr.isatty())
     if dry_run:
         if as_json:
             print(json.dumps({**_plan_json(result.plan), "download": result.download}, indent=2))

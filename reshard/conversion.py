@@ -135,7 +135,8 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
             allow_cast_overflow: bool = False, distributed: bool | None = None,
             follow_symlinks: bool = False, keep_fp8: bool = False, drop_mtp: bool = False,
             config: str | None = None, tag: str | None = None, master_weights: bool = False,
-            torchtitan_names: str = "current") -> ConvertResult:
+            torchtitan_names: str = "current", hf_spelling: str = "hub", megatron_vision: str | None = None,
+            vllm_vision: str = "weights", allow_missing: tuple[str, ...] = ()) -> ConvertResult:
     """Convert checkpoint ``src`` to layout ``to`` at degrees ``tp`` x ``pp`` in folder ``dst`` (a Megatron
     Mixture of Experts also at expert-parallel ``ep`` and expert-tensor-parallel ``etp``, default ``tp``; a vLLM
     one with ``expert_parallel``: whole experts split over the ranks).
@@ -154,7 +155,13 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
     ``drop_mtp``: leave multi-token-prediction layers out (a target that cannot hold them drops them anyway).
     ``config`` (a config.json for a source that saves none), ``tag`` and ``master_weights`` (DeepSpeed) say how to
     read the source; ``torchtitan_names`` (``to="torchtitan"``): ``"current"`` or ``"v0.2"`` parameter names.
+    Vision-language models: ``hf_spelling``, ``megatron_vision``, ``vllm_vision`` and ``allow_missing``
+    (reshard/layouts/vision.py, hf_spelling.py).
     """
+    unknown_missing = sorted(set(allow_missing) - {"vision"})
+    if unknown_missing:
+        raise PlanError(f"--allow-missing {unknown_missing[0]}: the only thing an output may be written without is "
+                        "vision (tower tensors the source lacks)")
     unknown = sorted(set(allow_lossy_config) - set(SEMANTIC_FIELDS) - set(UNCARRIED_SETTINGS))
     if unknown:
         raise PlanError(f"--allow-lossy-config {unknown[0]}: not a canonical config field (fields: "
@@ -165,7 +172,9 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
     refuse_unused_options(to, {"ep": ep, "etp": etp, "expert_parallel": expert_parallel,
                                "moe_grouped_gemm": moe_grouped_gemm, "megatron_spec": megatron_spec,
                                "vocab_divisor": vocab_divisor, "max_shard_size": max_shard_size,
-                               "keep_fp8": keep_fp8, "torchtitan_names": torchtitan_names})
+                               "keep_fp8": keep_fp8, "torchtitan_names": torchtitan_names,
+                               "hf_spelling": hf_spelling, "megatron_vision": megatron_vision,
+                               "vllm_vision": vllm_vision})
     if torchtitan_names not in ("current", "v0.2"):
         raise PlanError(f"--torchtitan-names {torchtitan_names}: use current or v0.2")
     opts = Options(tp=tp, pp=pp, ep=ep, etp=etp, expert_parallel=expert_parallel, moe_grouped_gemm=moe_grouped_gemm,
@@ -174,7 +183,8 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
                    vocab_size=vocab_size, vocab_divisor=vocab_divisor, architecture=architecture, mapping=mapping,
                    allow_replica_mismatch=allow_replica_mismatch, allow_lossy_config=tuple(allow_lossy_config),
                    follow_symlinks=follow_symlinks, keep_fp8=keep_fp8, drop_mtp=drop_mtp, config=config, tag=tag,
-                   master_weights=master_weights, torchtitan_names=torchtitan_names)
+                   master_weights=master_weights, torchtitan_names=torchtitan_names, hf_spelling=hf_spelling,
+                   megatron_vision=megatron_vision, vllm_vision=vllm_vision, allow_missing=tuple(allow_missing))
     world = None if dry_run or not distributed_run(distributed) else World.join()
     if world is not None:
         try:

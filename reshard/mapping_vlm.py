@@ -54,6 +54,7 @@ class Multimodal:
     read: tuple[tuple[str, str], ...] = ()
     v5: tuple[tuple[str, str], ...] = ()
     deepstack: int = 0
+    extra_state_native: tuple[tuple[str, tuple[str, ...]], ...] = ()  # megatron spec -> the native tower's
 
     def refusal(self, vision: str) -> str | None:
         return dict(self.megatron_refused).get(vision)
@@ -225,9 +226,9 @@ def compose(data: dict, source: str, config: dict) -> Family:
     spelling = text_family.config.architecture(text_arch)
     model_type = config.get("model_type") or architecture
     vlm_spelling = dataclasses.replace(spelling, model_type=model_type, other_model_types=())
-    extra = {spec: tuple(meg(t) for t in templates) + tuple(_expand_templates(
-                 data.get("megatron", {}).get(f"extra_state_native_{spec}", []), blocks, used, deepstack))
-             for spec, templates in text_family.extra_state.items()}
+    extra = {spec: tuple(meg(t) for t in templates) for spec, templates in text_family.extra_state.items()}
+    native_extra = tuple((spec, tuple(_expand_templates(data.get("megatron", {}).get(f"extra_state_native_{spec}", []),
+                                                        blocks, used, deepstack))) for spec in extra)
     groups = tuple((g, tuple(hf_name(t) for t in ts)) for g, ts in text_family.config.bias_groups)
     config_spelling = dataclasses.replace(text_family.config, bias_groups=groups,
                                           architectures=((architecture, vlm_spelling),))
@@ -237,7 +238,7 @@ def compose(data: dict, source: str, config: dict) -> Family:
         megatron_default=vision.get("megatron_default", "hf"),
         megatron_refused=tuple(sorted(vision.get("megatron_refused", {}).items())),
         read=tuple((a, b) for a, b in hf.get("read", [])), v5=tuple((a, b) for a, b in hf.get("v5", [])),
-        deepstack=deepstack)
+        deepstack=deepstack, extra_state_native=native_extra)
     return dataclasses.replace(
         text_family, name=data["family"]["name"], description=data["family"].get("description", ""),
         architectures=tuple(data["family"]["architectures"]), dims=dims, weights=tuple(tower + renamed),

@@ -183,8 +183,9 @@ class TorchFile(TensorFile):
 class TensorSlot:
     """Placeholder for a tensor in a payload to be written by :class:`TorchZipWriter`."""
 
-    def __init__(self, name: str, dtype: str, shape: tuple[int, ...]):
+    def __init__(self, name: str, dtype: str, shape: tuple[int, ...], view: tuple[int, ...] | None = None):
         self.name, self.dtype, self.shape = name, dtype, tuple(shape)
+        self.view = view  # the shape the pickle records, when it differs (same bytes: CLIP's [1, 1, H] class token)
 
 
 def torch_dtype_global(dtype: str) -> TorchGlobal:
@@ -379,7 +380,7 @@ class TorchZipWriter(PartialFile):
             raise AssertionError("payload slots and write order differ")
         for i, name in enumerate(self._order):
             slot = self._slots[name]
-            refs[name] = _TensorRef(_StorageRef(str(i), slot.dtype, _numel(slot.shape)), slot.shape)
+            refs[name] = _TensorRef(_StorageRef(str(i), slot.dtype, _numel(slot.shape)), slot.view or slot.shape)
         data = pickled(swap(payload))
         super().__init__(path)
         self._records = ZipRecords(self._file)

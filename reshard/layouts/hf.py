@@ -159,9 +159,12 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
     model = build_canonical(family, config, present, tied, mtp)
     model.meaning = read_meaning(config, family, architecture, model.dims, present, tied, path).replace(
         mtp_layers=len(model.mtp_layers))
-    stored = []
+    stored, absent = [], []
     for tensor in hf_tensors(model, fused):
         name = tensor.name
+        if name not in where and unused_tower_tensor(model, tensor):
+            absent.append(name)
+            continue
         if name not in where:  # an MTP layer's tensors, its embedding and head copies included, name their layer
             layer = (match_template(family, name, stored=True) or (None, None))[1]
             if layer is not None and layer in model.mtp_layers:
@@ -187,6 +190,9 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
     if extra:
         raise CheckpointError(f"{path}: tensor '{sorted(extra)[0]}' does not fit the config "
                               f"({model.num_layers} layers); the config does not match the weights")
+    if absent:
+        notes.append(f"the files hold no {len(absent)} vision tensors the model does not use (e.g. {absent[0]}): "
+                     "read as absent")
     info = {"config": config, "notes": notes}
     if quantized is not None:
         info["fp8"] = quantized.describe(None if opts.keep_fp8 else "bfloat16")
@@ -194,6 +200,13 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
             fp8.add_scales(model, quantized, stored, {t.name: t.pieces[0].canonical for _, t in stored})
     return Source(layout=NAME, root=path, model=model, files=files, stored=stored,
                   degrees={"tp": 1, "pp": 1}, info=info, side_files=side_files)
+
+
+def unused_tower_tensor(model: CanonicalModel, tensor: StoredTensor) -> bool:
+    """Whether ``tensor`` is a vision-tower tensor the model does not use (LLaVA's CLIP blocks past
+    ``vision_feature_layer``, ``post_layernorm``): a folder written with ``--allow-missing vision`` lacks them."""
+    return all((t := model.tensors.get(p.canonical)) is not None and t.spec.tower and "vllm" in t.spec.absent_in
+               for p in tensor.pieces)
 
 
 def _mtp_layers_held(family, config: dict, held: set[int | None], notes: list[str]) -> int:

@@ -34,11 +34,13 @@ from reshard.layouts.megatron_folders import (  # noqa: F401  (_checkpoint_root,
     _RANK_DIR, _REMOTE_RANK_FILE, TRACKER, _checkpoint_root, _iteration_dir, _label, find_side_files_in,
     iteration_folder, iteration_folder_name, side_folders, true_vocab_size)
 from reshard.layouts.megatron_args import RECORD_ONLY, args_from_meaning, meaning_from_args
-from reshard.mapping import Family, WeightSpec, family_for_architecture
+from reshard.layouts.vision import check_tower_degrees, megatron_vision
+from reshard.mapping import Family, WeightSpec, evaluate, family_for_architecture
+from reshard.mapping_vlm import flat_view, nested
 
 NAME = "megatron"
 RANK_FILE = "model_optim_rng.pt"
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_LAYER = re.compile(r"^(?:language_model\.)?decoder\.layers\.(\d+)\.")  # a VLM's language model: language_model.
 GROUPED = re.compile(r"\.mlp\.experts\.linear_fc[12]\.weight\d+$")  # TEGroupedMLP
 LEGACY_GROUPED = re.compile(r"\.mlp\.experts\.weight[12]$")  # legacy GroupedMLP
 
@@ -65,19 +67,24 @@ class ExpertGrid:
 
 
 def rank_tensors(model: CanonicalModel, tp: int, rank: int, layers: list[int], first: bool, last: bool,
-                 spec_name: str, padded_vocab: int, grid: ExpertGrid | None = None) -> list[StoredTensor]:
+                 spec_name: str, padded_vocab: int, grid: ExpertGrid | None = None,
+                 vision: str = "hf") -> list[StoredTensor]:
     """The tensors of one TP rank (and EP rank, ``grid``) of one pipeline chunk holding global ``layers`` (names
     local to the chunk; routed experts under their local index; on the last stage, MTP layers after the output
-    layer, :func:`mtp_name`)."""
-    groups = model.dims["ng"]
+    layer, :func:`mtp_name`); a vision tower on the first stage in layout ``vision`` (hf: its HF modules;
+    native: vision_model.decoder.layers.*, split at ``tp``)."""
     grid = grid or ExpertGrid(etp=tp)
+    held = "megatron_native" if vision == "native" else "megatron_hf"
     out: list[StoredTensor] = []
 
     kind_in = "megatron_local" if spec_name == "local" else "megatron"
 
     def emit(spec: WeightSpec, layer: int | None, local: int | None, name_spec: WeightSpec | None = None):
+        if not spec.held_in(held):
+            return
+        groups = model.dims[spec.heads or "ng"]
         sparse = layer in model.sparse_layers or layer in model.mtp_layers
-        template = (name_spec or spec).megatron_name(spec_name, sparse, grid.grouped)
+        template = (name_spec or spec).megatron_name(spec_name, sparse, grid.grouped, vision)
         if layer in model.mtp_layers:
             template = mtp_name(template, spec)
         if spec.per_expert and grid.legacy:
@@ -92,12 +99,12 @@ def rank_tensors(model: CanonicalModel, tp: int, rank: int, layers: list[int], f
                     out.append(rank_slice(instance(template, local, j), spec, members, rank % grid.etp, grid.etp,
                                           groups, padded_vocab, megatron_qkv_pieces))
             return
-        members = pack_members(model, spec, layer, lambda s: s.megatron_name(spec_name))
+        members = pack_members(model, spec, layer, lambda s: s.megatron_name(spec_name, vision=vision))
         if members is None:
             return
         name = template.format(layer=local) if local is not None else template
         out.append(rank_slice(name, spec, members, rank, tp, groups, padded_vocab, megatron_qkv_pieces,
-                              spec.split_in(kind_in)))
+                              spec.split_in(kind_in, vision)))
 
     for name_spec, spec, layer, local in stage_weights(model, layers, first, last, tied_copy=not first):
         emit(spec, layer, local, name_spec)
@@ -142,7 +149,7 @@ def _legacy_grouped(model: CanonicalModel, spec: WeightSpec, layer: int, local: 
 
 
 def extra_state_names(family: Family, spec_name: str, num_local_layers: int, tensor_names: list[str],
-                      mtp_layers: int = 0) -> list[str]:
+                      mtp_layers: int = 0, vision: str = "hf") -> list[str]:
     """``_extra_state`` keys of a rank: per-layer ones for each local decoder layer and, on the last stage, each
     MTP layer (a decoder template under ``mtp.layers.{k}.transformer_layer.``); a module with weights only where
     the layer holds them (an MLA layer has linear_q_proj or linear_q_down_proj / linear_q_up_proj); others where
@@ -166,11 +173,35 @@ def extra_state_names(family: Family, spec_name: str, num_local_layers: int, ten
         names += [t.format(layer=i) for i in range(num_local_layers) if wanted(t, t.format(layer=i))]
         inner = mtp_decoder_layer(t)
         names += [inner.format(layer=k) for k in range(mtp_layers) if wanted(t, inner.format(layer=k))]
+    if vision == "native" and family.multimodal:  # the native vision tower's modules, where the rank holds them
+        templates = templates + dict(family.multimodal.extra_state_native).get(spec_name, ())
     for t in templates:
         module = t.removesuffix("._extra_state") + "."
         if "{layer}" not in t and any(n.startswith(module) for n in tensor_names):
             names.append(t)
     return names
+
+
+def tower_views(model: CanonicalModel, spec_name: str, vision: str) -> dict[str, tuple[int, ...]]:
+    """Tower tensors Megatron stores under another shape of the same bytes (native CLIP's class token
+    ``[1, 1, H]``): stored name -> that shape."""
+    return {spec.megatron_name(spec_name, vision=vision): tuple(evaluate(e, model.dims) for e in spec.megatron_shape)
+            for spec in model.family.weights if spec.megatron_shape and vision == "native"}
+
+
+def check_megatron_tower(model: CanonicalModel, opts: Options) -> None:
+    """A vision tower's Megatron layout is one its family has, its split divides ``--tp`` (native), and Qwen3-VL's
+    DeepStack features reach language-model layers held by the first stage (Megatron-Bridge's requirement)."""
+    mm = model.family.multimodal
+    vision = megatron_vision(model, opts.megatron_vision)
+    if mm is None:
+        return
+    if vision == "native":
+        check_tower_degrees(model, opts.tp, "megatron_native")
+    if mm.deepstack > model.num_layers // opts.pp:
+        raise PlanError(f"Qwen3-VL adds its {mm.deepstack} DeepStack features to the first {mm.deepstack} language "
+                        f"model layers, which must all be on the first pipeline stage: pp={opts.pp} gives it "
+                        f"{model.num_layers // opts.pp}; choose a smaller --pp")
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -186,7 +217,9 @@ def read_args(args, opts: Options, folders: str | list[str], where: str) -> tupl
     architecture = chosen_architecture(named if isinstance(named, str) else None, opts,
                                        f"{where}: the args' hf_config")
     meaning = meaning_from_args(args, vocab, architecture, where)
-    family = family_for_architecture(meaning.architecture, opts.mapping)
+    family = family_for_architecture(meaning.architecture, opts.mapping, recorded)
+    if recorded and family.multimodal:
+        recorded = flat_view(recorded)
     if recorded:  # settings the record holds that the family does not carry: refused unless allowed lossy
         recorded = without_dropped_settings(recorded, family, opts.allow_lossy_config)[0]
     meaning = _with_record_only(meaning, family, recorded, where)
@@ -205,6 +238,8 @@ def _with_record_only(meaning: ModelConfig, family: Family, recorded: dict | Non
         dims = family.resolve_dims(recorded)
         spelled = read_meaning(recorded, family, meaning.architecture, dims, set(), meaning.tied, where)
         fields = {f: getattr(spelled, f) for f in RECORD_ONLY}
+        if "mrope_section" in spelled.scaling:  # the args spell the sections; Qwen3-VL's interleaving is recorded
+            fields["rope_scaling"] = spelled.rope_scaling
         if spelled.gated_mlp and spelled.activation != "silu":
             fields.update(gated_mlp=True, activation=spelled.activation)
         return meaning.replace(**fields)
@@ -295,11 +330,12 @@ def _scan_ranks(folder: str) -> dict[tuple[int, int], str]:
 
 
 def _legacy_view(f: TorchFile, key: str, loc, shape: tuple[int, ...]):
-    """Re-view a legacy GroupedMLP tensor's contiguous bytes as its ``[E_loc, ...]`` blocks (what megatron-core's
-    ``weight1.view(E_loc, H, -1)`` does), in the file's own table so reads see the blocks."""
+    """Re-view a tensor's contiguous bytes as ``shape``, in the file's own table so reads see it: a legacy
+    GroupedMLP tensor as its ``[E_loc, ...]`` blocks (what megatron-core's ``weight1.view(E_loc, H, -1)`` does),
+    CLIP's ``[1, 1, H]`` class token as the ``[H]`` vector it is."""
     if loc.strides is not None or math.prod(loc.shape) != math.prod(shape):
-        raise CheckpointError(f"{f.path}: '{key}' holds {tuple(loc.shape)}, which is not the legacy GroupedMLP "
-                              f"view {tuple(shape)} of this model's experts (or is not contiguous)")
+        raise CheckpointError(f"{f.path}: '{key}' holds {tuple(loc.shape)}, which is not a view {tuple(shape)} of "
+                              "this model's tensor (or is not contiguous)")
     view = replace(loc, shape=tuple(shape))
     f.tensors[key] = view
     return view
@@ -356,6 +392,10 @@ def open_source(path: str, opts: Options) -> Source:
             chunk_layers.setdefault((p, chunk), count)
     chunk_keys = sorted({c for _, c in chunk_layers}, key=lambda c: -1 if c == "model" else int(c[5:]))
     spec_name = "te" if any(n.endswith(".layer_norm_weight") for n in names_all) else "local"
+    vision = "native" if any(n.startswith("vision_model.decoder.layers.") for n in names_all) else "hf"
+    if family.multimodal:
+        megatron_vision(build_canonical(family, config, set(), meaning.tied), vision)  # a layout the family has
+    views = {}
     grouped = any(GROUPED.search(n) for n in names_all)
     legacy_grouped = any(LEGACY_GROUPED.search(n) for n in names_all)
     starts, offset = {}, 0
@@ -363,7 +403,8 @@ def open_source(path: str, opts: Options) -> Source:
         for p in range(pp):
             starts[(p, chunk)] = offset
             offset += chunk_layers.get((p, chunk), 0)
-    legacy = sorted(n for n in names_all if n.startswith(("language_model", "encoder.", "word_embeddings")))
+    legacy = sorted(n for n in names_all if n.startswith(("language_model", "encoder.", "word_embeddings"))
+                    and not (family.multimodal and n.startswith("language_model.")))
     if legacy:
         raise CheckpointError(f"{folder}: the rank files use legacy (pre-Megatron-Core) Megatron-LM names such as "
                               f"'{legacy[0]}'; reshard reads Megatron-Core (mcore) checkpoints: convert it with "
@@ -378,6 +419,7 @@ def open_source(path: str, opts: Options) -> Source:
             present.add(spec.hf)
     tied = meaning.tied
     model = build_canonical(family, config, present, tied)
+    views.update(tower_views(model, spec_name, vision))
     model.meaning = meaning
     for group, templates in family.config.bias_groups:
         has = all(family.holds(t, present) for t in templates)
@@ -406,10 +448,10 @@ def open_source(path: str, opts: Options) -> Source:
             is_first = p == 0 and chunk == chunk_keys[0]
             is_last = p == pp - 1 and chunk == chunk_keys[-1]
             for tensor in rank_tensors(model, tp, t, layers, is_first, is_last, spec_name, padded,
-                                       ExpertGrid(ep_found, etp, e, grouped, legacy_grouped)):
+                                       ExpertGrid(ep_found, etp, e, grouped, legacy_grouped), vision):
                 key = f"{chunk}/{tensor.name}"
                 loc = f.tensors.get(key)
-                if loc is not None and tensor.stacked and tensor.transposed:
+                if loc is not None and ((tensor.stacked and tensor.transposed) or tensor.name in views):
                     loc = _legacy_view(f, key, loc, tensor.shape)
                 if loc is None:
                     raise CheckpointError(f"{f.path}: tensor '{tensor.name}' is missing from the rank file")
@@ -448,8 +490,8 @@ def build_args(model: CanonicalModel, opts: Options, padded: int, divisor: int, 
     values.update(args_from_meaning(model.meaning, loss))
     if model.num_experts:
         values["moe_grouped_gemm"] = opts.moe_grouped_gemm
-    record = write_hf_config(model.meaning, model.config, model.family, ConfigLoss("record"))
-    record["torch_dtype"] = dtypes.hf_config_dtype(dtype)
+    record = nested(write_hf_config(model.meaning, model.config, model.family, ConfigLoss("record")))
+    record["dtype" if "dtype" in record else "torch_dtype"] = dtypes.hf_config_dtype(dtype)
     values.update(
         padded_vocab_size=padded, make_vocab_size_divisible_by=divisor,
         tensor_model_parallel_size=opts.tp, pipeline_model_parallel_size=opts.pp,
@@ -487,6 +529,7 @@ def output_args(source: Source, opts: Options, dtype: str) -> OutputArgs:
                         "Megatron pads the vocab to a multiple of it times tp (default 128)")
     check_megatron_degrees(model, opts.tp, opts.pp)
     check_split_dims(model, opts.tp, "megatron_local" if opts.megatron_spec == "local" else "megatron")
+    check_megatron_tower(model, opts)
     check_expert_degrees(model, opts)
     divisor = opts.vocab_divisor or source.info.get("vocab_divisor") or 128
     padded = megatron_padded_vocab(model.vocab_size, opts.tp, divisor)
@@ -510,13 +553,16 @@ def targets(model: CanonicalModel, opts: Options, source: Source, dtype: str
     ep, etp = opts.ep, expert_tp(opts)
     if opts.moe_grouped_gemm and not model.num_experts:
         raise PlanError("--moe-grouped-gemm is for Mixture-of-Experts models")
+    vision = megatron_vision(model, opts.megatron_vision)
+    views = tower_views(model, opts.megatron_spec, vision)
     for p, layers in enumerate(stages):
         for e, t in ((e, t) for e in range(ep) for t in range(opts.tp)):
             tensors = rank_tensors(model, opts.tp, t, list(layers), p == 0, p == opts.pp - 1,
-                                   opts.megatron_spec, padded, ExpertGrid(ep, etp, e, opts.moe_grouped_gemm))
-            state = collections.OrderedDict((s.name, TensorSlot(s.name, "", ())) for s in tensors)
+                                   opts.megatron_spec, padded, ExpertGrid(ep, etp, e, opts.moe_grouped_gemm), vision)
+            state = collections.OrderedDict((s.name, TensorSlot(s.name, "", (), views.get(s.name))) for s in tensors)
             mtp = len(model.mtp_layers) if p == opts.pp - 1 else 0
-            for name in extra_state_names(model.family, opts.megatron_spec, len(layers), list(state), mtp):
+            for name in extra_state_names(model.family, opts.megatron_spec, len(layers), list(state), mtp,
+                                          vision):
                 state[name] = None
             payload = {"args": args, "checkpoint_version": 3.0,
                        "iteration": 0 if iteration == "release" else int(iteration), "model": state}
@@ -530,7 +576,7 @@ def check_split_dims(model: CanonicalModel, tp: int, kind_in: str) -> None:
     q / kv projections: whole heads; the local spec's down projections: plain row blocks)."""
     for spec in model.family.weights:
         kind = spec.split_in(kind_in)
-        if kind not in ("column", "row") or spec.per_expert or not model.has_spec(spec):
+        if kind not in ("column", "row") or spec.per_expert or spec.tower or not model.has_spec(spec):
             continue
         size = model.family.shape_of(spec, model.dims)[spec.axis]
         if size % tp:
@@ -584,7 +630,7 @@ class MegatronLayout(Layout):
     specificity = 10
     rank_loader = "reshard.verification.forward.megatron_rank:MegatronRankStream"
     completion_markers = (TRACKER,)
-    uses_options = frozenset({"ep", "etp", "moe_grouped_gemm", "megatron_spec", "vocab_divisor"})
+    uses_options = frozenset({"megatron_vision", "ep", "etp", "moe_grouped_gemm", "megatron_spec", "vocab_divisor"})
     instead = {"expert_parallel": "Megatron's expert parallelism is --ep N (with --etp for the experts' tensor "
                                   "parallelism)"}
 

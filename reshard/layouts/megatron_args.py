@@ -43,6 +43,8 @@ def meaning_from_args(args, vocab: int, architecture: str | None, where: str) ->
     """The meaning of a Megatron run's ``args`` (``architecture``: recorded or given, else derived)."""
     get = lambda key, default=None: getattr(args, key, default)  # noqa: E731
     position = get("position_embedding_type", "learned_absolute")
+    mrope = position == "mrope" and get("mrope_section") is not None  # Qwen-VL's multimodal RoPE: 1-D on text
+    position = "rope" if mrope else position
     norm = {"RMSNorm": "rms", "LayerNorm": "layer"}.get(get("normalization", "LayerNorm"))
     if position not in ("rope", "learned_absolute") or norm is None:
         what = (f"position_embedding_type {position}" if position not in ("rope", "learned_absolute")
@@ -66,6 +68,8 @@ def meaning_from_args(args, vocab: int, architecture: str | None, where: str) ->
         scaling = {"rope_type": "llama3", "factor": float(get("rope_scaling_factor", 8.0)), **LLAMA3_FIXED}
     elif get("rotary_seq_len_interpolation_factor") not in (None, 1, 1.0):
         scaling = {"rope_type": "linear", "factor": float(get("rotary_seq_len_interpolation_factor"))}
+    elif mrope:
+        scaling = {"rope_type": "default", "mrope_section": tuple(get("mrope_section"))}
     window, windowed = None, None
     size = get("window_size")
     if size is not None:
@@ -323,6 +327,8 @@ def args_from_meaning(meaning: ModelConfig, loss: ConfigLoss) -> dict[str, Any]:
         values.update(_yarn_args(scaling, loss))
     elif kind != "default":
         loss.cannot("rope_scaling", scaling, f"megatron-core's GPT model has no '{kind}' RoPE scaling")
+    if "mrope_section" in scaling:  # Qwen-VL's multimodal RoPE (megatron-core's MultimodalRotaryEmbedding)
+        values.update(position_embedding_type="mrope", mrope_section=list(scaling["mrope_section"]))
     values.update(apply_layernorm_1p=m.norm_offset, softmax_scale=m.query_scale ** -0.5 if m.query_scale else None,
                   window_attn_skip_freq=None)
     if m.sliding_window:

@@ -21,7 +21,7 @@ import re
 
 from reshard.core.canonical import build_canonical
 from reshard.core.pieces import StoredTensor
-from reshard.errors import CheckpointError
+from reshard.errors import CheckpointError, PlanError
 from reshard.io import dtypes
 from reshard.io.dcp import DcpTensor, DistcpFile, metadata_pickle, read_metadata, written_chunks
 from reshard.io.partial import replace_with_text
@@ -327,6 +327,10 @@ class TorchDistLayout(Layout):
         return sorted(files + [n for n in (megatron.TRACKER,) if n in names])
 
     def targets(self, source: Source, opts: Options, dtype: str):
+        if source.model.family.multimodal:
+            raise PlanError(f"torch_dist output of a vision-language model ({source.model.family.name}) is not "
+                            "supported yet (megatron-core stacks its language-model and vision layers apart): use "
+                            "--to megatron (torch format)")
         return _targets(source, opts, dtype)
 
     def finalize(self, out: str, source: Source, plan, state) -> None:
