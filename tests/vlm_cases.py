@@ -4,13 +4,15 @@ a tiny image (no processor). Shared by the VLM tests (test_vlm*.py, test_vlm_rul
 
 Spellings of one model's tensor names (vlm.md §2.1; TF = transformers 5.24):
 
-| spelling | Qwen2.5-VL | Qwen3-VL | Gemma 3 / LLaVA |
-|---|---|---|---|
-| hub | `model.*`, `visual.*`, `lm_head.weight` | `model.language_model.*`, `model.visual.*`, `lm_head.weight` | `language_model.model.*`, `language_model.lm_head.weight` (LLaVA; Gemma 3 is tied: none), `vision_tower.vision_model.*`, `multi_modal_projector.*` |
-| v5 | `model.language_model.*`, `model.visual.*`, `lm_head.weight` | = hub | `model.language_model.*`, `lm_head.weight` (LLaVA), `model.vision_tower.*` (no `vision_model.`), `model.multi_modal_projector.*` |
-| doubled | v5 with the LM body at `model.language_model.model.*` | same | same |
-| v5_vision_model | — | — | v5 with the tower at `model.vision_tower.vision_model.*` |
-| fresh | = hub | = hub | hub with the tower at `vision_tower.*` (no `vision_model.`) |
+- hub: Qwen2.5-VL `model.*`, `visual.*`, `lm_head.weight`; Qwen3-VL `model.language_model.*`, `model.visual.*`,
+  `lm_head.weight`; Gemma 3 / LLaVA `language_model.model.*`, `language_model.lm_head.weight` (LLaVA; Gemma 3 is
+  tied: none on disk), `vision_tower.vision_model.*`, `multi_modal_projector.*`.
+- v5: `model.language_model.*`, `lm_head.weight`, and the towers under `model.`: Qwen2.5-VL `model.visual.*`,
+  Gemma 3 / LLaVA `model.vision_tower.*` (no `vision_model.`) and `model.multi_modal_projector.*`.
+  Qwen3-VL: = hub.
+- doubled (some transformers 5.x): v5 with the LM body at `model.language_model.model.*`.
+- v5_vision_model (Gemma 3 / LLaVA only): v5 with the tower at `model.vision_tower.vision_model.*`.
+- fresh: Qwen = hub; Gemma 3 / LLaVA: hub with the tower at `vision_tower.*` (no `vision_model.`).
 
 ``v5`` is what ``save_pretrained(save_original_format=False)`` writes, ``fresh`` what a plain ``save_pretrained``
 of a model built from a config writes; test_vlm_rules.py checks both against TF's own files and that TF loads every
@@ -307,7 +309,8 @@ def save_mllama(folder: Path) -> Path:
                          max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0),
         vision_config=dict(hidden_size=32, intermediate_layers_indices=[0], num_hidden_layers=2,
                            num_global_layers=1, attention_heads=2, image_size=28, patch_size=14, max_num_tiles=2,
-                           vision_output_dim=64, intermediate_size=48, supported_aspect_ratios=[[1, 1], [1, 2], [2, 1]]),
+                           vision_output_dim=64, intermediate_size=48,
+                           supported_aspect_ratios=[[1, 1], [1, 2], [2, 1]]),
         image_token_index=260)
     config.architectures = ["MllamaForConditionalGeneration"]
     torch.manual_seed(0)
