@@ -93,6 +93,11 @@ CONVERT_CASES = [
     ("dense", ["--to", "hf", "--config", "CONFIG", "--tag", "t", "--master-weights"],
      dict(to="hf", config="CONFIG", tag="t", master_weights=True)),
     ("dense", ["--to", "vllm", "--torchtitan-names", "v0.2"], dict(to="vllm", torchtitan_names="v0.2")),
+    # refused: vision-language options on a text model, a VLM option for another target
+    ("dense", ["--to", "hf", "--hf-spelling", "v5"], dict(to="hf", hf_spelling="v5")),
+    ("dense", ["--to", "megatron", "--megatron-vision", "native"], dict(to="megatron", megatron_vision="native")),
+    ("dense", ["--to", "vllm", "--allow-missing", "vision"], dict(to="vllm", allow_missing=["vision"])),
+    ("dense", ["--to", "hf", "--vllm-vision", "none"], dict(to="hf", vllm_vision="none")),
 ]
 
 
@@ -102,7 +107,11 @@ REFUSED = {("--to", "hf", "--allow-lossy-config", "nonsense"): "nonsense",
            ("--to", "hf", "--ep", "2"): "--ep",
            ("--to", "vllm", "--keep-fp8"): "--keep-fp8",
            ("--to", "hf", "--config", "CONFIG", "--tag", "t", "--master-weights"): "--config does not apply",
-           ("--to", "vllm", "--torchtitan-names", "v0.2"): "--torchtitan-names"}
+           ("--to", "vllm", "--torchtitan-names", "v0.2"): "--torchtitan-names",
+           ("--to", "hf", "--hf-spelling", "v5"): "--hf-spelling v5 is for vision-language models",
+           ("--to", "megatron", "--megatron-vision", "native"): "--megatron-vision is for vision-language models",
+           ("--to", "vllm", "--allow-missing", "vision"): "for vision-language models",
+           ("--to", "hf", "--vllm-vision", "none"): "--vllm-vision"}
 
 
 def test_the_cases_cover_every_convert_option():

@@ -251,10 +251,11 @@ def open_source(path: str, opts: Options) -> Source:
     model = build_canonical(family, config, present, tied)
     model.meaning = read_meaning(config, family, architecture, model.dims, present, tied, path)
     tower = {n for n, t in model.tensors.items() if t.spec.tower}
-    if tower and not any(name_of_tower in where[0] for name_of_tower in
-                         {s.vllm_name for s in family.weights if s.tower}):
-        model = without(model, tower)  # written text only (--vllm-vision none): every tower tensor is absent
-        notes.append("the folder holds no vision tower (written for a text-only engine)")
+    held = model  # what the files hold: without a tower when written text only (--vllm-vision none)
+    if tower and not any(name in where[0] for name in {s.vllm_name for s in family.weights if s.tower}):
+        held = without(model, tower)
+        notes.append("the folder holds no vision tower (written for a text-only engine): every tower tensor is "
+                     "absent")
     _check_names(model)
     expert_parallel = _expert_parallel(model, files, where[0], tp)
     try:
@@ -276,7 +277,7 @@ def open_source(path: str, opts: Options) -> Source:
     stored: list[tuple[int, StoredTensor]] = []
     dropped = set()
     for rank in range(tp):
-        expected = rank_tensors(model, tp, rank, padded, expert_parallel)
+        expected = rank_tensors(held, tp, rank, padded, expert_parallel)
         for tensor in expected:
             index = where[rank].get(tensor.name)
             if index is None:

@@ -29,7 +29,7 @@ from reshard.verification.forward.rank_weights import (DecoderConfig, LayerWeigh
                                                        split_halves, unpack)
 
 _CHUNK = re.compile(r"^model\d*$")
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_LAYER = re.compile(r"^(?:language_model\.)?decoder\.layers\.(\d+)\.")  # a VLM: language_model.
 
 
 def _ranks(path: str) -> tuple[str, dict[tuple[int, int, int], str], object]:

@@ -17,6 +17,7 @@ from reshard.io.safetensors_format import SafetensorsFile
 from reshard.layouts import hf, vllm
 from reshard.layouts.base import Options
 from reshard.layouts.hf_config import read_meaning
+from reshard.mapping_vlm import flat_view
 from reshard.mapping import REPLICATED_PACK, config_condition, family_for_architecture
 from reshard.verification.forward.rank_stream import RankStream, whole_rank_loader
 from reshard.verification.forward.rank_weights import (DecoderConfig, LayerWeights, check_world, split_halves,
@@ -82,7 +83,8 @@ class VllmRankStream(RankStream):
     def _setup(self, path: str, files: list, opts: Options) -> None:
         self.path = path
         hf_config = hf.read_config(path)
-        family = self.family = family_for_architecture(hf.architecture_of(hf_config, opts), opts.mapping)
+        family = self.family = family_for_architecture(hf.architecture_of(hf_config, opts), opts.mapping, hf_config)
+        hf_config = flat_view(hf_config) if family.multimodal else hf_config
         dims = family.resolve_dims(hf_config)
         where = self.where = {name: f for f in files for name in f.tensors}
         present = {s.hf for s in family.weights if s.optional and s.vllm_name.format(layer=0) in where}

@@ -1,0 +1,251 @@
+"""Vision-language models (Qwen2.5-VL, Qwen3-VL, Gemma 3, LLaVA) in hf, megatron and vllm: tiny transformers models
+(tests/vlm_cases.py) converted by reshard, checked against transformers itself (logits with an image, the
+spellings its loader reads and save_pretrained writes) and against an independent rule module of vLLM 0.32's
+per-rank tensors written from the spec (tests/vlm_rules.py, itself checked against vLLM by the opt-in
+tests/test_vlm_rules.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import vlm_cases
+import vlm_rules
+from helpers import run_cli
+
+#: the family's Megatron vision layouts: the default first, then the other one where a framework builds it
+MEGATRON_VISIONS = {"qwen2_5_vl": ("hf", "native"), "qwen3_vl": ("native", "hf"), "gemma3": ("hf",),
+                    "llava": ("native",)}
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    """family -> its tiny model saved in the Hub spelling (built once per module)."""
+    root = tmp_path_factory.mktemp("vlm")
+    made = {}
+
+    def get(family):
+        if family not in made:
+            made[family] = vlm_cases.save_hub(family, root / family)
+        return made[family]
+
+    return get
+
+
+def convert(capsys, src, dst, *args):
+    code, out, err = run_cli(capsys, "convert", src, dst, *map(str, args))
+    assert code == 0, f"reshard convert {src} {dst} {' '.join(map(str, args))}: {err.strip()[-1500:]}"
+    return dst
+
+
+def llava_unused(config) -> set[str]:
+    """LLaVA's tensors vLLM and megatron-core do not build: the CLIP layers past vision_feature_layer and
+    post_layernorm (written here from transformers' own definition: hidden state l is block l's output)."""
+    vision = config["vision_config"]
+    layers, feature = vision["num_hidden_layers"], config["vision_feature_layer"]
+    used = layers + 1 + feature if feature < 0 else feature
+    names = {f"vision_tower.vision_model.post_layernorm.{p}" for p in ("weight", "bias")}
+    for b in range(used, layers):
+        prefix = f"vision_tower.vision_model.encoder.layers.{b}."
+        names |= {prefix + n for n in ("layer_norm1.weight", "layer_norm1.bias", "layer_norm2.weight",
+                                        "layer_norm2.bias", "mlp.fc1.weight", "mlp.fc1.bias", "mlp.fc2.weight",
+                                        "mlp.fc2.bias")}
+        names |= {prefix + f"self_attn.{m}_proj.{p}" for m in "qkvo" if m != "o" for p in ("weight", "bias")}
+        names |= {prefix + f"self_attn.out_proj.{p}" for p in ("weight", "bias")}
+    return names
+
+
+def assert_same_tensors(src, dst, missing=frozenset()):
+    a, b = load_file(src / "model.safetensors"), load_file(dst / "model.safetensors")
+    assert set(a) - set(b) == set(missing) and set(b) <= set(a), (sorted(set(a) ^ set(b))[:5])
+    for name, tensor in b.items():
+        assert tensor.dtype == a[name].dtype and torch.equal(tensor, a[name]), name
+
+
+def assert_same_config(src, dst):
+    a, b = (json.loads((f / "config.json").read_text()) for f in (src, dst))
+    for config in (a, b):
+        config.pop("dtype", None), config.pop("torch_dtype", None), config.pop("transformers_version", None)
+    assert a == b
+
+
+@pytest.mark.parametrize("family", vlm_cases.FAMILIES)
+def test_round_trip_through_megatron_and_vllm_is_bit_exact_and_keeps_the_image_logits(hub, tmp_path, capsys, family):
+    """hf -> megatron tp2 pp2 (the family's default vision layout) -> vllm tp2 -> hf: the source's bytes and
+    config, and transformers' logits on a prompt with an image equal the source's."""
+    src = hub(family)
+    config = json.loads((src / "config.json").read_text())
+    megatron = convert(capsys, src, tmp_path / "megatron", "--to", "megatron", "--tp", 2, "--pp", 2)
+    vllm = convert(capsys, megatron, tmp_path / "vllm", "--to", "vllm", "--tp", 2)
+    missing = llava_unused(config) if family == "llava" else set()
+    extra = ["--allow-missing", "vision"] if missing else []
+    if missing:  # refused without the flag, naming what is missing
+        code, _, err = run_cli(capsys, "convert", vllm, tmp_path / "refused", "--to", "hf")
+        assert code == 2 and "--allow-missing vision" in err and "post_layernorm" in err
+        assert not (tmp_path / "refused").exists()
+    back = convert(capsys, vllm, tmp_path / "hf", "--to", "hf", *extra)
+    assert_same_tensors(src, back, missing)
+    assert_same_config(src, back)
+    expected, got = vlm_cases.logits(src, family), logits_without(back, family, missing)
+    assert (got - expected).abs().max().item() <= 1e-5
+
+
+def logits_without(folder, family, missing):
+    """transformers' logits with an image of ``folder``, which lacks exactly ``missing`` (newly initialised)."""
+    import transformers
+
+    if not missing:
+        return vlm_cases.logits(folder, family)
+    model, info = getattr(transformers, vlm_cases.ARCHITECTURES[family]).from_pretrained(
+        str(folder), dtype=torch.float32, output_loading_info=True)
+    assert len(info["missing_keys"]) == len(missing) and not info["unexpected_keys"]
+    return vlm_cases.model_logits(model.eval(), family)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_the_other_megatron_vision_layout_round_trips(hub, tmp_path, capsys, family):
+    """Qwen2.5-VL's native layout and Qwen3-VL's HF-module layout (the non-default ones) read back bit-exact, and
+    the layout is recognised from the names on read."""
+    src = hub(family)
+    other = MEGATRON_VISIONS[family][1]
+    megatron = convert(capsys, src, tmp_path / "megatron", "--to", "megatron", "--tp", 2, "--pp", 2,
+                       "--megatron-vision", other)
+    names = set(torch.load(megatron / "release" / "mp_rank_00_000" / "model_optim_rng.pt",
+                           weights_only=False)["model"])
+    assert any(n.startswith("vision_model.decoder.layers.") for n in names) == (other == "native")
+    assert_same_tensors(src, convert(capsys, megatron, tmp_path / "hf", "--to", "hf"))
+
+
+def test_megatron_tower_placement_and_splits(hub, tmp_path, capsys):
+    """Qwen2.5-VL at tp2 pp2: the tower is on the first stage only; HF modules whole on both TP ranks (qkv =
+    HF's fused [Q; K; V]); native: qkv per head [q_h; k_h; v_h] of the rank's heads, proj split on columns."""
+    src = hub("qwen2_5_vl")
+    hf = load_file(src / "model.safetensors")
+    nv = json.loads((src / "config.json").read_text())["vision_config"]["num_heads"]
+    for vision in ("hf", "native"):
+        out = convert(capsys, src, tmp_path / vision, "--to", "megatron", "--tp", 2, "--pp", 2,
+                      "--megatron-vision", vision)
+        ranks = {(t, p): torch.load(out / "release" / f"mp_rank_0{t}_00{p}" / "model_optim_rng.pt",
+                                    weights_only=False)["model"] for t in range(2) for p in range(2)}
+        for t in range(2):
+            assert not any(n.startswith(("visual.", "vision_model.")) for n in ranks[(t, 1)])
+            rank = ranks[(t, 0)]
+            qkv = hf["visual.blocks.1.attn.qkv.weight"]
+            if vision == "hf":
+                assert torch.equal(rank["visual.blocks.1.attn.qkv.weight"], qkv)
+                assert torch.equal(rank["visual.merger.mlp.2.weight"], hf["visual.merger.mlp.2.weight"])
+                continue
+            q, k, v = qkv.chunk(3)
+            d = q.shape[0] // nv
+            heads = range(t * nv // 2, (t + 1) * nv // 2)
+            want = torch.cat([x[h * d:(h + 1) * d] for h in heads for x in (q, k, v)])
+            assert torch.equal(rank["vision_model.decoder.layers.1.self_attention.linear_qkv.weight"], want)
+            proj = hf["visual.blocks.1.attn.proj.weight"]
+            assert torch.equal(rank["vision_model.decoder.layers.1.self_attention.linear_proj.weight"],
+                               proj.chunk(2, dim=1)[t])
+            assert "vision_model.decoder.layers.1.self_attention.linear_qkv._extra_state" in rank
+
+
+@pytest.mark.parametrize("family,spelling", [(f, s) for f in vlm_cases.FAMILIES
+                                             for s in vlm_cases.FAMILY_SPELLINGS[f] if s != "hub"])
+def test_every_spelling_reads_to_the_hub_bytes(hub, tmp_path, capsys, family, spelling):
+    """Each transformers spelling (v5, the doubled .model.model, v5 with vision_model., a fresh 5.x save) reads to
+    the same tensors, and the HF output is written in the Hub spelling."""
+    src = hub(family)
+    respelt = vlm_cases.respell(src, tmp_path / spelling, family, spelling)
+    assert_same_tensors(src, convert(capsys, respelt, tmp_path / "hf", "--to", "hf"))
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "llava"])
+def test_hf_spelling_v5_writes_transformers_5_names(hub, tmp_path, capsys, family):
+    """--hf-spelling v5 writes the names transformers 5.24 saves with save_original_format=False, and transformers
+    loads them to the same logits."""
+    src = hub(family)
+    model = vlm_cases.load(src, family)
+    model.save_pretrained(tmp_path / "tf_v5", save_original_format=False)
+    out = convert(capsys, src, tmp_path / "v5", "--to", "hf", "--hf-spelling", "v5")
+    assert set(load_file(out / "model.safetensors")) == set(load_file(tmp_path / "tf_v5" / "model.safetensors"))
+    assert torch.equal(vlm_cases.logits(out, family), vlm_cases.logits(src, family))
+
+
+@pytest.mark.parametrize("family", vlm_cases.FAMILIES)
+def test_vllm_rank_tensors_equal_the_rule_module(hub, tmp_path, capsys, family):
+    """Every vLLM tp2 rank tensor (names, dtypes, bytes) equals the independently written rules'."""
+    src = hub(family)
+    hf, config = load_file(src / "model.safetensors"), json.loads((src / "config.json").read_text())
+    out = convert(capsys, src, tmp_path / "vllm", "--to", "vllm", "--tp", 2)
+    for rank in range(2):
+        got = load_file(out / f"model-rank-{rank}-part-0.safetensors")
+        want = vlm_rules.vllm_rank_tensors(hf, config, family, 2, rank)
+        assert set(got) == set(want), sorted(set(got) ^ set(want))[:5]
+        for name, tensor in want.items():
+            assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+
+
+def test_vllm_vision_none_writes_the_language_model_only(hub, tmp_path, capsys):
+    """--vllm-vision none: the ranks of an engine with limit_mm_per_prompt all 0 (rules' vision="none"); read back,
+    the tower is missing and HF output needs --allow-missing vision."""
+    src = hub("qwen2_5_vl")
+    hf, config = load_file(src / "model.safetensors"), json.loads((src / "config.json").read_text())
+    out = convert(capsys, src, tmp_path / "vllm", "--to", "vllm", "--tp", 2, "--vllm-vision", "none")
+    for rank in range(2):
+        got = load_file(out / f"model-rank-{rank}-part-0.safetensors")
+        want = vlm_rules.vllm_rank_tensors(hf, config, "qwen2_5_vl", 2, rank, vision="none")
+        assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)
+    code, _, err = run_cli(capsys, "convert", out, tmp_path / "hf", "--to", "hf")
+    assert code == 2 and "--allow-missing vision" in err
+
+
+def test_verify_reports_the_tower_tensors_a_vllm_llava_lacks(hub, tmp_path, capsys):
+    src = hub("llava")
+    out = convert(capsys, src, tmp_path / "vllm", "--to", "vllm", "--tp", 2)
+    code, stdout, _ = run_cli(capsys, "verify", src, out, "--json")
+    report = json.loads(stdout)
+    missing = {t["name"] for t in report["tensors"] if t["status"] == "missing_in_b"}
+    assert code != 0 and missing == llava_unused(json.loads((src / "config.json").read_text()))
+    assert all(t["status"] == "equal" for t in report["tensors"] if t["name"] not in missing)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])
+def test_verify_forward_runs_the_text_decoder_at_tp2(hub, tmp_path, capsys, family):
+    src = hub(family)
+    out = convert(capsys, src, tmp_path / "megatron", "--to", "megatron", "--tp", 2)
+    code, stdout, err = run_cli(capsys, "verify", src, out, "--forward", "--nproc", 2)
+    assert code == 0 and "FORWARD EQUAL" in stdout, err[-1000:]
+
+
+def test_mllama_is_refused_naming_the_supported_families(tmp_path, capsys):
+    src = vlm_cases.save_mllama(tmp_path / "mllama")
+    code, _, err = run_cli(capsys, "convert", src, tmp_path / "out", "--to", "hf")
+    assert code == 2 and "MllamaForConditionalGeneration is a vision-language model" in err
+    assert all(arch in err for arch in vlm_cases.ARCHITECTURES.values())
+    assert not (tmp_path / "out").exists()
+
+
+def test_vision_heads_that_do_not_divide_tp_are_refused(tmp_path, capsys):
+    """3 vision heads at tp 2: vLLM and native Megatron refuse naming the config key; the HF-module layout,
+    whole on every rank, converts."""
+    src = vlm_cases.save_indivisible_qwen25(tmp_path / "src")
+    for args in (["--to", "vllm"], ["--to", "megatron", "--megatron-vision", "native"]):
+        code, _, err = run_cli(capsys, "convert", src, tmp_path / "out", "--tp", 2, *args)
+        assert code == 2 and "vision_config.num_heads" in err and "tp=2" in err, err
+        assert not (tmp_path / "out").exists()
+    out = convert(capsys, src, tmp_path / "hf_modules", "--to", "megatron", "--tp", 2, "--megatron-vision", "hf")
+    assert_same_tensors(src, convert(capsys, out, tmp_path / "back", "--to", "hf"))
+
+
+@pytest.mark.parametrize("family,vision,words", [("gemma3", "native", "no framework builds"),
+                                                 ("llava", "hf", "no framework reads")])
+def test_megatron_vision_layouts_no_framework_builds_are_refused(hub, tmp_path, capsys, family, vision, words):
+    code, _, err = run_cli(capsys, "convert", hub(family), tmp_path / "out", "--to", "megatron",
+                           "--megatron-vision", vision)
+    assert code == 2 and words in err
+
+
+def test_layouts_without_towers_refuse_a_vlm(hub, tmp_path, capsys):
+    for to in ("meta", "trtllm", "torchtitan", "torch_dist"):
+        code, _, err = run_cli(capsys, "convert", hub("qwen2_5_vl"), tmp_path / to, "--to", to)
+        assert code == 2 and "vision" in err and not (tmp_path / to).exists()
