@@ -408,18 +408,20 @@ def _report_push(folder: str, pushed) -> None:
 def mappings_list():
     """List the shipped mapping files and their architectures."""
     from reshard.mapping import load_shipped, shipped_mapping_names
+    from reshard.mapping_vlm import vlm_templates
 
     for name in shipped_mapping_names():
         fam = load_shipped(name)
         print(f"{name}: {', '.join(fam.architectures)}")
+    for template in vlm_templates():
+        print(f"{template.name}: {', '.join(template.architectures)} (vision-language)")
 
 
 @mappings_app.command("show")
 def mappings_show(name: str = typer.Argument(..., help="A shipped mapping name (see `mappings list`).")):
     """Print a shipped mapping file."""
-    from reshard.mapping import load_shipped, shipped_mapping_text
+    from reshard.mapping import shipped_mapping_text
 
-    load_shipped(name)
     print(shipped_mapping_text(name), end="")
 
 
