@@ -346,7 +346,7 @@ def vlm_family(architecture: str, config: dict | None) -> Family | None:
 
 def refuse_unknown_multimodal(architecture: str, config: dict) -> None:
     """A config with a ``vision_config`` whose architecture no mapping lists: refused naming what is supported."""
-    if isinstance(config.get("vision_config"), dict) or "ForConditionalGeneration" in architecture:
+    if isinstance(config.get("vision_config"), dict):
         raise PlanError(f"{architecture} is a vision-language model reshard does not support; supported "
                         f"multimodal architectures: {', '.join(multimodal_architectures())}")
 
