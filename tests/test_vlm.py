@@ -119,6 +119,22 @@ def test_the_other_megatron_vision_layout_round_trips(hub, tmp_path, capsys, fam
     assert_same_tensors(src, convert(capsys, megatron, tmp_path / "hf", "--to", "hf"))
 
 
+@pytest.mark.parametrize("family", vlm_cases.FAMILIES)
+def test_torch_dist_round_trip(hub, tmp_path, capsys, family):
+    """hf -> torch_dist (saved at tp2 pp2, each family's Megatron vision layouts) -> hf: the source's tensors (LLaVA
+    less what megatron-core does not build) and config."""
+    src = hub(family)
+    config = json.loads((src / "config.json").read_text())
+    missing = llava_unused(config) if family == "llava" else set()
+    for vision in MEGATRON_VISIONS[family]:
+        dist = convert(capsys, src, tmp_path / vision, "--to", "torch_dist", "--tp", 2, "--pp", 2,
+                       "--megatron-vision", vision)
+        back = convert(capsys, dist, tmp_path / f"{vision}_hf", "--to", "hf",
+                       *(["--allow-missing", "vision"] if missing else []))
+        assert_same_tensors(src, back, missing)
+        assert_same_config(src, back)
+
+
 def test_megatron_tower_placement_and_splits(hub, tmp_path, capsys):
     """Qwen2.5-VL at tp2 pp2: the tower is on the first stage only; HF modules whole on both TP ranks (qkv =
     HF's fused [Q; K; V]); native: qkv per head [q_h; k_h; v_h] of the rank's heads, proj split on columns."""
@@ -246,6 +262,6 @@ def test_megatron_vision_layouts_no_framework_builds_are_refused(hub, tmp_path, 
 
 
 def test_layouts_without_towers_refuse_a_vlm(hub, tmp_path, capsys):
-    for to in ("meta", "trtllm", "torchtitan", "torch_dist"):
+    for to in ("meta", "trtllm", "torchtitan"):
         code, _, err = run_cli(capsys, "convert", hub("qwen2_5_vl"), tmp_path / to, "--to", to)
         assert code == 2 and "vision" in err and not (tmp_path / to).exists()

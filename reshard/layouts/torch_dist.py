@@ -21,7 +21,7 @@ import re
 
 from reshard.core.canonical import build_canonical
 from reshard.core.pieces import StoredTensor
-from reshard.errors import CheckpointError, PlanError
+from reshard.errors import CheckpointError
 from reshard.io import dtypes
 from reshard.io.dcp import DcpTensor, DistcpFile, metadata_pickle, read_metadata, written_chunks
 from reshard.io.partial import replace_with_text
@@ -76,7 +76,7 @@ class _Index:
                 continue
             self.tensors[key.removeprefix("module.")] = tensor
 
-    def regions(self, name: str) -> list[tuple[DcpTensor, Location, int]] | None:
+    def regions(self, name: str, unit_axes: int = 0) -> list[tuple[DcpTensor, Location, int]] | None:
         """Where the TP=1 tensor ``name`` lives: (DCP tensor, its location: key and indices into the tensor's
         prepended layer / expert axes, row offset of ``name`` inside it), or None when the folder does not hold it. Tries the
         per-layer key, then the stacked one, under either spelling of the pre-MLP norm (:mod:`torch_dist_keys`)."""
@@ -84,7 +84,7 @@ class _Index:
             if spelled is None:
                 continue
             for stacked in (False, True):
-                loc = location(spelled, stacked)
+                loc = location(spelled, stacked, unit_axes)
                 tensor = self.tensors.get(loc.key)
                 if tensor is not None:
                     return [(tensor, loc, 0)]
@@ -123,11 +123,14 @@ def open_source(path: str, opts: Options) -> Source:
     if padded < meaning.vocab:
         raise CheckpointError(f"{folder}: the embedding holds {padded} rows, fewer than the vocab size "
                               f"{meaning.vocab}; --vocab-size or the recorded vocab is wrong")
-    layout = megatron.rank_tensors(model, 1, 0, list(range(model.num_layers)), True, True, "te", padded)
+    vision = "native" if any(k.startswith("vision_model.decoder.layers.") for k in index.tensors) else "hf"
+    layout = megatron.rank_tensors(model, 1, 0, list(range(model.num_layers)), True, True, "te", padded,
+                                   vision=vision)
+    views = megatron.tower_views(model, "te", vision)
     files: dict[str, DistcpFile] = {}
     stored, used, locations = [], set(), []
     for target in layout:
-        regions = index.regions(target.name)
+        regions = index.regions(target.name, unit_axes(views, target))
         if regions is None:
             raise CheckpointError(f"{folder}: tensor '{target.name}' is missing from the checkpoint (the args say "
                                   f"{model.num_layers} layers)")
@@ -189,16 +192,24 @@ def _object_kind(key: str) -> str:
 DATA_FILES = 2  # __0_0.distcp, __0_1.distcp: two writer processes can share the work
 
 
-def located_tensors(model, padded: int) -> list[tuple[StoredTensor, Location]]:
-    """The model's TP=1 Megatron tensors (Transformer Engine names, vocab padded to ``padded``), each with its
-    place in a torch_dist folder (:func:`~reshard.layouts.torch_dist_keys.location`)."""
+def unit_axes(views: dict[str, tuple[int, ...]], tensor: StoredTensor) -> int:
+    """The size-1 axes a tensor Megatron stores as a view of another shape has in front (CLIP's class token)."""
+    return len(views[tensor.name]) - len(tensor.shape) if tensor.name in views else 0
+
+
+def located_tensors(model, padded: int, vision: str = "hf") -> list[tuple[StoredTensor, Location]]:
+    """The model's TP=1 Megatron tensors (Transformer Engine names, vocab padded to ``padded``, a vision tower in
+    layout ``vision``), each with its place in a torch_dist folder
+    (:func:`~reshard.layouts.torch_dist_keys.location`)."""
     stacked = stacked_layers(model)
-    return [(t, location(t.name, stacked))
-            for t in megatron.rank_tensors(model, 1, 0, list(range(model.num_layers)), True, True, "te", padded)]
+    views = megatron.tower_views(model, "te", vision)
+    return [(t, location(t.name, stacked, unit_axes(views, t)))
+            for t in megatron.rank_tensors(model, 1, 0, list(range(model.num_layers)), True, True, "te", padded,
+                                           vision=vision)]
 
 
-def target_chunks(model, located: list[tuple[StoredTensor, Location]], tp: int, etp: int | None = None
-                  ) -> list[tuple[str, tuple[int, ...], StoredTensor, tuple[int, ...], tuple[int, ...]]]:
+def target_chunks(model, located: list[tuple[StoredTensor, Location]], tp: int, etp: int | None = None,
+                  vision: str = "hf") -> list[tuple[str, tuple[int, ...], StoredTensor, tuple[int, ...], tuple[int, ...]]]:
     """Every chunk Megatron would store at ``tp`` (routed experts at expert-TP ``etp``, default ``tp``): (DCP key,
     global shape, chunk as pieces of the canonical tensors, saved shape, global offsets). Keys and prepended
     layer / expert axes by :func:`~reshard.layouts.torch_dist_keys.location` (one chunk per layer, expert and TP
@@ -207,15 +218,16 @@ def target_chunks(model, located: list[tuple[StoredTensor, Location]], tp: int, 
     the pre-MLP norm under its other spelling (:func:`~reshard.layouts.torch_dist_keys.other_spelling`): a
     Transformer Engine load asks for one, a local-spec load for the other, and unrequested keys are ignored.
     ``located``: :func:`located_tensors`."""
-    sizes = {"layer": model.num_layers, "expert": model.num_experts}
+    sizes = axis_sizes(model)
     out = []
     for tensor, loc in located:
         canonical = next(p.canonical for p in tensor.pieces if p.canonical)
         spec = model.tensors[canonical].spec
+        split = spec.split_in("megatron", vision)
         degree = (etp or tp) if spec.per_expert else tp
-        parts = 1 if spec.split == "replicated" else 2 * degree if spec.split == "gate_up" else degree
+        parts = 1 if split == "replicated" else 2 * degree if split == "gate_up" else degree
         lead = tuple(sizes[a] for a in loc.axes)
-        alias = other_spelling(loc.key) if model.num_experts else None
+        alias = other_spelling(loc.key) if model.num_experts or loc.key.startswith("vision_model.") else None
         extent = tensor.shape[tensor.axis]
         for key in (loc.key, alias) if alias else (loc.key,):
             for c in range(parts):
@@ -228,6 +240,12 @@ def target_chunks(model, located: list[tuple[StoredTensor, Location]], tp: int, 
     return out
 
 
+def axis_sizes(model) -> dict[str, int]:
+    """The lengths of the axes megatron-core prepends: layers, routed experts, native vision blocks, unit axes."""
+    blocks = model.family.multimodal.used_blocks if model.family.multimodal else 0
+    return {"layer": model.num_layers, "expert": model.num_experts, "vblock": blocks, "unit": 1}
+
+
 def _targets(source: Source, opts: Options, dtype: str) -> TargetPlan:
     """The ``__0_{i}.distcp`` files of the global tensors, chunked as Megatron chunks them at ``opts.tp`` (and
     ``--etp``), and the ``_extra_state`` byte items (payload ``[None]``, what local layers store; Transformer
@@ -237,16 +255,17 @@ def _targets(source: Source, opts: Options, dtype: str) -> TargetPlan:
     padded, iteration, folder, args = run.padded, run.iteration, run.folder, run.args
     args.ckpt_format = NAME
     args.no_save_optim = args.no_save_rng = True  # a model-only checkpoint: resuming asks for no optimizer state
-    located = located_tensors(model, padded)
-    chunks = target_chunks(model, located, opts.tp, megatron.expert_tp(opts))
+    vision = megatron.megatron_vision(model, opts.megatron_vision)
+    located = located_tensors(model, padded, vision)
+    chunks = target_chunks(model, located, opts.tp, megatron.expert_tp(opts), vision)
     size = {c.name: dtypes.itemsize(stored_dtype(model, c, opts, dtype)) * math.prod(c.shape)
             for _, _, c, _, _ in chunks}
     groups = pack_by_size([c for _, _, c, _, _ in chunks], lambda c: size[c.name],
                           max(1, sum(size.values()) // DATA_FILES + 1))
     empty = object_archive([None])
-    objects = [(k, empty) for k in extra_state_keys([loc for _, loc in located], {"layer": model.num_layers,
-                                                                                 "expert": model.num_experts},
-                                                    model.num_layers, stacked_layers(model))]
+    prefix = "language_model." if model.family.multimodal else ""
+    objects = [(k, empty) for k in extra_state_keys([loc for _, loc in located], axis_sizes(model),
+                                                    model.num_layers, stacked_layers(model), prefix)]
     saved_shape = {c.name: s for _, _, c, s, _ in chunks}
     specs = [TargetSpec(f"{folder}/__0_{i}.distcp", "distcp", group,
                         payload={"saved_shapes": {c.name: saved_shape[c.name] for c in group},
@@ -299,7 +318,7 @@ class TorchDistLayout(Layout):
     rank_loader = "reshard.verification.forward.sliced_rank:SlicedRankStream"
     rank_view_of = "megatron"  # a rank loads the same module tensors whichever format Megatron saved
     completion_markers = (megatron.TRACKER,)
-    uses_options = frozenset({"vocab_divisor", "ep", "etp"})  # ep / etp: recorded in the args, and chunking
+    uses_options = frozenset({"vocab_divisor", "ep", "etp", "megatron_vision"})  # ep / etp: recorded in the args, and chunking
     instead = {"megatron_spec": "torch_dist checkpoints hold Transformer Engine (te) names; drop it, or use --to "
                                 "megatron for the local spec"}
 
@@ -327,10 +346,6 @@ class TorchDistLayout(Layout):
         return sorted(files + [n for n in (megatron.TRACKER,) if n in names])
 
     def targets(self, source: Source, opts: Options, dtype: str):
-        if source.model.family.multimodal:
-            raise PlanError(f"torch_dist output of a vision-language model ({source.model.family.name}) is not "
-                            "supported yet (megatron-core stacks its language-model and vision layers apart): use "
-                            "--to megatron (torch format)")
         return _targets(source, opts, dtype)
 
     def finalize(self, out: str, source: Source, plan, state) -> None:

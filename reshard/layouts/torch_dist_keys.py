@@ -22,7 +22,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+#: a decoder layer: the language model's (a VLM's under ``language_model.``) or a native vision tower's block
+_LAYER = re.compile(r"^((?:language_model\.|vision_model\.)?)decoder\.layers\.(\d+)\.(.+)$")
 _MTP_LAYER = re.compile(r"^mtp\.layers\.\d+\.transformer_layer\.")
 _EXPERT = re.compile(r"^(.*\.)local_experts\.(\d+)\.(.+)$")
 #: norms with two spellings, (separate module, fused into the next linear): the pre-MLP norm, and MLA's q / kv LoRA
@@ -30,6 +31,9 @@ _EXPERT = re.compile(r"^(.*\.)local_experts\.(\d+)\.(.+)$")
 _NORM_SPELLINGS = ((".pre_mlp_layernorm.", ".mlp.linear_fc1.layer_norm_"),
                    (".self_attention.q_layernorm.", ".self_attention.linear_q_up_proj.layer_norm_"),
                    (".self_attention.kv_layernorm.", ".self_attention.linear_kv_up_proj.layer_norm_"))
+#: a native vision tower's input norm, which megatron-core's ViT keeps as a module of its own in the local spec's
+#: sharded keys (the language model's are renamed to the fused spelling)
+_VISION_NORM_SPELLINGS = ((".input_layernorm.", ".self_attention.linear_qkv.layer_norm_"),)
 #: modules holding a weight whose ``_extra_state`` a load requests though they are not named ``linear_*``
 _EXTRA_STATE_LINEARS = ("eh_proj",)  # an MTP layer's embedding / hidden projection
 #: modules whose ``_extra_state`` a load may request besides every ``linear_*`` module of the model: attention
@@ -48,14 +52,16 @@ class Location:
     axes: tuple[str, ...] = ()
 
 
-def location(name: str, stacked: bool) -> Location:
-    """Where the TP=1 ``torch``-format tensor ``name`` lives (layers ``stacked`` or per layer)."""
-    index, axes = [], []
+def location(name: str, stacked: bool, unit_axes: int = 0) -> Location:
+    """Where the TP=1 ``torch``-format tensor ``name`` lives (layers ``stacked`` or per layer; a native vision
+    tower's blocks on a ``vblock`` axis). ``unit_axes``: leading axes of size 1 the tensor is stored with (CLIP's
+    class token ``[1, 1, H]``)."""
+    index, axes = [0] * unit_axes, ["unit"] * unit_axes
     m = _LAYER.match(name)
     if m and stacked:
-        name = f"decoder.layers.{m.group(2)}"
-        index.append(int(m.group(1)))
-        axes.append("layer")
+        name = f"{m.group(1)}decoder.layers.{m.group(3)}"
+        index.append(int(m.group(2)))
+        axes.append("vblock" if m.group(1) == "vision_model." else "layer")
     e = _EXPERT.match(name)
     if e:
         name = f"{e.group(1)}experts.{e.group(3)}"
@@ -67,7 +73,7 @@ def location(name: str, stacked: bool) -> Location:
 def other_spelling(key: str) -> str | None:
     """A two-spelling norm's other key (:data:`_NORM_SPELLINGS`, either way, stacked or per layer); None for every
     other key."""
-    for a, b in _NORM_SPELLINGS:
+    for a, b in _NORM_SPELLINGS + (_VISION_NORM_SPELLINGS if key.startswith("vision_model.") else ()):
         if a in key:
             return key.replace(a, b, 1)
         if b in key:
@@ -88,7 +94,8 @@ def object_key(module: str, index: tuple[int, ...], sizes: tuple[int, ...]) -> s
     return f"{module}._extra_state/shard_{'.'.join(map(str, index))}_{'.'.join(map(str, sizes))}"
 
 
-def extra_state_keys(locations: list[Location], sizes: dict[str, int], num_layers: int, stacked: bool) -> list[str]:
+def extra_state_keys(locations: list[Location], sizes: dict[str, int], num_layers: int, stacked: bool,
+                     prefix: str = "") -> list[str]:
     """Every ``_extra_state`` key a Megatron-Core load of a model with these tensors may ask for: each ``linear_*``
     module holding a ``.weight`` (per layer, per expert), each separate norm module, and per layer the modules of
     :data:`_EXTRA_STATE_ALSO`. ``sizes``: the prepended axes' lengths by name."""
@@ -107,9 +114,9 @@ def extra_state_keys(locations: list[Location], sizes: dict[str, int], num_layer
     for layer in range(num_layers):
         for module in _EXTRA_STATE_ALSO:
             if stacked:
-                keys.setdefault(object_key(f"decoder.layers.{module}", (layer,), (num_layers,)))
+                keys.setdefault(object_key(f"{prefix}decoder.layers.{module}", (layer,), (num_layers,)))
             else:
-                keys.setdefault(object_key(f"decoder.layers.{layer}.{module}", (), ()))
+                keys.setdefault(object_key(f"{prefix}decoder.layers.{layer}.{module}", (), ()))
     return list(keys)
 
 

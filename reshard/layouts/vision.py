@@ -71,7 +71,7 @@ def refuse_multimodal(model: CanonicalModel, layout: str) -> None:
     """A layout without vision towers refuses a vision-language model before anything is written."""
     if model.family.multimodal is not None and layout not in TOWER_LAYOUTS:
         raise PlanError(f"the {layout} layout carries no vision tower, and {model.family.name} is a vision-language "
-                        "model: convert it to hf, megatron (torch format) or vllm")
+                        f"model: convert it to {', '.join(TOWER_LAYOUTS)}")
 
 
 def absent_tensors(source) -> list[str]:
