@@ -83,6 +83,7 @@ from bench_ops import (  # noqa: E402,F401 - REPO_ROOT, SRC_DIR, OPS: re-exporte
     PREPARE_ONLY,
     REFERENCES,
     TRAIN_OPS,
+    VLM_OPS,
     WIDE_OPS,
     REPO_ROOT,
     SRC_DIR,
@@ -119,11 +120,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory (default: bench-out)")
     ap.add_argument("--model", choices=MODELS, default="llama",
                     help="the generated source: llama (dense), mixtral (8 experts per layer), wide (1 layer, wide "
-                         "MLP) or deepseek (DeepSeek-V3: MLA, 16 routed + 1 shared experts, a dense first layer) "
-                         "(default: llama)")
+                         "MLP), deepseek (DeepSeek-V3: MLA, 16 routed + 1 shared experts, a dense first layer) "
+                         "or qwen2_5_vl (Qwen2.5-VL: a Qwen2 language model and its vision tower) (default: llama)")
     ap.add_argument("--ops", nargs="+", choices=list(OPS), default=None, metavar="OP",
-                    help="operations to run (default: all for the model; MoE ones only for mixtral and deepseek; "
-                         "hf_to_fp32_hf and the training-framework ones only when named): " + ", ".join(OPS))
+                    help="operations to run (default: all for the model; MoE ones only for mixtral and deepseek, "
+                         "VLM ones only for qwen2_5_vl; hf_to_fp32_hf and the training-framework ones only when "
+                         "named): " + ", ".join(OPS))
     ap.add_argument("--workers", type=int, default=None, help="pass --workers N to reshard convert (only when given)")
     ap.add_argument("--torchrun", type=int, default=None, metavar="N",
                     help="also time each conversion under `torchrun --standalone --nproc-per-node N` (op name "
@@ -159,8 +161,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.ops = [*REFERENCES, *WIDE_OPS]
         elif args.model == "deepseek":
             args.ops = [*REFERENCES, *DEEPSEEK_OPS]
+        elif args.model == "qwen2_5_vl":
+            args.ops = [*REFERENCES, *VLM_OPS]
         else:
-            args.ops = [op for op in OPS if op not in (*MOE_OPS, *PREPARE_ONLY, *CAST_OPS, *TRAIN_OPS)]
+            args.ops = [op for op in OPS if op not in (*MOE_OPS, *PREPARE_ONLY, *CAST_OPS, *TRAIN_OPS, *VLM_OPS)]
     args.ops = [op for op in OPS if op in set(args.ops)]  # canonical order: cp, hf_to_megatron_tp8, ...
     if args.model != "llama" and any(op in TRAIN_OPS for op in args.ops):
         ap.error(f"the training-framework ops ({', '.join(TRAIN_OPS)}) train the Llama model only (--model llama)")

@@ -1,5 +1,5 @@
-"""Synthetic Llama, Mixtral and DeepSeek-V3 checkpoints for scripts/bench.py: shapes for a requested size, the
-streaming bf16 safetensors writer, and the cached source directory (``ensure_source``)."""
+"""Synthetic Llama, Mixtral, DeepSeek-V3 and Qwen2.5-VL checkpoints for scripts/bench.py: shapes for a requested
+size, the streaming bf16 safetensors writer, and the cached source directory (``ensure_source``)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ GENERATOR_VERSION = 1
 
 HIDDEN_CANDIDATES = (8192, 4096, 2048, 1024, 512, 256, 128, 64)
 NUM_KV_HEADS = 8
-MODELS = ("llama", "mixtral", "wide", "deepseek")
+MODELS = ("llama", "mixtral", "wide", "deepseek", "qwen2_5_vl")
 WIDE_HIDDEN = 4096  # the "wide" model: one layer whose MLP weights are the largest tensors (1 GiB each at --sizes 3.57)
 MIXTRAL_EXPERTS = 8  # Mixtral 8x7B: 8 experts, top-2, every layer sparse
 # DeepSeek-V3's shape, narrower: MLA (q LoRA 3/8 hidden, kv LoRA 512 + rope 64, nope / v head dims 64), 16 routed
@@ -33,6 +33,12 @@ MIXTRAL_EXPERTS = 8  # Mixtral 8x7B: 8 experts, top-2, every layer sparse
 DEEPSEEK_HIDDEN = (2048, 1024, 512, 256, 128)
 DEEPSEEK_EXPERTS = 16
 DEEPSEEK_MIN_LAYERS = 8  # the dense layer and at least seven MoE layers
+# Qwen2.5-VL-3B's shape, scaled: a Qwen2 language model (head dim 128 from hidden 512 up, 2 KV heads, q/k/v biases)
+# and its vision tower "visual." at hidden Hv = 5/8 of the text's (1280 at 2048), FFN Fv = 2.67 Hv (3420 in the
+# release; here rounded to a multiple of 16), 16 heads at full width, the depth that makes the tower about this share
+# of the bytes (36 blocks at the release's 7 GiB, fewer when scaled down)
+VLM_VISION_SHARE = 0.2
+VLM_KV_HEADS = 2
 
 
 def vocab_for_hidden(hidden: int) -> int:
@@ -115,6 +121,44 @@ def deepseek_specs(shapes: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
     return specs + [("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
 
 
+def vlm_model_shapes(hidden: int, layers: int, depth: int) -> dict[str, Any]:
+    """Qwen2.5-VL: the Qwen2 text widths for ``hidden`` / ``layers`` and a vision tower of ``depth`` blocks."""
+    head_dim = min(128, hidden // 4)
+    hv = max(32, round(hidden * 5 / 8 / 16) * 16)
+    return {
+        "model": "qwen2_5_vl",
+        "experts": 0,
+        "hidden_size": hidden,
+        "intermediate_size": hidden * 7 // 2,
+        "num_hidden_layers": layers,
+        "num_attention_heads": hidden // head_dim,
+        "num_key_value_heads": VLM_KV_HEADS,
+        "head_dim": head_dim,
+        "vocab_size": vocab_for_hidden(hidden),
+        "vision_depth": depth,
+        "vision_hidden_size": hv,
+        "vision_intermediate_size": max(16, round(hv * 3420 / 1280 / 16) * 16),
+        "vision_num_heads": 1 << max(1, min(16, hv // 80).bit_length() - 1),  # a power of 2 in 2..16, head dim ~80
+    }
+
+
+def vision_specs(shapes: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
+    """Qwen2.5-VL's tower as the Hub stores it (mappings/qwen2_5_vl.toml's [[tower]] entries)."""
+    hv, fv, h = shapes["vision_hidden_size"], shapes["vision_intermediate_size"], shapes["hidden_size"]
+    specs: list[tuple[str, tuple[int, ...]]] = [("visual.patch_embed.proj.weight", (hv, 3, 2, 14, 14))]
+    for b in range(shapes["vision_depth"]):
+        p = f"visual.blocks.{b}."
+        specs += [(p + "norm1.weight", (hv,)), (p + "norm2.weight", (hv,)),
+                  (p + "attn.qkv.weight", (3 * hv, hv)), (p + "attn.qkv.bias", (3 * hv,)),
+                  (p + "attn.proj.weight", (hv, hv)), (p + "attn.proj.bias", (hv,)),
+                  (p + "mlp.gate_proj.weight", (fv, hv)), (p + "mlp.gate_proj.bias", (fv,)),
+                  (p + "mlp.up_proj.weight", (fv, hv)), (p + "mlp.up_proj.bias", (fv,)),
+                  (p + "mlp.down_proj.weight", (hv, fv)), (p + "mlp.down_proj.bias", (hv,))]
+    return specs + [("visual.merger.ln_q.weight", (hv,)), ("visual.merger.mlp.0.weight", (4 * hv, 4 * hv)),
+                    ("visual.merger.mlp.0.bias", (4 * hv,)), ("visual.merger.mlp.2.weight", (h, 4 * hv)),
+                    ("visual.merger.mlp.2.bias", (h,))]
+
+
 def tensor_dtype(name: str) -> str:
     """The stored dtype: BF16, except DeepSeek's router bias (F32, as released)."""
     return "F32" if name.endswith("e_score_correction_bias") else "BF16"
@@ -134,6 +178,7 @@ def tensor_specs(shapes: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
     q = shapes["num_attention_heads"] * hd
     kv = shapes["num_key_value_heads"] * hd
     vocab = shapes["vocab_size"]
+    vlm = shapes.get("model") == "qwen2_5_vl"  # Qwen2: q/k/v biases
     specs: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, h))]
     for i in range(shapes["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -145,6 +190,8 @@ def tensor_specs(shapes: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
             (p + "self_attn.o_proj.weight", (h, q)),
             (p + "post_attention_layernorm.weight", (h,)),
         ]
+        if vlm:
+            specs += [(p + f"self_attn.{x}_proj.bias", (n,)) for x, n in (("q", q), ("k", kv), ("v", kv))]
         if shapes.get("experts"):  # Mixtral: a router and per-expert w1 (gate), w3 (up), w2 (down)
             m = p + "block_sparse_moe."
             specs.append((m + "gate.weight", (shapes["experts"], h)))
@@ -158,7 +205,7 @@ def tensor_specs(shapes: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
             (p + "mlp.down_proj.weight", (h, inter)),
         ]
     specs += [("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
-    return specs
+    return specs + (vision_specs(shapes) if vlm else [])
 
 
 def param_count(shapes: dict[str, Any]) -> int:
@@ -175,6 +222,8 @@ def choose_shapes(size_gib: float, model: str = "llama") -> dict[str, Any]:
         return wide_shapes(target_params)
     if model == "deepseek":
         return deepseek_shapes(target_params)
+    if model == "qwen2_5_vl":
+        return vlm_shapes(target_params)
     mlps = MIXTRAL_EXPERTS if model == "mixtral" else 1
     for hidden in HIDDEN_CANDIDATES:
         base = param_count(model_shapes(hidden, 0, model))
@@ -215,6 +264,28 @@ def deepseek_shapes(target_params: float) -> dict[str, Any]:
         layers = 1 + max(1, round((target_params - base) / per_layer))
         if layers >= DEEPSEEK_MIN_LAYERS or hidden == DEEPSEEK_HIDDEN[-1]:
             return deepseek_model_shapes(hidden, layers)
+    raise AssertionError("unreachable")
+
+
+def vlm_shapes(target_params: float) -> dict[str, Any]:
+    """Qwen2.5-VL: the tower's depth for ``VLM_VISION_SHARE`` of ``target_params`` (at least 2 blocks), then the
+    text's width and layer count for the rest as for Llama (the widest hidden size with enough layers, its FFN width
+    fine-tuned)."""
+    for hidden in HIDDEN_CANDIDATES:
+        no_blocks = vlm_model_shapes(hidden, 0, 0)
+        stem = sum(math.prod(s) for _, s in vision_specs(no_blocks))  # the patch embedding and the merger
+        per_block = param_count(vlm_model_shapes(hidden, 0, 1)) - param_count(no_blocks)
+        depth = max(2, round((VLM_VISION_SHARE * target_params - stem) / per_block))
+        base = param_count(vlm_model_shapes(hidden, 0, depth))
+        per_layer = param_count(vlm_model_shapes(hidden, 1, depth)) - base
+        layers = max(1, round((target_params - base) / per_layer))
+        if layers >= min_layers_for_hidden(hidden) or hidden == HIDDEN_CANDIDATES[-1]:
+            shapes = vlm_model_shapes(hidden, layers, depth)
+            step = hidden // 8
+            rest = param_count(shapes) - 3 * hidden * shapes["intermediate_size"] * layers
+            inter = round((target_params - rest) / (3 * hidden * layers) / step) * step
+            shapes["intermediate_size"] = int(min(4 * hidden, max(5 * hidden // 2, inter)))
+            return shapes
     raise AssertionError("unreachable")
 
 
@@ -263,9 +334,75 @@ def deepseek_config(shapes: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def vlm_config(shapes: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2.5-VL's nested config.json as transformers 5.24 writes it, with ``shapes``' sizes; the special token ids
+    are the vocabulary's last six."""
+    vocab, hd, layers = shapes["vocab_size"], shapes["head_dim"], shapes["num_hidden_layers"]
+    depth = shapes["vision_depth"]
+    return {
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+        "bos_token_id": vocab - 6,
+        "dtype": "bfloat16",
+        "eos_token_id": vocab - 5,
+        "image_token_id": vocab - 2,
+        "model_type": "qwen2_5_vl",
+        "pad_token_id": None,
+        "text_config": {
+            "attention_dropout": 0.0,
+            "bos_token_id": vocab - 6,
+            "eos_token_id": vocab - 5,
+            "hidden_act": "silu",
+            "hidden_size": shapes["hidden_size"],
+            "initializer_range": 0.02,
+            "intermediate_size": shapes["intermediate_size"],
+            "layer_types": ["full_attention"] * layers,
+            "max_position_embeddings": 128000,
+            "max_window_layers": 70,
+            "model_type": "qwen2_5_vl_text",
+            "num_attention_heads": shapes["num_attention_heads"],
+            "num_hidden_layers": layers,
+            "num_key_value_heads": shapes["num_key_value_heads"],
+            "pad_token_id": None,
+            "rms_norm_eps": 1e-06,
+            # M-RoPE: temporal, height, width sections of the head's rotary half ([16, 24, 24] at head dim 128)
+            "rope_parameters": {"mrope_section": [hd // 8, hd * 3 // 16, hd * 3 // 16], "rope_theta": 1000000.0,
+                                "rope_type": "default"},
+            "sliding_window": None,
+            "use_cache": True,
+            "use_sliding_window": False,
+            "vocab_size": vocab,
+        },
+        "tie_word_embeddings": False,
+        "transformers_version": "5.24.0",
+        "video_token_id": vocab - 1,
+        "vision_config": {
+            "depth": depth,
+            "fullatt_block_indexes": sorted({round(i * depth / 4) - 1 for i in range(1, 5)} - {-1}),  # 7 15 23 31 at 32
+            "hidden_act": "silu",
+            "hidden_size": shapes["vision_hidden_size"],
+            "in_channels": 3,
+            "initializer_range": 0.02,
+            "intermediate_size": shapes["vision_intermediate_size"],
+            "model_type": "qwen2_5_vl_vision",
+            "num_heads": shapes["vision_num_heads"],
+            "out_hidden_size": shapes["hidden_size"],
+            "patch_size": 14,
+            "rope_parameters": {"rope_theta": 10000.0, "rope_type": "axial"},
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "tokens_per_second": 2,
+            "window_size": 112,
+        },
+        "vision_end_token_id": vocab - 3,
+        "vision_start_token_id": vocab - 4,
+    }
+
+
 def hf_config(shapes: dict[str, Any]) -> dict[str, Any]:
     if shapes.get("model") == "deepseek":
         return deepseek_config(shapes)
+    if shapes.get("model") == "qwen2_5_vl":
+        return vlm_config(shapes)
     if shapes.get("experts"):
         return {**_llama_config(shapes), "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
                 "num_local_experts": shapes["experts"], "num_experts_per_tok": 2, "rope_theta": 1000000.0}
@@ -311,6 +448,8 @@ def expected_megatron_largest(shapes: dict[str, Any], tp: int) -> int:
         return 2 * max(padded_vocab // tp * h, 2 * inter // tp * h, (shapes["kv_lora_rank"] + 64) * h)
     qkv_rows = (shapes["num_attention_heads"] + 2 * shapes["num_key_value_heads"]) * hd
     candidates = [padded_vocab // tp * h, 2 * inter // tp * h, qkv_rows // tp * h, h * inter // tp]
+    if shapes.get("model") == "qwen2_5_vl":  # the tower is kept whole on every rank (Megatron-Bridge's HF modules)
+        candidates += [math.prod(s) for _, s in vision_specs(shapes)]
     return 2 * max(candidates)
 
 

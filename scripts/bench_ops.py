@@ -50,11 +50,17 @@ OPS: dict[str, tuple[str, list[str] | None]] = {
     "fsdp2_dcp_to_hf": ("fsdp2_dcp", ["--to", "hf"]),
     "fsdp2_dcp_to_bf16_hf": ("fsdp2_dcp", ["--to", "hf", "--dtype", "bf16"]),
     "dcp_to_torch_save": ("fsdp2_dcp", None),
+    # a vision-language source (--model qwen2_5_vl): the language model split at TP 2 and the tower kept whole on
+    # every rank (Megatron-Bridge's HF modules), and back
+    "vlm_hf_to_megatron_tp2": ("hf", ["--to", "megatron", "--tp", "2"]),
+    "vlm_megatron_tp2_to_hf": ("megatron_tp2", ["--to", "hf"]),
 }
 #: operations for Mixture-of-Experts sources only (the default for --model mixtral, with cp)
 MOE_OPS = ("hf_to_megatron_tp2_ep4", "megatron_tp2_ep4_to_hf")
 #: the default operations of --model deepseek: the MoE ones and its FP8 version dequantised
 DEEPSEEK_OPS = (*MOE_OPS, "hf_fp8_to_bf16_hf")
+#: operations for vision-language sources only (the default for --model qwen2_5_vl, with cp and pcp)
+VLM_OPS = ("vlm_hf_to_megatron_tp2", "vlm_megatron_tp2_to_hf")
 #: left out of the default set: the cast next to which FP8 dequantisation is read (same output bytes from half
 #: the source size: ``--sizes 1`` cast against ``--sizes 2`` FP8)
 CAST_OPS = ("hf_to_fp32_hf",)
@@ -62,7 +68,7 @@ CAST_OPS = ("hf_to_fp32_hf",)
 #: when the op itself is not among those timed)
 DERIVED_SOURCES = {"megatron_tp8": "hf_to_megatron_tp8", "torch_dist": "hf_to_torch_dist",
                    "megatron_tp2_ep4": "hf_to_megatron_tp2_ep4", "trtllm_tp8": "hf_to_trtllm_tp8",
-                   "meta_tp1": "hf_to_meta_tp1", "hf_fp8": "fp8_quantize"}
+                   "meta_tp1": "hf_to_meta_tp1", "hf_fp8": "fp8_quantize", "megatron_tp2": "vlm_hf_to_megatron_tp2"}
 #: operations that only prepare a source: left out of the default set
 PREPARE_ONLY = ("fp8_quantize",)
 #: the copy references each conversion is timed next to: one `cp -r`, and the same bytes in N parallel streams

@@ -370,6 +370,31 @@ def test_bench_deepseek_ops(tmp_path):
     assert read_bytes_of(back, a) == read_bytes_of(source, a)  # the round trip through Megatron, bit for bit
 
 
+
+@pytest.mark.skipif(not _converter_present(), reason="reshard.cli not written yet")
+def test_bench_vlm_ops(tmp_path):
+    """--model qwen2_5_vl: a Qwen2.5-VL source (nested config, Qwen2 text with q/k/v biases, the tower "visual.")
+    through its default ops, HF -> Megatron TP 2 and back, each row with a ratio to cp and a peak RSS; the tower's
+    fused qkv comes back bit for bit."""
+    bench = load_bench()
+    assert bench.parse_args(["--model", "qwen2_5_vl"]).ops == ["cp", "pcp", "vlm_hf_to_megatron_tp2",
+                                                              "vlm_megatron_tp2_to_hf"]
+    assert not set(bench.VLM_OPS) & set(bench.parse_args([]).ops)
+    data, md = run_bench(tmp_path, "--model", "qwen2_5_vl", "--keep")
+    for op in ("vlm_hf_to_megatron_tp2", "vlm_megatron_tp2_to_hf"):
+        row = assert_ok(data, md, op)
+        assert row["ratio_to_cp"] > 0 and row["ratio_kind"] == "median of paired runs"
+    assert_paired(data, ["vlm_hf_to_megatron_tp2", "vlm_megatron_tp2_to_hf"])
+    source = tmp_path / "sources" / f"qwen2_5_vl-{SIZE}GiB"
+    config = json.loads((source / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2_5_VLForConditionalGeneration"] and config["tie_word_embeddings"] is False
+    text, vision = config["text_config"], config["vision_config"]
+    assert sum(text["rope_parameters"]["mrope_section"]) * 2 * text["num_attention_heads"] == text["hidden_size"]
+    assert vision["out_hidden_size"] == text["hidden_size"] and vision["num_heads"] % 2 == 0
+    qkv = "visual.blocks.0.attn.qkv.weight"
+    assert read_bytes_of(tmp_path / "outputs" / SIZE / "vlm_megatron_tp2_to_hf", qkv) == read_bytes_of(source, qkv)
+    assert read_bytes_of(source, "model.layers.0.self_attn.k_proj.bias")
+
 def read_bytes_of(folder: Path, name: str) -> bytes:
     """The stored bytes of tensor ``name`` in an HF folder."""
     import struct
