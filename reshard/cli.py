@@ -410,11 +410,12 @@ def mappings_list():
     from reshard.mapping import load_shipped, shipped_mapping_names
     from reshard.mapping_vlm import vlm_templates
 
-    for name in shipped_mapping_names():
-        fam = load_shipped(name)
-        print(f"{name}: {', '.join(fam.architectures)}")
-    for template in vlm_templates():
-        print(f"{template.name}: {', '.join(template.architectures)} (vision-language)")
+    vlms = {t.name: t for t in vlm_templates()}
+    for name in sorted(shipped_mapping_names() + list(vlms)):
+        if name in vlms:
+            print(f"{name}: {', '.join(vlms[name].architectures)} (vision-language)")
+        else:
+            print(f"{name}: {', '.join(load_shipped(name).architectures)}")
 
 
 @mappings_app.command("show")

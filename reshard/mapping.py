@@ -309,7 +309,7 @@ class Family:
         key = self.dims[symbol][0]
         if isinstance(key, str):
             return key
-        return next((k for k in key if config is not None and _lookup(config, k) is not None), key[0])
+        return next((k for k in key if config is not None and lookup(config, k) is not None), key[0])
 
     def resolve_dims(self, config: dict) -> dict[str, int]:
         """Bind every dimension symbol to an integer from an HF-style config dict."""
@@ -318,8 +318,8 @@ class Family:
         for _ in range(len(pending) + 1):
             for sym, (_, default) in list(pending.items()):
                 key = self.dim_key(sym, config)
-                if _lookup(config, key) is not None:
-                    values[sym] = int(_lookup(config, key))
+                if lookup(config, key) is not None:
+                    values[sym] = int(lookup(config, key))
                 elif default is None:
                     raise MappingError(f"config is missing '{key}' (needed by mapping '{self.name}' as {sym})")
                 else:
@@ -336,13 +336,19 @@ class Family:
         return tuple(evaluate(expr, dims) for expr in spec.shape)
 
 
-def _lookup(config: dict, key: str):
-    """``config[key]``; a dotted or ``count:`` key (a VLM's ``vision_config.hidden_size``) through
-    :func:`reshard.mapping_vlm.lookup`."""
+def lookup(config: dict, key: str):
+    """``config[key]``, a dotted key looked up in nested tables (a VLM's ``vision_config.hidden_size``);
+    ``count:KEY``: the length of a list value, 1 for a scalar, None when unset."""
     if "." not in key and ":" not in key:
         return config.get(key)
-    from reshard.mapping_vlm import lookup
-    return lookup(config, key)
+    count = key.startswith("count:")
+    value = config
+    for part in key.removeprefix("count:").split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    if count and value is not None:
+        return len(value) if isinstance(value, list) else 1
+    return value
+
 
 
 def _parse_condition(condition: str) -> tuple[str, str, object]:
@@ -695,27 +701,22 @@ def load_shipped(name: str) -> Family:
     return parse_family(tomllib.loads(shipped_mapping_text(name)), f"mappings/{name}.toml")
 
 
-def family_for_architecture(architecture: str, mapping_file: str | Path | None = None,
-                            config: dict | None = None) -> Family:
-    """The family whose mapping lists ``architecture``; a user's ``--mapping`` file takes precedence. A
-    vision-language architecture's family is composed for ``config`` (reshard/mapping_vlm.py); an unknown one
-    with a vision tower is refused naming the supported ones."""
+def text_family_for_architecture(architecture: str, mapping_file: str | Path | None = None) -> Family | None:
+    """The text family whose mapping lists ``architecture`` (None when no shipped one does); a user's ``--mapping``
+    file takes precedence. :func:`reshard.mapping_vlm.family_for_architecture` also composes vision-language
+    families."""
     if mapping_file is not None:
         fam = load_family_file(mapping_file)
         if architecture not in fam.architectures:
             raise MappingError(f"mapping {mapping_file} does not list architecture '{architecture}' "
                                f"(it lists {', '.join(fam.architectures)})")
         return fam
-    known = []
     for name in shipped_mapping_names():
         fam = load_shipped(name)
         if architecture in fam.architectures:
             return fam
-        known.extend(fam.architectures)
-    from reshard.mapping_vlm import refuse_unknown_multimodal, vlm_family
-    composed = vlm_family(architecture, config)
-    if composed is not None:
-        return composed
-    refuse_unknown_multimodal(architecture, config or {})
-    raise MappingError(f"unknown architecture '{architecture}' (known: {', '.join(known)}); "
-                       "pass --mapping FILE with a mapping file for your family")
+    return None
+
+
+def text_architectures() -> list[str]:
+    return [a for name in shipped_mapping_names() for a in load_shipped(name).architectures]

@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 
 from reshard.errors import MappingError, PlanError
 from reshard.mapping import (DIM_KEYS, PACK_SLOTS, SPLIT_KINDS, ArchitectureConfig, ConfigSpelling, Family,
-                             WeightSpec, _check_keys, _suggest, evaluate, load_shipped, shipped_mapping_names)
+                             WeightSpec, _check_keys, _suggest, evaluate, load_shipped, lookup,
+                             shipped_mapping_names, text_architectures, text_family_for_architecture)
 
 VLM_TOP_KEYS = {"family", "text", "vision", "dims", "hf", "megatron", "tower"}
 TEXT_KEYS = {"family", "architecture", "config", "hf", "vllm", "megatron"}
-VISION_KEYS = {"blocks", "deepstack", "used_blocks", "megatron_default", "megatron_refused", "placement"}
+VISION_KEYS = {"blocks", "deepstack", "used_blocks", "megatron_default", "megatron_refused", "vllm_data"}
 VLM_HF_KEYS = {"read", "v5"}
 TOWER_KEYS = {"hf", "split", "slot", "shape", "heads", "hf_stored", "hf_transposed", "optional", "vllm",
               "vllm_transposed", "megatron_hf", "split_megatron_hf", "megatron_native", "megatron_native_te",
@@ -55,21 +56,11 @@ class Multimodal:
     v5: tuple[tuple[str, str], ...] = ()
     deepstack: int = 0
     extra_state_native: tuple[tuple[str, tuple[str, ...]], ...] = ()  # megatron spec -> the native tower's
+    extra_state_hf: tuple[tuple[str, tuple[str, ...]], ...] = ()  # ... and the HF-module layout's (Gemma 3's)
+    vllm_data: bool = False  # vLLM's model supports mm_encoder_tp_mode="data" (the tower whole on every rank)
 
     def refusal(self, vision: str) -> str | None:
         return dict(self.megatron_refused).get(vision)
-
-
-def lookup(config: dict, key: str):
-    """``config[key]``, a dotted key looked up in nested tables (``vision_config.hidden_size``); ``count:KEY``:
-    the length of a list value, 1 for a scalar, None when unset."""
-    count = key.startswith("count:")
-    value = config
-    for part in key.removeprefix("count:").split("."):
-        value = value.get(part) if isinstance(value, dict) else None
-    if count and value is not None:
-        return len(value) if isinstance(value, list) else 1
-    return value
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -227,8 +218,9 @@ def compose(data: dict, source: str, config: dict) -> Family:
     model_type = config.get("model_type") or architecture
     vlm_spelling = dataclasses.replace(spelling, model_type=model_type, other_model_types=())
     extra = {spec: tuple(meg(t) for t in templates) for spec, templates in text_family.extra_state.items()}
-    native_extra = tuple((spec, tuple(_expand_templates(data.get("megatron", {}).get(f"extra_state_native_{spec}", []),
-                                                        blocks, used, deepstack))) for spec in extra)
+    def tower_extra(kind: str):
+        return tuple((spec, tuple(_expand_templates(data.get("megatron", {}).get(f"extra_state_{kind}_{spec}", []),
+                                                    blocks, used, deepstack))) for spec in extra)
     groups = tuple((g, tuple(hf_name(t) for t in ts)) for g, ts in text_family.config.bias_groups)
     config_spelling = dataclasses.replace(text_family.config, bias_groups=groups,
                                           architectures=((architecture, vlm_spelling),))
@@ -238,7 +230,8 @@ def compose(data: dict, source: str, config: dict) -> Family:
         megatron_default=vision.get("megatron_default", "hf"),
         megatron_refused=tuple(sorted(vision.get("megatron_refused", {}).items())),
         read=tuple((a, b) for a, b in hf.get("read", [])), v5=tuple((a, b) for a, b in hf.get("v5", [])),
-        deepstack=deepstack, extra_state_native=native_extra)
+        deepstack=deepstack, extra_state_native=tower_extra("native"), extra_state_hf=tower_extra("hf"),
+        vllm_data=bool(vision.get("vllm_data", False)))
     return dataclasses.replace(
         text_family, name=data["family"]["name"], description=data["family"].get("description", ""),
         architectures=tuple(data["family"]["architectures"]), dims=dims, weights=tuple(tower + renamed),
@@ -251,7 +244,7 @@ def _expand_templates(templates: list[str], blocks: int, used: int, deepstack: i
     out = []
     for t in templates:
         if "{vblock}" in t:
-            out += [t.replace("{vblock}", str(b)) for b in range(used)]
+            out += [t.replace("{vblock}", str(b)) for b in range(blocks)]
         elif "{ds}" in t:
             out += [t.replace("{ds}", str(k)) for k in range(deepstack)]
         else:
@@ -262,8 +255,8 @@ def _expand_templates(templates: list[str], blocks: int, used: int, deepstack: i
 def _expand_tower(entries: list[dict], blocks: int, used: int, deepstack: int, symbols: set[str],
                   source: str) -> list[WeightSpec]:
     """The tower's weights in state-dict order: the entries before the first block weight, each ``{vblock}``
-    block (block-major), each ``{ds}`` deepstack merger, then the rest. Blocks past the used ones are absent
-    wherever unused blocks are (vLLM, native Megatron)."""
+    block (block-major), each ``{ds}`` deepstack merger, then the rest. vLLM builds no block past the used ones
+    (megatron-core builds them all, as Megatron-LM's LLaVA examples do)."""
     def placeholder(w):
         return "{vblock}" if "{vblock}" in w["hf"] else "{ds}" if "{ds}" in w["hf"] else None
 
@@ -291,7 +284,7 @@ def _tower_spec(w: dict, mark: str | None, index: int | None, unused: bool, symb
         except KeyError as exc:
             raise MappingError(f"{source}: tower weight {w['hf']} shape uses unknown symbol {exc}") from None
     hf_module = name(w.get("megatron_hf"))
-    absent = tuple(w.get("absent_in", ())) + (ABSENT_LAYOUTS if unused else ())
+    absent = tuple(w.get("absent_in", ())) + (("vllm",) if unused else ())
     return WeightSpec(
         hf=name(w["hf"]), split=w["split"], shape=tuple(str(s) for s in w["shape"]), slot=w.get("slot"),
         optional=bool(w.get("optional", False)), stage="first", hf_stored=name(w.get("hf_stored")),
@@ -351,5 +344,21 @@ def refuse_unknown_multimodal(architecture: str, config: dict) -> None:
                         f"multimodal architectures: {', '.join(multimodal_architectures())}")
 
 
-__all__ = ["ArchitectureConfig", "ConfigSpelling", "Multimodal", "compose", "flat_view", "nested", "lookup",
+def family_for_architecture(architecture: str, mapping_file=None, config: dict | None = None) -> Family:
+    """The family whose mapping lists ``architecture``; a user's ``--mapping`` file takes precedence. A
+    vision-language architecture's family is composed for ``config``; an unknown one with a vision tower is refused
+    naming the supported ones."""
+    family = text_family_for_architecture(architecture, mapping_file)
+    if family is not None:
+        return family
+    composed = vlm_family(architecture, config)
+    if composed is not None:
+        return composed
+    refuse_unknown_multimodal(architecture, config or {})
+    raise MappingError(f"unknown architecture '{architecture}' (known: {', '.join(text_architectures())}, "
+                       f"{', '.join(multimodal_architectures())}); pass --mapping FILE with a mapping file for your "
+                       "family")
+
+
+__all__ = ["family_for_architecture", "ArchitectureConfig", "ConfigSpelling", "Multimodal", "compose", "flat_view", "nested", "lookup",
            "vlm_family", "refuse_unknown_multimodal", "multimodal_architectures", "used_blocks"]

@@ -103,7 +103,7 @@ def _missing_config_keys(folder: str, options: dict) -> list[tuple[str, object]]
     import json
     import os
 
-    from reshard.mapping import family_for_architecture
+    from reshard.mapping_vlm import family_for_architecture
 
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):

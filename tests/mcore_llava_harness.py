@@ -21,8 +21,8 @@ defaults to ``CKPT_DIR/config.json``, ``selftest`` to :data:`TINY_LLAVA`, the re
   (``make_vocab_size_divisible_by`` * T, the divisor from the rank file's args, else 128) and checked against the
   rank file's ``args.padded_vocab_size`` when it has one;
 * vision: ``CLIPViTModel`` (``vision_model_type="clip"``: ``class_token``, ``conv1`` without bias, ``ln_pre``, no
-  ``ln_post``) with megatron-core's local ViT layer spec, only the ``n`` blocks LLaVA uses (``n = Lv + l + 1`` for
-  ``vision_feature_layer = l < 0``, ``l`` for ``l >= 0``; ``--vision-layers`` overrides), split at the language
+  ``ln_post``) with megatron-core's local ViT layer spec, every one of the tower's blocks, as Megatron-LM's
+  examples build and convert them (``--vision-layers`` overrides), split at the language
   model's TP, ``drop_vision_class_token = vision_feature_select_strategy == "default"``, ``img_h = img_w =
   image_size``, ``patch_dim = patch_size``;
 * projector: ``MultimodalProjector`` "mlp" (``vision_projection.encoder.linear_fc1`` Hv -> H column-parallel,
@@ -145,7 +145,7 @@ def llava_dims(config: dict, vision_layers: int | None = None) -> dict:
     feature = config.get("vision_feature_layer", -2)
     if isinstance(feature, list):
         raise SystemExit("vision_feature_layer is a list: megatron-core's projector takes one layer's features")
-    n_vision = vision["num_hidden_layers"] + feature + 1 if feature < 0 else feature
+    n_vision = vision["num_hidden_layers"]  # every CLIP block, as Megatron-LM's examples build and convert them
     if vision_layers is not None:
         n_vision = vision_layers
     strategy = config.get("vision_feature_select_strategy", "default")
@@ -611,7 +611,7 @@ def main() -> int:
     load.add_argument("out_dir", help="where result_rank{r}.json and model_rank{r}.json go")
     load.add_argument("--config", help="the HF LLaVA config.json (default: CKPT_DIR/config.json)")
     load.add_argument("--format", choices=("auto", "torch", "torch_dist"), default="auto")
-    load.add_argument("--vision-layers", type=int, help="vision blocks to build (default: from vision_feature_layer)")
+    load.add_argument("--vision-layers", type=int, help="vision blocks to build (default: vision_config.num_hidden_layers)")
     selftest = sub.add_parser("selftest", help="check the checks on megatron-core's own state dicts")
     selftest.add_argument("out_dir")
     selftest.add_argument("--config", help="an HF LLaVA config.json (default: the built-in tiny LLaVA)")

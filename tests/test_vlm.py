@@ -122,10 +122,11 @@ def test_the_other_megatron_vision_layout_round_trips(hub, tmp_path, capsys, fam
 @pytest.mark.parametrize("family", vlm_cases.FAMILIES)
 def test_torch_dist_round_trip(hub, tmp_path, capsys, family):
     """hf -> torch_dist (saved at tp2 pp2, each family's Megatron vision layouts) -> hf: the source's tensors (LLaVA
-    less what megatron-core does not build) and config."""
+    less post_layernorm, which megatron-core does not build; it builds every CLIP layer, as Megatron-LM's LLaVA
+    examples do) and config."""
     src = hub(family)
-    config = json.loads((src / "config.json").read_text())
-    missing = llava_unused(config) if family == "llava" else set()
+    missing = {f"vision_tower.vision_model.post_layernorm.{p}" for p in ("weight", "bias")} if family == "llava" \
+        else set()
     for vision in MEGATRON_VISIONS[family]:
         dist = convert(capsys, src, tmp_path / vision, "--to", "torch_dist", "--tp", 2, "--pp", 2,
                        "--megatron-vision", vision)
@@ -215,6 +216,24 @@ def test_vllm_vision_none_writes_the_language_model_only(hub, tmp_path, capsys):
     assert code == 2 and "--allow-missing vision" in err
 
 
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_vllm_vision_data_keeps_the_tower_whole_on_every_rank(hub, tmp_path, capsys, family):
+    """--vllm-vision data: the ranks of an engine with mm_encoder_tp_mode="data" (rules' vision="data", checked
+    against vLLM by the opt-in rule tests); read back bit-exact; LLaVA, whose vLLM model lacks the mode, refused."""
+    src = hub(family)
+    hf, config = load_file(src / "model.safetensors"), json.loads((src / "config.json").read_text())
+    out = convert(capsys, src, tmp_path / "vllm", "--to", "vllm", "--tp", 2, "--vllm-vision", "data")
+    for rank in range(2):
+        got = load_file(out / f"model-rank-{rank}-part-0.safetensors")
+        want = vlm_rules.vllm_rank_tensors(hf, config, family, 2, rank, vision="data")
+        assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)
+    assert 'mm_encoder_tp_mode="data"' in json.loads((out / "reshard.json").read_text())["load_with"]
+    assert_same_tensors(src, convert(capsys, out, tmp_path / "hf", "--to", "hf"))
+    code, _, err = run_cli(capsys, "convert", hub("llava"), tmp_path / "llava", "--to", "vllm", "--tp", 2,
+                           "--vllm-vision", "data")
+    assert code == 2 and "mm_encoder_tp_mode" in err
+
+
 def test_verify_reports_the_tower_tensors_a_vllm_llava_lacks(hub, tmp_path, capsys):
     src = hub("llava")
     out = convert(capsys, src, tmp_path / "vllm", "--to", "vllm", "--tp", 2)
@@ -253,7 +272,7 @@ def test_vision_heads_that_do_not_divide_tp_are_refused(tmp_path, capsys):
     assert_same_tensors(src, convert(capsys, out, tmp_path / "back", "--to", "hf"))
 
 
-@pytest.mark.parametrize("family,vision,words", [("gemma3", "native", "no framework builds"),
+@pytest.mark.parametrize("family,vision,words", [("gemma3", "native", "NeMo 2"),
                                                  ("llava", "hf", "no framework reads")])
 def test_megatron_vision_layouts_no_framework_builds_are_refused(hub, tmp_path, capsys, family, vision, words):
     code, _, err = run_cli(capsys, "convert", hub(family), tmp_path / "out", "--to", "megatron",

@@ -43,7 +43,9 @@ TP = 2
 
 # The tiny LLaVA (vlm_cases "llava"; plan section 7) and its Megatron sizes.
 H, FFN, L, NH, NG, D, V = 64, 96, 2, 4, 2, 16, 300
-HV, FV, NV, LV, N_USED, PATCHES = 32, 48, 2, 3, 2, 4  # vision_feature_layer -2: CLIP blocks 0-1 of 3 are used
+# vision_feature_layer -2 uses CLIP blocks 0-1 of 3; Megatron-LM builds and converts every block (its CLIP ViT-L/14
+# config has all 24 layers, examples/multimodal/config.py, and clip_converter.py writes them all), never ln_post
+HV, FV, NV, LV, N_BUILT, PATCHES = 32, 48, 2, 3, 3, 4
 VP = 512  # Megatron-LM pads 300 to a multiple of 128 * TP
 LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 
@@ -64,7 +66,7 @@ def spec_rank_state(tp: int = TP) -> dict[str, list[int] | None]:
                "vision_model.class_token": [1, 1, HV], "vision_model.conv1.weight": [HV, 3, 14, 14],
                "vision_model.position_embeddings.weight": [PATCHES + 1, HV],
                "vision_model.ln_pre.weight": [HV], "vision_model.ln_pre.bias": [HV]})
-    for b in range(N_USED):
+    for b in range(N_BUILT):
         p = f"vision_model.decoder.layers.{b}."
         for norm in ("input_layernorm", "pre_mlp_layernorm"):
             sd.update({p + norm + ".weight": [HV], p + norm + ".bias": [HV]})
@@ -121,7 +123,7 @@ def test_harness_selftest(selftest):
         clean = cases["clean"]
         assert clean["ok"] and clean["loaded_equal"], describe(clean)
         assert clean["weights_differed_before_load"] >= 20, clean  # a fresh seed: the load really replaced them
-        assert clean["dims"]["vision_layers"] == N_USED and clean["padded_vocab"] == VP, clean["dims"]
+        assert clean["dims"]["vision_layers"] == N_BUILT and clean["padded_vocab"] == VP, clean["dims"]
 
         c = cases["renamed"]
         assert (c["missing"], c["unexpected"]) == ([qkv], [qkv + "s"]) and c["load_error"] and not c["ok"], describe(c)
@@ -132,17 +134,17 @@ def test_harness_selftest(selftest):
         assert c["missing"] == [extra] and c["load_error"] is None and not c["ok"], describe(c)
         c = cases["replica"]
         assert c["replica_mismatch"] == ["vision_model.class_token"] and not c["ok"], describe(c)
-        c = cases["wrong_config"]  # a model of 3 vision blocks against a file of 2
-        assert {k.split(".")[3] for k in c["missing"]} == {"2"} and len(c["missing"]) == 16, describe(c)
+        c = cases["wrong_config"]  # a model of one vision block more than the file holds
+        assert {k.split(".")[3] for k in c["missing"]} == {str(N_BUILT)} and len(c["missing"]) == 16, describe(c)
         assert not c["ok"]
 
         td = cases["torch_dist"]
         assert td["ok"] and td["loaded_equal"] and td["values_equal_saved"], describe(td)
         assert not td["unexpected_objects"], td["unexpected_objects"]
-        c = cases["torch_dist_wrong_config"]  # the stacked layer axis: [3, ...] wanted, [2, ...] stored
+        c = cases["torch_dist_wrong_config"]  # the stacked layer axis: one block more wanted than stored
         stacked = {m["key"] for m in c["shape_mismatch"]}
         assert stacked and all(k.startswith("vision_model.decoder.layers.") for k in stacked), describe(c)
-        assert all(m["model"][0] == 3 and m["checkpoint"][0] == 2 for m in c["shape_mismatch"]), describe(c)
+        assert all(m["model"][0] == N_BUILT + 1 and m["checkpoint"][0] == N_BUILT for m in c["shape_mismatch"]), describe(c)
         assert not c["ok"]
 
 
@@ -158,8 +160,8 @@ def test_mcore_llava_names_match_spec(selftest):
         sharded = listing["sharded_state_dict"]
         # torch_dist keys: both stacks get a layer axis; the LM's local-spec norms take the TE names, the ViT's not
         assert sharded["language_model.decoder.layers.self_attention.linear_qkv.layer_norm_weight"]["global"] == [L, H]
-        assert sharded["vision_model.decoder.layers.input_layernorm.weight"]["global"] == [N_USED, HV]
-        assert sharded["vision_model.decoder.layers.self_attention.linear_qkv.weight"]["global"] == [N_USED, 3 * HV, HV]
+        assert sharded["vision_model.decoder.layers.input_layernorm.weight"]["global"] == [N_BUILT, HV]
+        assert sharded["vision_model.decoder.layers.self_attention.linear_qkv.weight"]["global"] == [N_BUILT, 3 * HV, HV]
         assert sharded["vision_projection.encoder.linear_fc1.weight"]["global"] == [H, HV]
         assert sharded["vision_model.class_token"]["global"] == [1, 1, HV]
 
@@ -222,7 +224,7 @@ def rule_rank_tensors(hf: dict[str, torch.Tensor], r: int, tp: int) -> dict[str,
         "vision_model.ln_pre.bias": hf[tower + "pre_layrnorm.bias"],
     }
     dv, per_rank = HV // NV, NV // tp
-    for b in range(N_USED):
+    for b in range(N_BUILT):
         src, dst = f"{tower}encoder.layers.{b}.", f"vision_model.decoder.layers.{b}."
         for kind in ("weight", "bias"):
             q, k, v = (hf[f"{src}self_attn.{x}_proj.{kind}"] for x in "qkv")
@@ -285,7 +287,7 @@ def test_llava_megatron_rank_tensors_follow_rules(llava_hf, llava_megatron, tmp_
             elif not torch.equal(got, want):
                 wrong.append(f"{name}: max |diff| {(got.float() - want.float()).abs().max().item():.3g}")
         assert not wrong, f"tp {tp} rank {r}:\n  " + "\n  ".join(wrong)
-        beyond = [k for k in stored if k.startswith(f"vision_model.decoder.layers.{N_USED}.") or "ln_post" in k]
+        beyond = [k for k in stored if k.startswith(f"vision_model.decoder.layers.{N_BUILT}.") or "ln_post" in k]
         assert not beyond, beyond
 
 

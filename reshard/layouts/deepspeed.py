@@ -24,7 +24,7 @@ from reshard.io.hf_files import weight_files
 from reshard.layouts import deepspeed_read as ds
 from reshard.layouts import hf
 from reshard.layouts.base import Layout, Options, Source, find_side_files, training_config
-from reshard.mapping import family_for_architecture
+from reshard.mapping_vlm import family_for_architecture
 
 NAME = "deepspeed"
 LATEST, LATEST_UNIVERSAL = "latest", "latest_universal"

@@ -29,7 +29,7 @@ from reshard.layouts.base import Layout, Options, Source, find_side_files, train
 from reshard.layouts.dcp_chunks import TRAINING_STATE
 from reshard.layouts.dcp_source import METADATA, build_dcp_source, skipped_kinds
 from reshard.layouts import torchtitan
-from reshard.mapping import family_for_architecture
+from reshard.mapping_vlm import family_for_architecture
 
 NAME = "dcp"
 ACCELERATE_FOLDER = "pytorch_model_fsdp_0"

@@ -28,8 +28,7 @@ from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpe
                                   find_side_files, pack_by_size, read_json_object)
 from reshard.layouts.hf_config import read_meaning, without_dropped_settings, write_config as write_hf_config
 from reshard.layouts.hf_spelling import respell_read, respell_write
-from reshard.mapping import family_for_architecture
-from reshard.mapping_vlm import flat_view, nested
+from reshard.mapping_vlm import family_for_architecture, flat_view, nested
 
 NAME = "hf"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; recomputed at run time

@@ -35,8 +35,8 @@ from reshard.layouts.megatron_folders import (  # noqa: F401  (_checkpoint_root,
     iteration_folder, iteration_folder_name, side_folders, true_vocab_size)
 from reshard.layouts.megatron_args import RECORD_ONLY, args_from_meaning, meaning_from_args
 from reshard.layouts.vision import check_tower_degrees, megatron_vision
-from reshard.mapping import Family, WeightSpec, evaluate, family_for_architecture
-from reshard.mapping_vlm import flat_view, nested
+from reshard.mapping import Family, WeightSpec, evaluate
+from reshard.mapping_vlm import family_for_architecture, flat_view, nested
 
 NAME = "megatron"
 RANK_FILE = "model_optim_rng.pt"
@@ -173,8 +173,9 @@ def extra_state_names(family: Family, spec_name: str, num_local_layers: int, ten
         names += [t.format(layer=i) for i in range(num_local_layers) if wanted(t, t.format(layer=i))]
         inner = mtp_decoder_layer(t)
         names += [inner.format(layer=k) for k in range(mtp_layers) if wanted(t, inner.format(layer=k))]
-    if vision == "native" and family.multimodal:  # the native vision tower's modules, where the rank holds them
-        templates = templates + dict(family.multimodal.extra_state_native).get(spec_name, ())
+    if family.multimodal:  # the vision tower's megatron-core modules, where the rank holds them
+        tower = family.multimodal.extra_state_native if vision == "native" else family.multimodal.extra_state_hf
+        templates = templates + dict(tower).get(spec_name, ())
     for t in templates:
         module = t.removesuffix("._extra_state") + "."
         if "{layer}" not in t and any(n.startswith(module) for n in tensor_names):

@@ -28,7 +28,7 @@ from reshard.io.torch_format import TensorSlot, TorchFile
 from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, check_shape, find_side_files,
                                   read_json_object)
 from reshard.layouts.hf_config import write_config
-from reshard.mapping import family_for_architecture
+from reshard.mapping_vlm import family_for_architecture
 
 NAME = "meta"
 PARAMS = "params.json"

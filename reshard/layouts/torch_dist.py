@@ -218,7 +218,7 @@ def target_chunks(model, located: list[tuple[StoredTensor, Location]], tp: int, 
     the pre-MLP norm under its other spelling (:func:`~reshard.layouts.torch_dist_keys.other_spelling`): a
     Transformer Engine load asks for one, a local-spec load for the other, and unrequested keys are ignored.
     ``located``: :func:`located_tensors`."""
-    sizes = axis_sizes(model)
+    sizes = axis_sizes(model, located)
     out = []
     for tensor, loc in located:
         canonical = next(p.canonical for p in tensor.pieces if p.canonical)
@@ -240,10 +240,13 @@ def target_chunks(model, located: list[tuple[StoredTensor, Location]], tp: int, 
     return out
 
 
-def axis_sizes(model) -> dict[str, int]:
-    """The lengths of the axes megatron-core prepends: layers, routed experts, native vision blocks, unit axes."""
-    blocks = model.family.multimodal.used_blocks if model.family.multimodal else 0
-    return {"layer": model.num_layers, "expert": model.num_experts, "vblock": blocks, "unit": 1}
+def axis_sizes(model, located: list[tuple[StoredTensor, Location]]) -> dict[str, int]:
+    """The lengths of the axes megatron-core prepends: layers, routed experts, the native vision blocks and
+    DeepStack mergers written, unit axes."""
+    sizes = {"layer": model.num_layers, "expert": model.num_experts, "unit": 1}
+    for axis in ("vblock", "ds"):
+        sizes[axis] = 1 + max((loc.index[loc.axes.index(axis)] for _, loc in located if axis in loc.axes), default=-1)
+    return sizes
 
 
 def _targets(source: Source, opts: Options, dtype: str) -> TargetPlan:
@@ -264,7 +267,7 @@ def _targets(source: Source, opts: Options, dtype: str) -> TargetPlan:
                           max(1, sum(size.values()) // DATA_FILES + 1))
     empty = object_archive([None])
     prefix = "language_model." if model.family.multimodal else ""
-    objects = [(k, empty) for k in extra_state_keys([loc for _, loc in located], axis_sizes(model),
+    objects = [(k, empty) for k in extra_state_keys([loc for _, loc in located], axis_sizes(model, located),
                                                     model.num_layers, stacked_layers(model), prefix)]
     saved_shape = {c.name: s for _, _, c, s, _ in chunks}
     specs = [TargetSpec(f"{folder}/__0_{i}.distcp", "distcp", group,

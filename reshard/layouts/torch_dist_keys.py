@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 #: a decoder layer: the language model's (a VLM's under ``language_model.``) or a native vision tower's block
 _LAYER = re.compile(r"^((?:language_model\.|vision_model\.)?)decoder\.layers\.(\d+)\.(.+)$")
+#: Qwen3-VL's DeepStack mergers, which Megatron-Bridge stacks on an axis of their own
+_DEEPSTACK = re.compile(r"^(vision_model\.decoder\.deepstack_merger_list\.)(\d+)\.(.+)$")
 _MTP_LAYER = re.compile(r"^mtp\.layers\.\d+\.transformer_layer\.")
 _EXPERT = re.compile(r"^(.*\.)local_experts\.(\d+)\.(.+)$")
 #: norms with two spellings, (separate module, fused into the next linear): the pre-MLP norm, and MLA's q / kv LoRA
@@ -35,7 +37,8 @@ _NORM_SPELLINGS = ((".pre_mlp_layernorm.", ".mlp.linear_fc1.layer_norm_"),
 #: sharded keys (the language model's are renamed to the fused spelling)
 _VISION_NORM_SPELLINGS = ((".input_layernorm.", ".self_attention.linear_qkv.layer_norm_"),)
 #: modules holding a weight whose ``_extra_state`` a load requests though they are not named ``linear_*``
-_EXTRA_STATE_LINEARS = ("eh_proj",)  # an MTP layer's embedding / hidden projection
+#: (an MTP layer's embedding / hidden projection; vision towers' Transformer Engine norms and Gemma 3's projection)
+_EXTRA_STATE_LINEARS = ("eh_proj", "patch_norm", "ln_pre", "proj", "mm_soft_embed_norm")
 #: modules whose ``_extra_state`` a load may request besides every ``linear_*`` module of the model: attention
 #: (Transformer Engine <= 0.14), and norms (Transformer Engine norm modules, version-dependent). Megatron-Core
 #: ignores byte items it does not request, and fails on requested ones that are missing: write a superset.
@@ -62,6 +65,11 @@ def location(name: str, stacked: bool, unit_axes: int = 0) -> Location:
         name = f"{m.group(1)}decoder.layers.{m.group(3)}"
         index.append(int(m.group(2)))
         axes.append("vblock" if m.group(1) == "vision_model." else "layer")
+    d = _DEEPSTACK.match(name)
+    if d and stacked:
+        name = f"{d.group(1)}{d.group(3)}"
+        index.append(int(d.group(2)))
+        axes.append("ds")
     e = _EXPERT.match(name)
     if e:
         name = f"{e.group(1)}experts.{e.group(3)}"
@@ -111,6 +119,9 @@ def extra_state_keys(locations: list[Location], sizes: dict[str, int], num_layer
     for prefix in mtp:  # an MTP layer's decoder layer: per-layer modules as a decoder layer's
         for module in _EXTRA_STATE_ALSO:
             keys.setdefault(object_key(f"{prefix}{module}", (), ()))
+    for block in range(sizes.get("vblock", 0)):  # a native vision tower's blocks, stacked
+        for module in _EXTRA_STATE_ALSO:
+            keys.setdefault(object_key(f"vision_model.decoder.layers.{module}", (block,), (sizes["vblock"],)))
     for layer in range(num_layers):
         for module in _EXTRA_STATE_ALSO:
             if stacked:

@@ -36,7 +36,7 @@ from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpe
 from reshard.layouts.dcp_chunks import TRAINING_STATE
 from reshard.layouts.dcp_source import METADATA, build_dcp_source, skipped_kinds
 from reshard.layouts.torchtitan_names import FAMILIES, hf_name, titan_name
-from reshard.mapping import family_for_architecture
+from reshard.mapping_vlm import family_for_architecture
 
 NAME = "torchtitan"
 _STEP = re.compile(r"^step-(\d+)$")

@@ -28,7 +28,8 @@ from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpe
                                   find_side_files, read_json_object)
 from reshard.layouts.hf_config import read_meaning
 from reshard.layouts.trtllm_config import read_trtllm_config, trtllm_config
-from reshard.mapping import WeightSpec, family_for_architecture
+from reshard.mapping import WeightSpec
+from reshard.mapping_vlm import family_for_architecture
 
 NAME = "trtllm"
 CONFIG = "config.json"

@@ -13,7 +13,7 @@ from reshard.errors import PlanError
 #: Layouts that hold a vision tower (the others refuse a vision-language model).
 TOWER_LAYOUTS = ("hf", "megatron", "torch_dist", "vllm")
 MEGATRON_LAYOUTS = ("megatron", "torch_dist")
-VLLM_VISIONS = ("weights", "none")
+VLLM_VISIONS = ("weights", "data", "none")
 
 
 def megatron_vision(model: CanonicalModel, choice: str | None) -> str:
@@ -60,7 +60,9 @@ def check_tower_degrees(model: CanonicalModel, tp: int, kind: str) -> None:
             raise PlanError(f"the vision tower's {model.dims[spec.heads]} attention heads ({config_key}) do not split "
                             f"over tp={tp} ({tensor.name}); choose a tp that divides them"
                             + (", or --megatron-vision hf (the tower whole on every rank)"
-                               if kind == "megatron_native" and not mm.refusal("hf") else ""))
+                               if kind == "megatron_native" and not mm.refusal("hf") else "")
+                            + (", or --vllm-vision data (the tower whole on every rank)"
+                               if kind == "vllm" and mm.vllm_data else ""))
         if split in ("column", "row", "gate_up") and tensor.shape[spec.axis] % tp:
             raise PlanError(f"the vision tower's {tensor.name} has {tensor.shape[spec.axis]} "
                             f"{'rows' if spec.axis == 0 else 'columns'} to split, which do not divide over tp={tp}; "
@@ -96,8 +98,12 @@ def drop_unheld(source, layout: str, opts) -> list[str]:
                             f"{model.family.name} has no vision tower: drop them")
         return []
     if opts.vllm_vision not in VLLM_VISIONS:
-        raise PlanError(f"--vllm-vision {opts.vllm_vision}: use weights (the tower split as vLLM splits it) or none "
-                        "(no tower: an engine with limit_mm_per_prompt all 0)")
+        raise PlanError(f"--vllm-vision {opts.vllm_vision}: use weights (the tower split as vLLM splits it), data "
+                        "(whole on every rank: mm_encoder_tp_mode=\"data\") or none (no tower: an engine with "
+                        "limit_mm_per_prompt all 0)")
+    if opts.vllm_vision == "data" and not model.family.multimodal.vllm_data:
+        raise PlanError(f"--vllm-vision data: vLLM 0.32's {model.family.name} does not support mm_encoder_tp_mode="
+                        "\"data\" (it falls back to splitting the tower): drop it")
     if opts.vllm_vision != "weights" and layout != "vllm":
         raise PlanError("--vllm-vision is for --to vllm: drop it")
     notes = []

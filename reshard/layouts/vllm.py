@@ -38,8 +38,8 @@ from reshard.layouts.hf_config import read_meaning, without_dropped_settings
 from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, check_shape, find_side_files,
                                   pack_by_size, stored_dtype)
 from reshard.layouts.vision import check_tower_degrees, without
-from reshard.mapping import WeightSpec, family_for_architecture
-from reshard.mapping_vlm import flat_view
+from reshard.mapping import WeightSpec
+from reshard.mapping_vlm import family_for_architecture, flat_view
 
 NAME = "vllm"
 PATTERN = "model-rank-{rank}-part-{part}.safetensors"
@@ -89,10 +89,11 @@ def expert_block(experts: int, ranks: int, rank: int) -> range:
 
 
 def rank_tensors(model: CanonicalModel, tp: int, rank: int, padded_vocab: int,
-                 expert_parallel: bool = False) -> list[StoredTensor]:
+                 expert_parallel: bool = False, tower_whole: bool = False) -> list[StoredTensor]:
     """Every tensor of vLLM rank ``rank``, in vLLM's state-dict order, as pieces (scales as constants). Routed
     experts are stacked per layer (``w13_weight [E, 2I/tp, H]`` = per expert ``[gate_r; up_r]``, ``w2_weight
-    [E, H, I/tp]``); with ``expert_parallel`` the rank holds its block of whole experts instead."""
+    [E, H, I/tp]``); with ``expert_parallel`` the rank holds its block of whole experts instead. ``tower_whole``:
+    the vision tower as at TP 1 on every rank, under vLLM's fused names (``mm_encoder_tp_mode="data"``)."""
     family = model.family
     name_of = vllm_names(model)
     out: list[StoredTensor] = []
@@ -125,7 +126,9 @@ def rank_tensors(model: CanonicalModel, tp: int, rank: int, padded_vocab: int,
         if spec.vllm_transposed:  # kept [in, out] as HF stores it, whole on every rank (Gemma 3's projector)
             out.append(stored_whole(stored_name, members, transposed=True))
             return
-        out.append(rank_slice(stored_name, spec, members, rank, tp, groups, padded_vocab, vllm_qkv_pieces))
+        whole = tower_whole and spec.tower
+        out.append(rank_slice(stored_name, spec, members, 0 if whole else rank, 1 if whole else tp, groups,
+                              padded_vocab, vllm_qkv_pieces))
 
     for spec in family.weights:
         if spec.stage == "first":
@@ -187,6 +190,18 @@ def _expert_parallel(model: CanonicalModel, files: list[SafetensorsFile], names:
     if name not in names:
         return False
     return files[names[name]].tensors[name].shape[0] < model.num_experts
+
+
+def _tower_whole(model: CanonicalModel, tp: int, padded: int, files: list[SafetensorsFile],
+                 names: dict[str, int]) -> bool:
+    """Whether rank 0 holds the vision tower whole (``mm_encoder_tp_mode="data"``): its first split tower tensor
+    has the TP=1 shape."""
+    split = {t.name: t.shape for t in rank_tensors(model, tp, 0, padded) if t.name in names}
+    for tensor in rank_tensors(model, tp, 0, padded, tower_whole=True):
+        spec = model.tensors[tensor.pieces[0].canonical].spec if tensor.pieces and tensor.pieces[0].canonical else None
+        if spec is not None and spec.tower and tensor.name in split and split[tensor.name] != tensor.shape:
+            return tuple(files[names[tensor.name]].tensors[tensor.name].shape) == tuple(tensor.shape)
+    return False
 
 
 def _recorded_tp(path: str, files: list[SafetensorsFile]) -> int | None:
@@ -274,10 +289,13 @@ def open_source(path: str, opts: Options) -> Source:
                               f"size {model.vocab_size}: config.json does not match the weights, or rank files "
                               f"are missing (found ranks 0..{tp - 1})")
 
+    whole = _tower_whole(held, tp, padded, files, where[0])
+    if whole:
+        notes.append('the vision tower is whole on every rank (written for mm_encoder_tp_mode="data")')
     stored: list[tuple[int, StoredTensor]] = []
     dropped = set()
     for rank in range(tp):
-        expected = rank_tensors(held, tp, rank, padded, expert_parallel)
+        expected = rank_tensors(held, tp, rank, padded, expert_parallel, whole)
         for tensor in expected:
             index = where[rank].get(tensor.name)
             if index is None:
@@ -318,11 +336,13 @@ def targets(model: CanonicalModel, opts: Options, dtype: str) -> tuple[list[Targ
         raise PlanError("vLLM sharded_state files hold tensor-parallel ranks only: --pp must be 1 for --to vllm")
     _check_names(model)
     check_vllm_degrees(model, opts.tp, opts.expert_parallel)
-    check_tower_degrees(model, opts.tp, NAME)
+    whole = opts.vllm_vision == "data"
+    if not whole:
+        check_tower_degrees(model, opts.tp, NAME)
     padded = vllm_padded_vocab(model.vocab_size)
     specs = []
     for rank in range(opts.tp):
-        parts = pack_by_size(rank_tensors(model, opts.tp, rank, padded, opts.expert_parallel),
+        parts = pack_by_size(rank_tensors(model, opts.tp, rank, padded, opts.expert_parallel, whole),
                              lambda t: dtypes.itemsize(stored_dtype(model, t, opts, dtype)) * math.prod(t.shape),
                              opts.max_shard_size)
         for part, tensors in enumerate(parts):
@@ -333,8 +353,13 @@ def targets(model: CanonicalModel, opts: Options, dtype: str) -> tuple[list[Targ
     return specs, padded
 
 
+#: the engine arguments a vision-language folder is loaded with, by --vllm-vision
+VISION_LOAD = {"weights": "", "data": ', mm_encoder_tp_mode="data"',
+               "none": ', limit_mm_per_prompt={"image": 0, "video": 0}'}
+
+
 def finalize(out: str, model: CanonicalModel, config: dict, tp: int, padded_vocab: int, files: list,
-             expert_parallel: bool = False) -> None:
+             expert_parallel: bool = False, vision: str = "weights") -> None:
     """Write config.json, then ``reshard.json`` (the TP size vLLM does not record) last."""
     hf.write_config(out, config)
     record = {
@@ -342,7 +367,8 @@ def finalize(out: str, model: CanonicalModel, config: dict, tp: int, padded_voca
         "padded_vocab_size": padded_vocab, "vocab_size": model.vocab_size,
         "files": sorted(spec.path for spec in files), "producer": f"reshard {__version__}",
         "load_with": f'vllm.LLM(model=DIR, load_format="sharded_state", tensor_parallel_size={tp}'
-                     + (", enable_expert_parallel=True)" if expert_parallel else ")"),
+                     + (", enable_expert_parallel=True" if expert_parallel else "")
+                     + (VISION_LOAD[vision] if model.family.multimodal else "") + ")",
     }
     replace_with_text(os.path.join(out, RECORD), json.dumps(record, indent=2) + "\n")
 
@@ -369,11 +395,12 @@ class VLLMLayout(Layout):
         specs, padded = targets(source.model, opts, dtype)
         config, notes = hf.planned_config(source.model, dtype, opts, "vLLM")
         return TargetPlan(specs, state={"tp": opts.tp, "padded_vocab": padded, "config": config,
-                                        "expert_parallel": opts.expert_parallel}, notes=notes)
+                                        "expert_parallel": opts.expert_parallel,
+                                        "vllm_vision": opts.vllm_vision}, notes=notes)
 
     def finalize(self, out: str, source: Source, plan, state) -> None:
         finalize(out, source.model, state["config"], state["tp"], state["padded_vocab"], plan.files,
-                 state["expert_parallel"])
+                 state["expert_parallel"], state.get("vllm_vision", "weights"))
 
     def remote_files(self, names: list[str], read_text) -> list[str]:
         return sorted(n for n in names if _FILE.match(n))

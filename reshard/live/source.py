@@ -19,7 +19,7 @@ from reshard.io import dtypes
 from reshard.layouts.base import Options, Source, read_json_object
 from reshard.layouts.hf import architecture_of, hf_tensors
 from reshard.layouts.hf_config import read_meaning, without_dropped_settings
-from reshard.mapping import family_for_architecture
+from reshard.mapping_vlm import family_for_architecture
 
 #: Keys of a ``source`` / ``target`` dict that are not :class:`Options` fields.
 SPEC_KEYS = ("layout",)

@@ -20,7 +20,7 @@ from reshard.layouts import trtllm
 from reshard.layouts.base import Options, read_json_object
 from reshard.layouts.hf_config import read_meaning
 from reshard.layouts.trtllm_config import read_trtllm_config
-from reshard.mapping import family_for_architecture
+from reshard.mapping_vlm import family_for_architecture
 from reshard.verification.forward.rank_stream import RankStream, whole_rank_loader
 from reshard.verification.forward.rank_weights import (DecoderConfig, LayerWeights, check_world, padded_vocab_for,
                                                        split_stacked_qkv, unpack, vocab_rows)

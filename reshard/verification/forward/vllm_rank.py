@@ -17,8 +17,8 @@ from reshard.io.safetensors_format import SafetensorsFile
 from reshard.layouts import hf, vllm
 from reshard.layouts.base import Options
 from reshard.layouts.hf_config import read_meaning
-from reshard.mapping_vlm import flat_view
-from reshard.mapping import REPLICATED_PACK, config_condition, family_for_architecture
+from reshard.mapping_vlm import family_for_architecture, flat_view
+from reshard.mapping import REPLICATED_PACK, config_condition
 from reshard.verification.forward.rank_stream import RankStream, whole_rank_loader
 from reshard.verification.forward.rank_weights import (DecoderConfig, LayerWeights, check_world, split_halves,
                                                        split_stacked_qkv, unpack)
