@@ -39,6 +39,7 @@ import torch
 import vlm_cases
 from cli_inprocess import run_main
 from test_vllm_load import ENV_VAR, TOLERANCE, removing_inductor_caches
+from test_vllm_load import no_inductor_cache_left  # noqa: F401  (autouse: what vLLM's processes leave goes too)
 
 pytestmark = pytest.mark.vllm
 
