@@ -252,6 +252,24 @@ def test_verify_forward_runs_the_text_decoder_at_tp2(hub, tmp_path, capsys, fami
     assert code == 0 and "FORWARD EQUAL" in stdout, err[-1000:]
 
 
+def test_load_rank_and_live_plans_know_the_towers(hub, tmp_path, capsys):
+    """``reshard.load_rank`` gives a vLLM rank's file bit for bit, and a live plan from a Megatron tp2 job (the
+    default vision layout) to vLLM tp2 ranks fills every tensor of each rank file, shapes included."""
+    import reshard
+    from reshard import live
+
+    src = hub("gemma3")
+    out = convert(capsys, src, tmp_path / "vllm", "--to", "vllm", "--tp", 2)
+    files = [load_file(out / f"model-rank-{r}-part-0.safetensors") for r in range(2)]
+    got = reshard.load_rank(str(src), "vllm", tp=2, rank=1)
+    assert set(got) == set(files[1]) and all(torch.equal(got[n], files[1][n]) for n in files[1])
+    config = json.loads((src / "config.json").read_text())
+    plan = live.plan(config, {"layout": "megatron", "tp": 2}, {"layout": "vllm", "tp": 2}, source_ranks=[0, 1],
+                     target_ranks=[2, 3])
+    for rank, file in enumerate(files):
+        assert {t.name: tuple(t.shape) for t in plan.targets[rank]} == {n: tuple(v.shape) for n, v in file.items()}
+
+
 def test_mllama_is_refused_naming_the_supported_families(tmp_path, capsys):
     src = vlm_cases.save_mllama(tmp_path / "mllama")
     code, _, err = run_cli(capsys, "convert", src, tmp_path / "out", "--to", "hf")

@@ -19,7 +19,7 @@ from reshard.io import dtypes
 from reshard.layouts.base import Options, Source, read_json_object
 from reshard.layouts.hf import architecture_of, hf_tensors
 from reshard.layouts.hf_config import read_meaning, without_dropped_settings
-from reshard.mapping_vlm import family_for_architecture
+from reshard.mapping_vlm import family_for_architecture, flat_view
 
 #: Keys of a ``source`` / ``target`` dict that are not :class:`Options` fields.
 SPEC_KEYS = ("layout",)
@@ -76,7 +76,9 @@ def config_source(config, opts: Options, dtype: str | None = None) -> Source:
     """The canonical view of the model ``config`` describes (see the module docstring), with no files."""
     config, where = read_config(config)
     architecture = architecture_of(config, opts, where)
-    family = family_for_architecture(architecture, opts.mapping)
+    family = family_for_architecture(architecture, opts.mapping, config)
+    if family.multimodal:
+        config = flat_view(config)
     config, notes = without_dropped_settings(config, family, opts.allow_lossy_config)
     present = _present_optional(family, architecture, config)
     has_head = any(s.tied_to for s in family.weights)
