@@ -1,6 +1,6 @@
 """The VLM test fixtures and the independent vLLM rule module, checked against their oracles.
 
-Default suite (transformers 5.24 only):
+Default suite (transformers 5.24 only), every family of vlm_cases.ALL_FAMILIES (LLaVA-NeXT included):
 - every family's Hub-spelling folder (vlm_cases.save_hub) loads in transformers with no missing / unexpected
   tensor and gives the in-memory model's logits on a prompt with an image, bit for bit;
 - every spelling vlm_cases.respell writes loads to logits ``torch.equal`` to the Hub folder's, and the "v5" /
@@ -12,8 +12,9 @@ Default suite (transformers 5.24 only):
 Opt-in (``-m vllm``, ``RESHARD_VLLM_PYTHON`` = the python of the vLLM 0.32 CPU venv): vLLM builds each tiny model
 at TP 2 (and LLaVA at TP 1), loads the Hub folder with its own loader, and every rank's state
 (``ShardedStateLoader._filter_subtensors(model.state_dict())`` before ``process_weights_after_loading``) equals
-vlm_rules' tensors: same names, dtypes, shapes and values. Also the vision modes ``none`` (limit_mm_per_prompt 0)
-and ``data`` (mm_encoder_tp_mode), and vLLM's refusal of 3 vision heads at TP 2.
+vlm_rules' tensors: same names, dtypes, shapes and values. Also the vision modes ``none`` (limit_mm_per_prompt 0;
+LLaVA-NeXT's ``image_newline`` then stays, on the meta device: names, dtypes and shapes only) and ``data``
+(mm_encoder_tp_mode), and vLLM's refusal of 3 vision heads at TP 2.
 
     RESHARD_VLLM_PYTHON=/work/vllm-venv/bin/python python -m pytest -q -m vllm tests/test_vlm_rules.py
 """
@@ -38,7 +39,7 @@ def built(tmp_path_factory):
     """family -> (in-memory model, its image logits, Hub folder); each built once per module."""
     root = tmp_path_factory.mktemp("vlm_hub")
     cases = {}
-    for family in vc.FAMILIES:
+    for family in vc.ALL_FAMILIES:
         model = vc.build_model(family)
         hub = root / family
         model.save_pretrained(root / f"{family}-tf-v5", save_original_format=False)
@@ -65,10 +66,12 @@ HUB_PREFIXES = {  # vlm.md §2.1, Hub column
     "gemma3": {"language_model.model.", "vision_tower.vision_model.", "multi_modal_projector."},
     "llava": {"language_model.model.", "language_model.lm_head.weight", "vision_tower.vision_model.",
               "multi_modal_projector."},
+    vc.NEXT: {"language_model.model.", "language_model.lm_head.weight", "vision_tower.vision_model.",
+              "multi_modal_projector.", "image_newline"},
 }
 
 
-@pytest.mark.parametrize("family", vc.FAMILIES)
+@pytest.mark.parametrize("family", vc.ALL_FAMILIES)
 def test_hub_folder_loads_to_the_model_logits(built, hub_logits, family):
     model, want, hub = built[family]
     names = set(vc.read_tensors(hub)[0])
@@ -84,7 +87,7 @@ def test_hub_folder_loads_to_the_model_logits(built, hub_logits, family):
         assert torch.equal(vc.text_logits(hub, family, ids), model(input_ids=torch.tensor([ids])).logits)
 
 
-@pytest.mark.parametrize("family,spelling", [(f, s) for f in vc.FAMILIES for s in vc.FAMILY_SPELLINGS[f]])
+@pytest.mark.parametrize("family,spelling", [(f, s) for f in vc.ALL_FAMILIES for s in vc.FAMILY_SPELLINGS[f]])
 def test_every_spelling_loads_to_the_hub_logits(built, hub_logits, tmp_path, family, spelling):
     hub = built[family][2]
     folder = vc.respell(hub, tmp_path / spelling, family, spelling)
@@ -155,7 +158,7 @@ def tp1_to_hf(ranks: dict, hf: dict, config: dict, family: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("family", vc.FAMILIES)
+@pytest.mark.parametrize("family", vc.ALL_FAMILIES)
 def test_rules_at_tp1_are_the_hf_tensors(built, family):
     hf, config = hf_state(built, family)
     got = tp1_to_hf(vr.vllm_rank_tensors(hf, config, family, 1, 0), hf, config, family)
@@ -167,10 +170,11 @@ def test_rules_at_tp1_are_the_hf_tensors(built, family):
         n for n in hf if not n.startswith(vr.HF_LM[family][0]) and n != vr.HF_LM[family][1]}
 
 
-def test_llava_absent_tensors_are_the_unused_clip_layer_and_post_layernorm(built):
-    hf, config = hf_state(built, "llava")
+@pytest.mark.parametrize("family", ["llava", vc.NEXT])
+def test_llava_absent_tensors_are_the_unused_clip_layer_and_post_layernorm(built, family):
+    hf, config = hf_state(built, family)
     assert vr.llava_used_layers(config) == 2
-    absent = vr.absent_in_vllm(hf, config, "llava")
+    absent = vr.absent_in_vllm(hf, config, family)
     assert len(absent) == 18
     assert all(n.startswith(("vision_tower.vision_model.encoder.layers.2.", "vision_tower.vision_model.post_"))
                for n in absent)
@@ -190,7 +194,7 @@ def split_sizes(name: str, t1: torch.Tensor, config: dict, tp: int) -> list[int]
     return None
 
 
-@pytest.mark.parametrize("family", vc.FAMILIES)
+@pytest.mark.parametrize("family", vc.ALL_FAMILIES)
 def test_rules_tp2_shards_put_together_are_tp1(built, family):
     hf, config = hf_state(built, family)
     tp1 = vr.vllm_rank_tensors(hf, config, family, 1, 0)
@@ -228,10 +232,14 @@ def test_rules_vision_modes(built):
     assert data.keys() == weights.keys() and all(torch.equal(data[k], weights[k]) for k in data)
     with pytest.raises(ValueError, match="vision is one of"):
         vr.vllm_rank_tensors(hf, config, "gemma3", 2, 0, "split")
+    hf, config = hf_state(built, vc.NEXT)  # no tower, but vLLM keeps the bare image_newline parameter
+    none = vr.vllm_rank_tensors(hf, config, vc.NEXT, 2, 1, "none")
+    assert {n for n in none if not n.startswith("language_model.")} == {"image_newline"}
+    assert "image_newline" in vr.absent_in_vllm(hf, config, vc.NEXT, "none")
 
 
 def test_vision_divisibility(tmp_path):
-    for family in vc.FAMILIES:
+    for family in vc.ALL_FAMILIES:
         config = vc.build_config(family).to_dict()
         assert vr.vision_tp_ok(config, family, 2) and vr.text_tp_ok(config, 2)
         assert not vr.vision_tp_ok(config, family, 4)  # 2 vision heads
@@ -378,8 +386,9 @@ def vllm_dump(python: str, folder, tp: int, vision: str, workdir) -> tuple[subpr
     return proc, ranks
 
 
-VLLM_CASES = [(f, 2, "weights") for f in vc.FAMILIES] + [
-    ("llava", 1, "weights"), ("qwen2_5_vl", 2, "none"), ("qwen2_5_vl", 2, "data"), ("gemma3", 2, "data")]
+VLLM_CASES = [(f, 2, "weights") for f in vc.ALL_FAMILIES] + [
+    ("llava", 1, "weights"), ("qwen2_5_vl", 2, "none"), ("qwen2_5_vl", 2, "data"), ("gemma3", 2, "data"),
+    (vc.NEXT, 2, "none")]
 
 
 @pytest.mark.vllm
@@ -397,6 +406,9 @@ def test_vllm_rank_state_equals_rules(built, vllm_python, tmp_path, family, tp, 
             assert t.dtype == want[name].dtype and t.shape == want[name].shape, \
                 f"rank {rank} {name}: vLLM {t.dtype} {tuple(t.shape)}, rules {want[name].dtype} " \
                 f"{tuple(want[name].shape)}"
+            if t.is_meta:  # LLaVA-NeXT's image_newline with no tower (vlm_rules): held in name and shape only
+                assert (family, vision, name) == (vc.NEXT, "none", "image_newline"), f"rank {rank} {name} is meta"
+                continue
             assert torch.equal(t, want[name]), f"rank {rank} {name}: values differ"
 
 

@@ -1,22 +1,27 @@
-"""Tiny transformers vision-language models (Qwen2.5-VL, Qwen3-VL, Gemma 3, LLaVA) built from config objects,
-saved in the Hugging Face Hub spelling, rewritten into the other spellings transformers reads, and run forward with
-a tiny image (no processor). Shared by the VLM tests (test_vlm*.py, test_vlm_rules.py).
+"""Tiny transformers vision-language models (Qwen2.5-VL, Qwen3-VL, Gemma 3, LLaVA, LLaVA-NeXT) built from config
+objects, saved in the Hugging Face Hub spelling, rewritten into the other spellings transformers reads, and run
+forward with a tiny image (no processor). Shared by the VLM tests (test_vlm*.py, test_vlm_rules.py).
 
 Spellings of one model's tensor names (vlm.md §2.1; TF = transformers 5.24):
 
 - hub: Qwen2.5-VL `model.*`, `visual.*`, `lm_head.weight`; Qwen3-VL `model.language_model.*`, `model.visual.*`,
   `lm_head.weight`; Gemma 3 / LLaVA `language_model.model.*`, `language_model.lm_head.weight` (LLaVA; Gemma 3 is
-  tied: none on disk), `vision_tower.vision_model.*`, `multi_modal_projector.*`.
+  tied: none on disk), `vision_tower.vision_model.*`, `multi_modal_projector.*`; LLaVA-NeXT: LLaVA's plus
+  `image_newline`.
 - v5: `model.language_model.*`, `lm_head.weight`, and the towers under `model.`: Qwen2.5-VL `model.visual.*`,
-  Gemma 3 / LLaVA `model.vision_tower.*` (no `vision_model.`) and `model.multi_modal_projector.*`.
-  Qwen3-VL: = hub.
+  Gemma 3 / LLaVA `model.vision_tower.*` (no `vision_model.`) and `model.multi_modal_projector.*` (LLaVA-NeXT also
+  `model.image_newline`). Qwen3-VL: = hub.
 - doubled (some transformers 5.x): v5 with the LM body at `model.language_model.model.*`.
-- v5_vision_model (Gemma 3 / LLaVA only): v5 with the tower at `model.vision_tower.vision_model.*`.
-- fresh: Qwen = hub; Gemma 3 / LLaVA: hub with the tower at `vision_tower.*` (no `vision_model.`).
+- v5_vision_model (Gemma 3 / LLaVA / LLaVA-NeXT only): v5 with the tower at `model.vision_tower.vision_model.*`.
+- fresh: Qwen = hub; Gemma 3 / LLaVA / LLaVA-NeXT: hub with the tower at `vision_tower.*` (no `vision_model.`).
 
 ``v5`` is what ``save_pretrained(save_original_format=False)`` writes, ``fresh`` what a plain ``save_pretrained``
 of a model built from a config writes; test_vlm_rules.py checks both against TF's own files and that TF loads every
 spelling to logits equal to the Hub folder's.
+
+``FAMILIES`` are the four families every VLM test runs (test_vlm.py's round trip goes through Megatron);
+``NEXT`` (LLaVA-NeXT, which reshard refuses to write to Megatron: no Megatron module holds ``image_newline``) is
+tested by test_vlm_next.py; ``ALL_FAMILIES`` is both, for the fixtures' own checks (test_vlm_rules.py).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from pathlib import Path
 import torch
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl", "gemma3", "llava")
+NEXT = "llava_next"
+ALL_FAMILIES = FAMILIES + (NEXT,)
 SPELLINGS = ("hub", "v5", "doubled", "v5_vision_model", "fresh")
 # Spellings ``respell`` writes for each family. Qwen towers have no `vision_model.` level; for Qwen the "fresh"
 # spelling is the Hub one, and for Qwen3-VL "v5" is too (HUB_ALIASES).
@@ -37,24 +44,30 @@ FAMILY_SPELLINGS = {
     "qwen3_vl": ("hub", "v5", "doubled", "fresh"),
     "gemma3": SPELLINGS,
     "llava": SPELLINGS,
+    NEXT: SPELLINGS,
 }
-HUB_ALIASES = {"qwen2_5_vl": ("fresh",), "qwen3_vl": ("v5", "fresh"), "gemma3": (), "llava": ()}
+HUB_ALIASES = {"qwen2_5_vl": ("fresh",), "qwen3_vl": ("v5", "fresh"), "gemma3": (), "llava": (), NEXT: ()}
 ARCHITECTURES = {
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
     "gemma3": "Gemma3ForConditionalGeneration",
     "llava": "LlavaForConditionalGeneration",
+    NEXT: "LlavaNextForConditionalGeneration",
 }
 WEIGHTS = "model.safetensors"
 NOISE = 0.05
 
 # Token ids of the image prompts (plan §7): Qwen image token 151 between vision start 153 / end 154; Gemma 3 image
-# token 260 between boi 255 / eoi 256; LLaVA image token 260.
+# token 260 between boi 255 / eoi 256; LLaVA image token 260 (LLaVA-NeXT: as many as llava_next_image_tokens).
 QWEN_IDS = [1, 5, 153] + [151] * 4 + [154, 7, 9, 11]
 GEMMA3_IDS = [2, 5, 255] + [260] * 4 + [256, 7, 9, 11]
 LLAVA_IDS = [1, 5] + [260] * 4 + [7, 9, 11]
 TEXT_IDS = {"qwen2_5_vl": [1, 5, 7, 9, 150, 159, 2], "qwen3_vl": [1, 5, 7, 9, 150, 159, 2],
-            "gemma3": [2, 5, 7, 9, 250, 299, 1], "llava": [1, 5, 7, 9, 250, 299, 2]}
+            "gemma3": [2, 5, 7, 9, 250, 299, 1], "llava": [1, 5, 7, 9, 250, 299, 2],
+            NEXT: [1, 5, 7, 9, 250, 299, 2]}
+# LLaVA-NeXT's image: (height, width) = (S, 2·S), which the pinpoint [S, 2S] holds exactly (no resize, no unpadding):
+# the base view plus a 1 x 2 grid of S x S tiles.
+NEXT_IMAGE = (1, 2)
 
 
 def _settings(family: str, text_hidden: int) -> tuple[str, dict]:
@@ -104,7 +117,19 @@ def _settings(family: str, text_hidden: int) -> tuple[str, dict]:
                                projection_dim=32),
             image_token_index=260, vision_feature_layer=-2, vision_feature_select_strategy="default",
             projector_hidden_act="gelu")
-    raise ValueError(f"unknown VLM family {family!r}; known: {', '.join(FAMILIES)}")
+    if family == NEXT:
+        # LLaVA's tower (Lv = 3, vision_feature_layer -2: CLIP layer 2 and post_layernorm unused) over a Mistral
+        # text model (LLaVA's case is Llama); anyres pinpoints of 1 x 1, 1 x 2 and 2 x 1 tiles of image_size 28.
+        return "LlavaNextConfig", dict(
+            text_config=dict(model_type="mistral", vocab_size=300, hidden_size=text_hidden, intermediate_size=96,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+            vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=48,
+                               num_hidden_layers=3, num_attention_heads=2, image_size=28, patch_size=14,
+                               projection_dim=32),
+            image_token_index=260, image_grid_pinpoints=[[28, 28], [28, 56], [56, 28]], vision_feature_layer=-2,
+            vision_feature_select_strategy="default", projector_hidden_act="gelu")
+    raise ValueError(f"unknown VLM family {family!r}; known: {', '.join(ALL_FAMILIES)}")
 
 
 def _seed(family: str, text_hidden: int) -> int:
@@ -167,14 +192,19 @@ _FROM_HUB = {
                                    (r"^multi_modal_projector\.", "model.multi_modal_projector.")],
     ("tower", "fresh"): [(r"^vision_tower\.vision_model\.", "vision_tower.")],
 }
+# LLaVA-NeXT: LLaVA's rules plus image_newline under "model." in the transformers-5 spellings (TF conversion_mapping
+# "llava_next": ^image_newline -> model.image_newline); a fresh save keeps the Hub name.
+for _spelling in ("v5", "doubled", "v5_vision_model"):
+    _FROM_HUB[("next", _spelling)] = _FROM_HUB[("tower", _spelling)] + [(r"^image_newline$", "model.image_newline")]
+_FROM_HUB[("next", "fresh")] = _FROM_HUB[("tower", "fresh")]
 # TF 5.24 fresh save -> Hub (only the CLIP / SigLIP towers differ).
 _FRESH_TO_HUB = [(r"^vision_tower\.(?!vision_model\.)", "vision_tower.vision_model.")]
 
 
 def _kind(family: str) -> str:
-    if family not in FAMILIES:
-        raise ValueError(f"unknown VLM family {family!r}; known: {', '.join(FAMILIES)}")
-    return {"qwen2_5_vl": "qwen25", "qwen3_vl": "qwen3"}.get(family, "tower")
+    if family not in ALL_FAMILIES:
+        raise ValueError(f"unknown VLM family {family!r}; known: {', '.join(ALL_FAMILIES)}")
+    return {"qwen2_5_vl": "qwen25", "qwen3_vl": "qwen3", NEXT: "next"}.get(family, "tower")
 
 
 def spell_name(hub_name: str, family: str, spelling: str) -> str:
@@ -214,7 +244,8 @@ def save_hub(family: str, folder: Path, text_hidden: int = 64) -> Path:
     folder = Path(folder)
     build_model(family, text_hidden).save_pretrained(folder)
     tensors, _ = read_tensors(folder)
-    _write_tensors(folder, {_sub(_FRESH_TO_HUB, k) if _kind(family) == "tower" else k: v for k, v in tensors.items()})
+    tower = _kind(family) in ("tower", "next")
+    _write_tensors(folder, {_sub(_FRESH_TO_HUB, k) if tower else k: v for k, v in tensors.items()})
     return folder
 
 
@@ -246,7 +277,9 @@ def image_inputs(family: str, config) -> dict:
       patches, 4 merged image tokens between the vision start / end ids); Qwen3-VL also ``mm_token_type_ids`` (1 at
       image tokens; transformers 5.24 needs it with images).
     - Gemma 3: ``pixel_values [1, C, S, S]`` and ``mm_tokens_per_image`` (4) image tokens between boi / eoi.
-    - LLaVA: ``pixel_values [1, C, S, S]`` and (S / p)² = 4 image tokens (the CLS output is dropped)."""
+    - LLaVA: ``pixel_values [1, C, S, S]`` and (S / p)² = 4 image tokens (the CLS output is dropped).
+    - LLaVA-NeXT: an image of (S, 2·S) (``NEXT_IMAGE`` tiles): ``pixel_values [1, 1 + 2, C, S, S]`` (the base view,
+      then the tiles), ``image_sizes [[S, 2·S]]`` and ``llava_next_image_tokens`` = 14 image tokens."""
     vision = _get(config, "vision_config")
     generator = torch.Generator().manual_seed(_seed(family, 0))
     if family in ("qwen2_5_vl", "qwen3_vl"):
@@ -258,10 +291,29 @@ def image_inputs(family: str, config) -> dict:
             inputs["mm_token_type_ids"] = (ids == _get(config, "image_token_id")).long()
         return inputs
     size = _get(vision, "image_size")
+    if family == NEXT:
+        rows, cols = NEXT_IMAGE
+        assert [rows * size, cols * size] in [list(p) for p in _get(config, "image_grid_pinpoints")]
+        ids = [1, 5] + [_get(config, "image_token_index")] * llava_next_image_tokens(config) + [7, 9, 11]
+        return {"input_ids": torch.tensor([ids]),
+                "pixel_values": torch.randn(1, 1 + rows * cols, _get(vision, "num_channels"), size, size,
+                                            generator=generator),
+                "image_sizes": torch.tensor([[rows * size, cols * size]])}
     ids = GEMMA3_IDS if family == "gemma3" else LLAVA_IDS
     if family == "llava":
         assert ids.count(260) == (size // _get(vision, "patch_size")) ** 2
     return {"input_ids": torch.tensor([ids]), "pixel_values": torch.randn(1, 3, size, size, generator=generator)}
+
+
+def llava_next_image_tokens(config) -> int:
+    """Image tokens of ``NEXT_IMAGE`` (written from transformers' pack_image_features, "spatial_unpad" with
+    vision_feature_select_strategy "default"): the base view's g² features (g = S / p), then the tiles' features as
+    a (rows·g) x (cols·g) grid (nothing to unpad: the image fills it) with image_newline after each of its rows."""
+    vision = _get(config, "vision_config")
+    assert _get(config, "vision_feature_select_strategy") == "default"
+    g = _get(vision, "image_size") // _get(vision, "patch_size")
+    rows, cols = NEXT_IMAGE
+    return g * g + rows * g * (cols * g + 1)
 
 
 def load(folder: Path, family: str):

@@ -31,15 +31,21 @@ Towers (nh = ng = nv vision heads for every qkv):
   ``vision_feature_layer`` l < 0, l for l >= 0, the maximum over a list) and no ``post_layernorm``.
 - Projectors: Gemma 3 ``multi_modal_projector.{mm_input_projection_weight [Hv, H] (as HF stores it),
   mm_soft_emb_norm.weight}`` rep; LLaVA ``multi_modal_projector.linear_1`` col, ``linear_2`` row.
+- LLaVA-NeXT (vLLM ``llava_next.py``): LLaVA's tower, used layers and projector, plus ``image_newline [H]`` (a plain
+  ``nn.Parameter`` built with the tower) rep, under the same name.
 - Every row-parallel bias: rep.
 
 ``vision`` (how the vLLM engine was started):
 - ``"weights"`` (``mm_encoder_tp_mode="weights"``, the default): towers split as above;
 - ``"data"`` (``mm_encoder_tp_mode="data"``): Qwen2.5-VL / Qwen3-VL towers (merger included) whole on every rank,
   laid out as at t = 1 (``[Q; K; V]``, ``[gate; up]`` still fused under the vLLM names), whatever the vision heads;
-  Gemma 3 and LLaVA do not support it (``supports_encoder_tp_data`` is False): vLLM warns and falls back to
+  Gemma 3, LLaVA and LLaVA-NeXT do not support it (``supports_encoder_tp_data`` is False): vLLM warns and falls back to
   "weights", so their rank tensors are the "weights" ones;
-- ``"none"`` (``limit_mm_per_prompt`` 0 for every modality): no tower and no projector tensors.
+- ``"none"`` (``limit_mm_per_prompt`` 0 for every modality): no tower and no projector tensors. LLaVA-NeXT's
+  ``image_newline`` stays: ``_mark_tower_model`` replaces only the child *modules* made in its block by a
+  ``StageMissingLayer``; the bare parameter is made on the meta device and stays in ``state_dict()``, so a
+  ``sharded_state`` folder must still hold it (``ShardedStateLoader``: "Missing keys ('image_newline',)"; its
+  values are never read: the copy into a meta tensor is a no-op).
 """
 
 from __future__ import annotations
@@ -48,7 +54,9 @@ import re
 
 import torch
 
-FAMILIES = ("qwen2_5_vl", "qwen3_vl", "gemma3", "llava")
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "gemma3", "llava", "llava_next")
+#: CLIP-towered LLaVA families: only the encoder layers up to vision_feature_layer, no post_layernorm.
+LLAVA_FAMILIES = ("llava", "llava_next")
 VISION_MODES = ("weights", "data", "none")
 VOCAB_PADDING = 64
 ATTENTION_SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
@@ -61,6 +69,7 @@ HF_LM = {
     "qwen3_vl": ("model.language_model.", "lm_head.weight"),
     "gemma3": ("language_model.model.", "language_model.lm_head.weight"),
     "llava": ("language_model.model.", "language_model.lm_head.weight"),
+    "llava_next": ("language_model.model.", "language_model.lm_head.weight"),
 }
 # HF (Hub) tower prefix -> vLLM tower prefix.
 HF_TOWER = {
@@ -68,6 +77,7 @@ HF_TOWER = {
     "qwen3_vl": ("model.visual.", "visual."),
     "gemma3": ("vision_tower.vision_model.", "vision_tower.vision_model."),
     "llava": ("vision_tower.vision_model.", "vision_tower.vision_model."),
+    "llava_next": ("vision_tower.vision_model.", "vision_tower.vision_model."),
 }
 PROJECTOR = "multi_modal_projector."
 # Families whose vLLM model class supports mm_encoder_tp_mode="data" (supports_encoder_tp_data = True).
@@ -126,12 +136,16 @@ CLIP_TOWER_RULES = [
     (r"post_layernorm\.(weight|bias)", "rep", None),
 ]
 TOWER_RULES = {"qwen2_5_vl": QWEN25_TOWER_RULES, "qwen3_vl": QWEN3_TOWER_RULES, "gemma3": CLIP_TOWER_RULES,
-               "llava": CLIP_TOWER_RULES}
+               "llava": CLIP_TOWER_RULES, "llava_next": CLIP_TOWER_RULES}
 PROJECTOR_RULES = {
     "gemma3": [(r"mm_input_projection_weight", "rep", None), (r"mm_soft_emb_norm\.weight", "rep", None)],
     "llava": [(r"linear_1\.(weight|bias)", "col", None), (r"linear_2\.weight", "row", None),
               (r"linear_2\.bias", "rep", None)],
 }
+PROJECTOR_RULES["llava_next"] = PROJECTOR_RULES["llava"]
+# Vision tensors outside the tower and projector prefixes: rep, under their HF names; bare parameters, so vLLM keeps
+# them (on the meta device) in the "none" vision mode too.
+TOP_LEVEL_VISION = {"llava_next": ("image_newline",)}
 
 
 # ---- config ------------------------------------------------------------------------------------------------------
@@ -185,7 +199,7 @@ def vision_tp_ok(config: dict, family: str, tp: int) -> bool:
     by ``tp``."""
     vd = vision_dims(config, family)
     widths = [vd["nv"], vd["Fv"]] + ([vd["Hm"]] if vd["Hm"] else [])
-    if family == "llava":
+    if family in LLAVA_FAMILIES:
         widths.append(text_value(config, "hidden_size"))
     return all(w % tp == 0 for w in widths)
 
@@ -298,7 +312,7 @@ def language_model_tensors(hf: dict, config: dict, family: str, tp: int, rank: i
 def tower_keep(config: dict, family: str):
     """Predicate on a tower name after its prefix: whether vLLM builds that tensor (LLaVA: encoder layers < n, no
     ``post_layernorm``; every other tower: all)."""
-    if family != "llava":
+    if family not in LLAVA_FAMILIES:
         return lambda rest: True
     n = llava_used_layers(config)
 
@@ -315,6 +329,7 @@ def tower_tensors(hf: dict, config: dict, family: str, tp: int, rank: int) -> di
     out = apply_rules(hf, src, dst, TOWER_RULES[family], tp, rank, (vd["nv"], vd["dv"]), tower_keep(config, family))
     if family in PROJECTOR_RULES:
         out.update(apply_rules(hf, PROJECTOR, PROJECTOR, PROJECTOR_RULES[family], tp, rank, (0, 0)))
+    out.update({name: hf[name] for name in TOP_LEVEL_VISION.get(family, ())})
     return out
 
 
@@ -338,15 +353,19 @@ def vllm_rank_tensors(hf: dict, config: dict, family: str, tp: int, rank: int, v
         out.update(tower_tensors(hf, config, family, tp, rank))
     elif vision == "data":
         out.update(tower_tensors(hf, config, family, 1, 0))
+    else:  # "none": the bare parameters stay (module docstring)
+        out.update({name: hf[name] for name in TOP_LEVEL_VISION.get(family, ())})
     return out
 
 
 def absent_in_vllm(hf: dict, config: dict, family: str, vision: str = "weights") -> set:
     """The HF tensors of which a vLLM engine started in ``vision`` mode holds nothing (what vLLM -> HF cannot
-    restore): LLaVA's encoder layers >= n and ``post_layernorm``; with ``vision="none"`` every tower and projector
+    restore; LLaVA-NeXT's ``image_newline`` in "none" mode is a meta tensor: held in name only):
+    LLaVA's encoder layers >= n and ``post_layernorm``; with ``vision="none"`` every tower and projector
     tensor."""
     src, _ = HF_TOWER[family]
-    vision_names = {k for k in hf if k.startswith(src) or k.startswith(PROJECTOR)}
+    vision_names = {k for k in hf if k.startswith(src) or k.startswith(PROJECTOR)
+                    or k in TOP_LEVEL_VISION.get(family, ())}
     if vision == "none":
         return vision_names
     keep = tower_keep(config, family)
