@@ -170,7 +170,8 @@ def convert(
                                                   "native (vision_model.decoder.layers.*, split at --tp); default: "
                                                   "the family's."),
     vllm_vision: str = typer.Option("weights", "--vllm-vision", help="With --to vllm, a vision-language model: "
-                                    "weights (the tower split as vLLM splits it) or none (language model only, for "
+                                    "weights (the tower split as vLLM splits it), data (whole on every rank, for "
+                                    "mm_encoder_tp_mode=\"data\") or none (language model only, for "
                                     "limit_mm_per_prompt all 0)."),
     allow_missing: Optional[list[str]] = typer.Option(None, "--allow-missing", metavar="WHAT", help="vision: write "
                                                       "the output without the vision tensors the source lacks "

@@ -198,6 +198,7 @@ class WeightSpec:
     vllm_transposed: bool = False
     absent_in: tuple[str, ...] = ()
     megatron_shape: tuple[str, ...] | None = None
+    vllm_text_only: bool = False  # vLLM keeps it in a text-only engine too (LLaVA-NeXT's bare image_newline)
 
     @property
     def per_layer(self) -> bool:
@@ -694,7 +695,8 @@ def shipped_mapping_names(multimodal: bool = False) -> list[str]:
 
 @functools.lru_cache(maxsize=None)
 def _is_multimodal_file(name: str) -> bool:
-    return "text" in tomllib.loads((shipped_mappings_dir() / f"{name}.toml").read_text())
+    data = tomllib.loads((shipped_mappings_dir() / f"{name}.toml").read_text())
+    return "text" in data or "extends" in data.get("family", {})  # reshard/mapping_vlm.py's files
 
 
 def load_shipped(name: str) -> Family:

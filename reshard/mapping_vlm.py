@@ -30,7 +30,8 @@ VISION_KEYS = {"blocks", "deepstack", "used_blocks", "megatron_default", "megatr
 VLM_HF_KEYS = {"read", "v5"}
 TOWER_KEYS = {"hf", "split", "slot", "shape", "heads", "hf_stored", "hf_transposed", "optional", "vllm",
               "vllm_transposed", "megatron_hf", "split_megatron_hf", "megatron_native", "megatron_native_te",
-              "megatron_native_local", "split_native", "absent_in", "megatron_shape", "megatron_hf_transposed"}
+              "megatron_native_local", "split_native", "absent_in", "megatron_shape", "megatron_hf_transposed",
+              "vllm_text_only"}
 MEGATRON_VISIONS = ("hf", "native")
 ABSENT_LAYOUTS = ("vllm", "megatron_native")
 #: Where the source's nested config.json is kept inside a flat view (never written out: :func:`nested`).
@@ -296,6 +297,7 @@ def _tower_spec(w: dict, mark: str | None, index: int | None, unused: bool, symb
         megatron_native_te=name(w.get("megatron_native_te", w.get("megatron_native"))),
         megatron_native_local=name(w.get("megatron_native_local", w.get("megatron_native"))),
         split_native=w.get("split_native"), absent_in=tuple(dict.fromkeys(absent)),
+        vllm_text_only=bool(w.get("vllm_text_only", False)),
         megatron_shape=tuple(str(s) for s in w["megatron_shape"]) if "megatron_shape" in w else None)
 
 
@@ -309,15 +311,33 @@ class _Template:
     architectures: tuple[str, ...] = field(default=())
 
 
+def extended(data: dict, load) -> dict:
+    """A VLM file with ``[family] extends = "NAME"``: NAME's tables, with this file's ``[text]``, ``[vision]``,
+    ``[dims]`` and ``[megatron]`` keys over them, its ``[hf]`` spelling rules before NAME's (first match wins) and
+    its ``[[tower]]`` weights after NAME's (LLaVA-NeXT: LLaVA plus ``image_newline``)."""
+    name = data["family"].get("extends")
+    if name is None:
+        return data
+    base = extended(load(name), load)
+    merged = {key: dict(base.get(key, {}), **data.get(key, {})) for key in ("text", "vision", "dims", "megatron")}
+    merged["hf"] = {k: data.get("hf", {}).get(k, []) + base.get("hf", {}).get(k, []) for k in VLM_HF_KEYS}
+    merged["tower"] = base.get("tower", []) + data.get("tower", [])
+    merged["family"] = {k: v for k, v in data["family"].items() if k != "extends"}
+    return merged
+
+
 def vlm_templates() -> list[_Template]:
     """The shipped VLM mapping files, unbound."""
     from reshard.mapping import shipped_mapping_text
+
+    def load(name: str) -> dict:
+        return tomllib.loads(shipped_mapping_text(name))
+
     out = []
     for name in shipped_mapping_names(multimodal=True):
-        data = tomllib.loads(shipped_mapping_text(name))
-        if is_vlm_data(data):
-            check_vlm_file(data, f"mappings/{name}.toml")
-            out.append(_Template(name, data, f"mappings/{name}.toml", tuple(data["family"]["architectures"])))
+        data = extended(load(name), load)
+        check_vlm_file(data, f"mappings/{name}.toml")
+        out.append(_Template(name, data, f"mappings/{name}.toml", tuple(data["family"]["architectures"])))
     return out
 
 

@@ -103,9 +103,6 @@ def test_megatron_is_refused_naming_image_newline(hub, tmp_path, capsys, args):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="converter: --vllm-vision none leaves image_newline out, but vLLM 0.32 keeps "
-                                       "that bare parameter without a tower and refuses the folder (Missing keys "
-                                       "('image_newline',))")
 def test_vllm_vision_none_keeps_the_bare_image_newline(hub, tmp_path, capsys):
     """An engine with limit_mm_per_prompt {"image": 0} builds no tower and no projector, but image_newline (not a
     module) stays in its state on the meta device, so its sharded_state folder must hold it (vlm_rules)."""

@@ -158,7 +158,7 @@ class ModelConfig:
 
 def normalize_scaling(scaling: dict | None) -> tuple[tuple[str, Any], ...] | None:
     """transformers' ``rope_scaling`` / ``rope_parameters`` dict as canonical items: ``type`` read as
-    ``rope_type``, the theta and the partial-rotary factor removed (fields of their own), numbers as floats except
+    ``rope_type`` (Qwen-VL's ``mrope`` as ``default``, as transformers reads it), the theta and the partial-rotary factor removed (fields of their own), numbers as floats except
     ``original_max_position_embeddings``; ``None`` for plain RoPE."""
     if not scaling:
         return None
@@ -167,6 +167,8 @@ def normalize_scaling(scaling: dict | None) -> tuple[tuple[str, Any], ...] | Non
         if key in ("rope_theta", "partial_rotary_factor"):
             continue
         key = "rope_type" if key == "type" else key
+        if key == "rope_type" and value == "mrope":  # Qwen-VL's old spelling of default RoPE + mrope_section
+            value = "default"
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             items[key] = tuple(value) if isinstance(value, list) else value
         else:

@@ -306,7 +306,9 @@ def _write_rope(c: dict, meaning: ModelConfig, partial_ok: bool, loss: ConfigLos
             c.pop(key, None)
         return
     c["rope_theta"] = meaning.rope_theta
-    if scaling:
+    if scaling and normalize_scaling(c.get("rope_scaling")) == meaning.rope_scaling:
+        pass  # the source's own spelling of the same scaling (Qwen2.5-VL's {"type": "mrope", ...}) is kept
+    elif scaling:
         c["rope_scaling"] = {k: list(v) if isinstance(v, tuple) else v for k, v in scaling.items()}
     elif c.get("rope_scaling") is not None:
         c["rope_scaling"] = None

@@ -31,7 +31,8 @@ def megatron_vision(model: CanonicalModel, choice: str | None) -> str:
                         "native (vision_model.decoder.layers.*, split at the language model's TP)")
     refusal = mm.refusal(vision)
     if refusal:
-        raise PlanError(f"--megatron-vision {vision} for {model.family.name}: {refusal}")
+        what = f"--megatron-vision {vision}" if choice else f"the default Megatron vision layout ({vision})"
+        raise PlanError(f"{what} for {model.family.name}: {refusal}")
     return vision
 
 
@@ -123,7 +124,7 @@ def drop_unheld(source, layout: str, opts) -> list[str]:
                      f"not hold ({', '.join(needed[:3])}{', ...' if len(needed) > 3 else ''})")
     dropped = set(absent)
     if layout == "vllm" and opts.vllm_vision == "none":
-        tower = {n for n, t in model.tensors.items() if t.spec.tower}
+        tower = {n for n, t in model.tensors.items() if t.spec.tower and not t.spec.vllm_text_only}
         notes.append(f"--vllm-vision none: wrote the language model only ({len(tower)} vision tensors left out), for "
                      "an engine with limit_mm_per_prompt all 0")
         dropped |= tower

@@ -265,9 +265,10 @@ def open_source(path: str, opts: Options) -> Source:
                if s.optional and (s.vllm_name.format(layer=0) if s.per_layer else s.vllm_name) in where[0]}
     model = build_canonical(family, config, present, tied)
     model.meaning = read_meaning(config, family, architecture, model.dims, present, tied, path)
-    tower = {n for n, t in model.tensors.items() if t.spec.tower}
+    tower = {n for n, t in model.tensors.items() if t.spec.tower and not t.spec.vllm_text_only}
     held = model  # what the files hold: without a tower when written text only (--vllm-vision none)
-    if tower and not any(name in where[0] for name in {s.vllm_name for s in family.weights if s.tower}):
+    if tower and not any(name in where[0] for name in {s.vllm_name for s in family.weights
+                                                       if s.tower and not s.vllm_text_only}):
         held = without(model, tower)
         notes.append("the folder holds no vision tower (written for a text-only engine): every tower tensor is "
                      "absent")
