@@ -136,6 +136,41 @@ def test_torch_dist_round_trip(hub, tmp_path, capsys, family):
         assert_same_config(src, back)
 
 
+def flat_qwen25(src, folder):
+    """``src`` with the flat config.json Qwen2.5-VL Hub checkpoints have (the language model's keys at the top,
+    ``rope_scaling = {"type": "mrope", "mrope_section": ...}``, ``torch_dtype``), as transformers 4.x wrote it."""
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes((src / "model.safetensors").read_bytes())
+    config = json.loads((src / "config.json").read_text())
+    text = config.pop("text_config")
+    rope = text.pop("rope_parameters")
+    for key in ("model_type", "layer_types", "bos_token_id", "eos_token_id", "pad_token_id"):
+        text.pop(key, None)
+    config.update(text, rope_theta=rope["rope_theta"], torch_dtype=config.pop("dtype"),
+                  rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]})
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_flat_qwen25_config_round_trips(hub, tmp_path, capsys):
+    """The flat config of Qwen2.5-VL Hub checkpoints reads (M-RoPE from rope_scaling's old "mrope" spelling) and
+    comes back as it was through megatron tp2 and vllm tp2; transformers' image logits equal the source's."""
+    src = flat_qwen25(hub("qwen2_5_vl"), tmp_path / "flat")
+    megatron = convert(capsys, src, tmp_path / "megatron", "--to", "megatron", "--tp", 2)
+    back = convert(capsys, convert(capsys, megatron, tmp_path / "vllm", "--to", "vllm", "--tp", 2),
+                   tmp_path / "hf", "--to", "hf")
+    assert_same_tensors(src, back)
+    assert json.loads((back / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+    assert torch.equal(vlm_cases.logits(back, "qwen2_5_vl"), vlm_cases.logits(hub("qwen2_5_vl"), "qwen2_5_vl"))
+
+
+def test_qwen3_vl_deepstack_layers_stay_on_the_first_stage(hub, tmp_path, capsys):
+    """Qwen3-VL adds its DeepStack features to the first K language-model layers: a pp that moves one of them off
+    the first stage is refused (K = 2 of 4 layers: pp 2 works, pp 4 does not)."""
+    code, _, err = run_cli(capsys, "convert", hub("qwen3_vl"), tmp_path / "pp4", "--to", "megatron", "--pp", 4)
+    assert code == 2 and "DeepStack" in err and not (tmp_path / "pp4").exists()
+
+
 def test_megatron_tower_placement_and_splits(hub, tmp_path, capsys):
     """Qwen2.5-VL at tp2 pp2: the tower is on the first stage only; HF modules whole on both TP ranks (qkv =
     HF's fused [Q; K; V]); native: qkv per head [q_h; k_h; v_h] of the rank's heads, proj split on columns."""
