@@ -229,12 +229,7 @@ def test_vllm_rank_tensors_equal_the_rule_module(hub, tmp_path, capsys, family):
     src = hub(family)
     hf, config = load_file(src / "model.safetensors"), json.loads((src / "config.json").read_text())
     out = convert(capsys, src, tmp_path / "vllm", "--to", "vllm", "--tp", 2)
-    for rank in range(2):
-        got = load_file(out / f"model-rank-{rank}-part-0.safetensors")
-        want = vlm_rules.vllm_rank_tensors(hf, config, family, 2, rank)
-        assert set(got) == set(want), sorted(set(got) ^ set(want))[:5]
-        for name, tensor in want.items():
-            assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    vlm_rules.assert_vllm_folder_follows_rules(out, hf, config, family, 2)
 
 
 def test_vllm_vision_none_writes_the_language_model_only(hub, tmp_path, capsys):
@@ -243,10 +238,7 @@ def test_vllm_vision_none_writes_the_language_model_only(hub, tmp_path, capsys):
     src = hub("qwen2_5_vl")
     hf, config = load_file(src / "model.safetensors"), json.loads((src / "config.json").read_text())
     out = convert(capsys, src, tmp_path / "vllm", "--to", "vllm", "--tp", 2, "--vllm-vision", "none")
-    for rank in range(2):
-        got = load_file(out / f"model-rank-{rank}-part-0.safetensors")
-        want = vlm_rules.vllm_rank_tensors(hf, config, "qwen2_5_vl", 2, rank, vision="none")
-        assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)
+    vlm_rules.assert_vllm_folder_follows_rules(out, hf, config, "qwen2_5_vl", 2, vision="none")
     code, _, err = run_cli(capsys, "convert", out, tmp_path / "hf", "--to", "hf")
     assert code == 2 and "--allow-missing vision" in err
 
@@ -258,10 +250,7 @@ def test_vllm_vision_data_keeps_the_tower_whole_on_every_rank(hub, tmp_path, cap
     src = hub(family)
     hf, config = load_file(src / "model.safetensors"), json.loads((src / "config.json").read_text())
     out = convert(capsys, src, tmp_path / "vllm", "--to", "vllm", "--tp", 2, "--vllm-vision", "data")
-    for rank in range(2):
-        got = load_file(out / f"model-rank-{rank}-part-0.safetensors")
-        want = vlm_rules.vllm_rank_tensors(hf, config, family, 2, rank, vision="data")
-        assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)
+    vlm_rules.assert_vllm_folder_follows_rules(out, hf, config, family, 2, vision="data")
     assert 'mm_encoder_tp_mode="data"' in json.loads((out / "reshard.json").read_text())["load_with"]
     assert_same_tensors(src, convert(capsys, out, tmp_path / "hf", "--to", "hf"))
     code, _, err = run_cli(capsys, "convert", hub("llava"), tmp_path / "llava", "--to", "vllm", "--tp", 2,

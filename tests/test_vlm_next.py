@@ -85,13 +85,10 @@ def test_vllm_rank_tensors_equal_the_rule_module(hub, tmp_path, capsys):
     """Every vLLM tp2 rank tensor (names, dtypes, bytes) equals the rules': image_newline whole on both ranks."""
     hf, config = load_file(hub / "model.safetensors"), vlm_cases.config_of(hub)
     out = convert(capsys, hub, tmp_path / "vllm", "--to", "vllm", "--tp", 2)
+    vlm_rules.assert_vllm_folder_follows_rules(out, hf, config, FAMILY, 2)
     for rank in range(2):
-        got = load_file(out / f"model-rank-{rank}-part-0.safetensors")
-        want = vlm_rules.vllm_rank_tensors(hf, config, FAMILY, 2, rank)
-        assert set(got) == set(want), sorted(set(got) ^ set(want))[:5]
-        for name, tensor in want.items():
-            assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
-        assert torch.equal(got["image_newline"], hf["image_newline"])
+        assert torch.equal(load_file(out / f"model-rank-{rank}-part-0.safetensors")["image_newline"],
+                           hf["image_newline"])
 
 
 @pytest.mark.parametrize("args", [["--to", "megatron"], ["--to", "megatron", "--megatron-vision", "native"],

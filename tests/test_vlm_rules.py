@@ -262,9 +262,7 @@ def test_refusal_cases_build(tmp_path):
 
 # ---- vLLM itself (opt-in) ----------------------------------------------------------------------------------------
 
-ENV_VAR = "RESHARD_VLLM_PYTHON"
-SETUP = (f"set {ENV_VAR} to the python of a virtual environment holding the CPU build of vLLM 0.32 "
-         f"(e.g. /work/vllm-venv/bin/python), then `{ENV_VAR}=... python -m pytest -m vllm tests/test_vlm_rules.py`")
+from test_vllm_load import vllm_python  # noqa: E402,F401  (the fixture: RESHARD_VLLM_PYTHON, or the setup to make it)
 
 # Run under the vLLM python, written into the test's folder: builds MODEL_DIR's model at TP ranks (no engine),
 # loads the HF folder with vLLM's own loader and saves each rank's state before process_weights_after_loading.
@@ -352,14 +350,6 @@ except Exception:
 '''
 
 
-@pytest.fixture(scope="module")
-def vllm_python():
-    python = os.environ.get(ENV_VAR)
-    if not python:
-        pytest.fail(f"{ENV_VAR} is not set: {SETUP}", pytrace=False)
-    if not os.access(python, os.X_OK):
-        pytest.fail(f"{ENV_VAR}={python} is not an executable: {SETUP}", pytrace=False)
-    return python
 
 
 def free_port() -> int:

@@ -370,3 +370,17 @@ def absent_in_vllm(hf: dict, config: dict, family: str, vision: str = "weights")
         return vision_names
     keep = tower_keep(config, family)
     return {k for k in vision_names if k.startswith(src) and not keep(k[len(src):])}
+
+
+def assert_vllm_folder_follows_rules(folder, hf: dict, config: dict, family: str, tp: int,
+                                     vision: str = "weights") -> None:
+    """Every tensor of a vLLM ``sharded_state`` folder's ``tp`` ranks (``model-rank-{r}-part-0.safetensors``) equals
+    :func:`vllm_rank_tensors`'s: the same names, dtypes and bytes."""
+    from safetensors.torch import load_file
+
+    for rank in range(tp):
+        got = load_file(f"{folder}/model-rank-{rank}-part-0.safetensors")
+        want = vllm_rank_tensors(hf, config, family, tp, rank, vision)
+        assert set(got) == set(want), sorted(set(got) ^ set(want))[:5]
+        for name, tensor in want.items():
+            assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
