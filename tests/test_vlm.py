@@ -258,6 +258,20 @@ def test_vllm_vision_data_keeps_the_tower_whole_on_every_rank(hub, tmp_path, cap
     assert code == 2 and "mm_encoder_tp_mode" in err
 
 
+def test_vllm_llava_to_megatron_writes_what_it_holds(hub, tmp_path, capsys):
+    """A vLLM LLaVA lacks the CLIP layer megatron-core builds: --to megatron is refused without --allow-missing
+    vision; with it, the Megatron folder (only the used layers) reads back, the unused layer absent, to the same
+    vLLM ranks."""
+    vllm = convert(capsys, hub("llava"), tmp_path / "vllm", "--to", "vllm", "--tp", 2)
+    code, _, err = run_cli(capsys, "convert", vllm, tmp_path / "refused", "--to", "megatron", "--tp", 2)
+    assert code == 2 and "--allow-missing vision" in err and not (tmp_path / "refused").exists()
+    megatron = convert(capsys, vllm, tmp_path / "megatron", "--to", "megatron", "--tp", 2, "--allow-missing", "vision")
+    again = convert(capsys, megatron, tmp_path / "again", "--to", "vllm", "--tp", 2)
+    for rank in range(2):
+        a, b = (load_file(f / f"model-rank-{rank}-part-0.safetensors") for f in (vllm, again))
+        assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
+
+
 def test_verify_reports_the_tower_tensors_a_vllm_llava_lacks(hub, tmp_path, capsys):
     src = hub("llava")
     out = convert(capsys, src, tmp_path / "vllm", "--to", "vllm", "--tp", 2)

@@ -28,7 +28,7 @@ from reshard.io.heads import read_heads_while_torch_imports
 from reshard.io.torch_format import MegatronEnum, TensorSlot, TorchFile, torch_dtype_global
 from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, check_shape,
                                   chosen_architecture)
-from reshard.layouts.hf import write_config
+from reshard.layouts.hf import unused_tower_tensor, write_config
 from reshard.layouts.hf_config import read_meaning, without_dropped_settings, write_config as write_hf_config
 from reshard.layouts.megatron_folders import (  # noqa: F401  (_checkpoint_root, _label: for torch_dist, verify)
     _RANK_DIR, _REMOTE_RANK_FILE, TRACKER, _checkpoint_root, _iteration_dir, _label, find_side_files_in,
@@ -454,6 +454,8 @@ def open_source(path: str, opts: Options) -> Source:
                 loc = f.tensors.get(key)
                 if loc is not None and ((tensor.stacked and tensor.transposed) or tensor.name in views):
                     loc = _legacy_view(f, key, loc, tensor.shape)
+                if loc is None and unused_tower_tensor(model, tensor):
+                    continue  # a tower built with only the blocks LLaVA uses: they read as absent
                 if loc is None:
                     raise CheckpointError(f"{f.path}: tensor '{tensor.name}' is missing from the rank file")
                 check_shape(f.path, tensor.name, loc.shape, tensor.shape)

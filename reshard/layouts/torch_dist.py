@@ -28,7 +28,7 @@ from reshard.io.partial import replace_with_text
 from reshard.io.heads import read_heads_while_torch_imports
 from reshard.io.regular import open_regular
 from reshard.io.torch_format import TorchFile, TorchZipWriter, object_archive
-from reshard.layouts import megatron
+from reshard.layouts import hf, megatron
 from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, pack_by_size,
                                   stored_dtype)
 from reshard.layouts.dcp_chunks import chunk_tensors, slice_pieces
@@ -131,6 +131,8 @@ def open_source(path: str, opts: Options) -> Source:
     stored, used, locations = [], set(), []
     for target in layout:
         regions = index.regions(target.name, unit_axes(views, target))
+        if regions is None and hf.unused_tower_tensor(model, target):
+            continue  # a tower built with only the blocks LLaVA uses: they read as absent
         if regions is None:
             raise CheckpointError(f"{folder}: tensor '{target.name}' is missing from the checkpoint (the args say "
                                   f"{model.num_layers} layers)")

@@ -114,11 +114,11 @@ def drop_unheld(source, layout: str, opts) -> list[str]:
               (layout == "vllm" and opts.vllm_vision == "none")]
     if needed and "vision" not in opts.allow_missing:
         shown = ", ".join(needed[:3]) + (f" and {len(needed) - 3} more" if len(needed) > 3 else "")
-        raise PlanError(f"{len(needed)} vision tensors are not in the source ({shown}): vLLM and megatron-core build "
-                        "only the tower layers the model uses (LLaVA: up to vision_feature_layer, no "
-                        f"post_layernorm), or the source was written text only; the {layout} output needs them. "
-                        "Pass --allow-missing vision to write it without them (transformers initialises them; "
-                        "LLaVA's logits do not use them)")
+        raise PlanError(f"{len(needed)} vision tensors are not in the source ({shown}): vLLM builds only the "
+                        "tower layers the model uses (LLaVA: up to vision_feature_layer) and megatron-core no "
+                        f"post_layernorm, or the source was written text only; the {layout} output needs them. "
+                        "Pass --allow-missing vision to write it without them (transformers initialises them on "
+                        "load; LLaVA's logits do not use them)")
     if needed:
         notes.append(f"--allow-missing vision: wrote the output without {len(needed)} vision tensors the source does "
                      f"not hold ({', '.join(needed[:3])}{', ...' if len(needed) > 3 else ''})")
