@@ -52,6 +52,7 @@ def inspect(path: str, *, vocab_size: int | None = None, architecture: str | Non
             "bytes": sum(os.path.getsize(f.path) for f in source.files),
             "files_per_rank": dict(files_per_rank),
             **({"hub": source.info["hub"]} if "hub" in source.info else {}),
+            **({"vision": _vision(source)} if model.family.multimodal else {}),
         }
         extra = layout.describe(source)
         info.update(extra)
@@ -60,6 +61,18 @@ def inspect(path: str, *, vocab_size: int | None = None, architecture: str | Non
         saved = {key[len("saved_"):]: value for key, value in extra.items() if key.startswith("saved_")}
         info["saved_degrees"] = {**source.degrees, **saved}
         return info
+
+
+def _vision(source) -> dict:
+    """A vision-language model's tower: its blocks (and how many the model uses), width, heads, tensors, and how
+    many of those the files do not hold (vLLM's LLaVA, a text-only folder)."""
+    from reshard.layouts.vision import absent_tensors
+
+    model, mm = source.model, source.model.family.multimodal
+    tower = [name for name, t in model.tensors.items() if t.spec.tower]
+    absent = set(absent_tensors(source))
+    return {"blocks": mm.blocks, "used_blocks": mm.used_blocks, "hidden": model.dims.get("Hv"),
+            "heads": model.dims.get("nv"), "tensors": len(tower), "absent": sum(n in absent for n in tower)}
 
 
 def _span(names: list[str]) -> str:
@@ -91,7 +104,7 @@ _SHOWN = {"architecture", "hidden", "layers", "heads", "kv_heads", "head_dim", "
 _DEGREE_NAMES = {"tp": "TP", "pp": "PP", "ep": "EP", "etp": "expert TP"}
 _WIDTH = 100
 _BASE_KEYS = {"path", "layout", "architecture", "family", "tp", "pp", "ep", "etp", "dtype", "dtypes", "parameters",
-              "tensors", "layers", "hidden_size", "heads", "kv_heads", "vocab_size", "experts", "moe_layers",
+              "tensors", "layers", "hidden_size", "heads", "kv_heads", "vocab_size", "experts", "moe_layers", "vision",
               "tied_embeddings", "model_config", "bytes", "files_per_rank", "hub"}  # the keys every layout has
 
 
@@ -205,6 +218,12 @@ def _rows(info: dict) -> list[tuple[str, str]]:
                      + f"; {info['moe_layers']} of {info['layers']} layers are MoE"
                      + (f" ({_ranges(moe)})" if moe else "")))
         rows.append(("routing", _routing(config)))
+    vision = info.get("vision")
+    if vision:
+        rows.append(("vision", f"tower of {vision['blocks']} blocks"
+                     + (f" ({vision['used_blocks']} used)" if vision["used_blocks"] != vision["blocks"] else "")
+                     + f", hidden {vision['hidden']}, {vision['heads']} heads; {vision['tensors']} tensors"
+                     + (f", {vision['absent']} not in these files" if vision["absent"] else "")))
     settings = [key.replace("_", " ") + ("" if value is True else f" {_value(value)}")
                 for key, value in config.items() if key not in _SHOWN]
     if settings:
