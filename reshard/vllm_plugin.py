@@ -113,7 +113,7 @@ def _missing_config_keys(folder: str, options: dict) -> list[tuple[str, object]]
     architecture = options.get("architecture") or (config.get("architectures") or [None])[0]
     if not architecture:
         return []
-    spelling = family_for_architecture(architecture, options.get("mapping")).config.architecture(architecture)
+    spelling = family_for_architecture(architecture, options.get("mapping"), config).config.architecture(architecture)
     return [(k, v) for k, v in (spelling.requires if spelling else ()) if k not in config]
 
 
