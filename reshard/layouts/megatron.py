@@ -34,8 +34,8 @@ from reshard.layouts.megatron_folders import (  # noqa: F401  (_checkpoint_root,
     _RANK_DIR, _REMOTE_RANK_FILE, TRACKER, _checkpoint_root, _iteration_dir, _label, find_side_files_in,
     iteration_folder, iteration_folder_name, side_folders, true_vocab_size)
 from reshard.layouts.megatron_args import RECORD_ONLY, args_from_meaning, meaning_from_args
-from reshard.layouts.vision import check_tower_degrees, megatron_vision
-from reshard.mapping import Family, WeightSpec, evaluate
+from reshard.layouts.vision import check_megatron_tower, megatron_vision, tower_views
+from reshard.mapping import Family, WeightSpec
 from reshard.mapping_vlm import family_for_architecture, flat_view, nested
 
 NAME = "megatron"
@@ -181,28 +181,6 @@ def extra_state_names(family: Family, spec_name: str, num_local_layers: int, ten
         if "{layer}" not in t and any(n.startswith(module) for n in tensor_names):
             names.append(t)
     return names
-
-
-def tower_views(model: CanonicalModel, spec_name: str, vision: str) -> dict[str, tuple[int, ...]]:
-    """Tower tensors Megatron stores under another shape of the same bytes (native CLIP's class token
-    ``[1, 1, H]``): stored name -> that shape."""
-    return {spec.megatron_name(spec_name, vision=vision): tuple(evaluate(e, model.dims) for e in spec.megatron_shape)
-            for spec in model.family.weights if spec.megatron_shape and vision == "native"}
-
-
-def check_megatron_tower(model: CanonicalModel, opts: Options) -> None:
-    """A vision tower's Megatron layout is one its family has, its split divides ``--tp`` (native), and Qwen3-VL's
-    DeepStack features reach language-model layers held by the first stage (Megatron-Bridge's requirement)."""
-    mm = model.family.multimodal
-    vision = megatron_vision(model, opts.megatron_vision)
-    if mm is None:
-        return
-    if vision == "native":
-        check_tower_degrees(model, opts.tp, "megatron_native")
-    if mm.deepstack > model.num_layers // opts.pp:
-        raise PlanError(f"Qwen3-VL adds its {mm.deepstack} DeepStack features to the first {mm.deepstack} language "
-                        f"model layers, which must all be on the first pipeline stage: pp={opts.pp} gives it "
-                        f"{model.num_layers // opts.pp}; choose a smaller --pp")
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -394,9 +372,7 @@ def open_source(path: str, opts: Options) -> Source:
     chunk_keys = sorted({c for _, c in chunk_layers}, key=lambda c: -1 if c == "model" else int(c[5:]))
     spec_name = "te" if any(n.endswith(".layer_norm_weight") for n in names_all) else "local"
     vision = "native" if any(n.startswith("vision_model.decoder.layers.") for n in names_all) else "hf"
-    if family.multimodal:
-        megatron_vision(build_canonical(family, config, set(), meaning.tied), vision)  # a layout the family has
-    views = {}
+
     grouped = any(GROUPED.search(n) for n in names_all)
     legacy_grouped = any(LEGACY_GROUPED.search(n) for n in names_all)
     starts, offset = {}, 0
@@ -420,7 +396,9 @@ def open_source(path: str, opts: Options) -> Source:
             present.add(spec.hf)
     tied = meaning.tied
     model = build_canonical(family, config, present, tied)
-    views.update(tower_views(model, spec_name, vision))
+    if family.multimodal:
+        megatron_vision(model, vision)  # a layout the family has
+    views = tower_views(model, spec_name, vision)
     model.meaning = meaning
     for group, templates in family.config.bias_groups:
         has = all(family.holds(t, present) for t in templates)

@@ -29,6 +29,7 @@ from reshard.io.heads import read_heads_while_torch_imports
 from reshard.io.regular import open_regular
 from reshard.io.torch_format import TorchFile, TorchZipWriter, object_archive
 from reshard.layouts import hf, megatron
+from reshard.layouts.vision import megatron_vision, tower_views
 from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, pack_by_size,
                                   stored_dtype)
 from reshard.layouts.dcp_chunks import chunk_tensors, slice_pieces
@@ -126,7 +127,7 @@ def open_source(path: str, opts: Options) -> Source:
     vision = "native" if any(k.startswith("vision_model.decoder.layers.") for k in index.tensors) else "hf"
     layout = megatron.rank_tensors(model, 1, 0, list(range(model.num_layers)), True, True, "te", padded,
                                    vision=vision)
-    views = megatron.tower_views(model, "te", vision)
+    views = tower_views(model, "te", vision)
     files: dict[str, DistcpFile] = {}
     stored, used, locations = [], set(), []
     for target in layout:
@@ -204,7 +205,7 @@ def located_tensors(model, padded: int, vision: str = "hf") -> list[tuple[Stored
     layout ``vision``), each with its place in a torch_dist folder
     (:func:`~reshard.layouts.torch_dist_keys.location`)."""
     stacked = stacked_layers(model)
-    views = megatron.tower_views(model, "te", vision)
+    views = tower_views(model, "te", vision)
     return [(t, location(t.name, stacked, unit_axes(views, t)))
             for t in megatron.rank_tensors(model, 1, 0, list(range(model.num_layers)), True, True, "te", padded,
                                            vision=vision)]
@@ -260,7 +261,7 @@ def _targets(source: Source, opts: Options, dtype: str) -> TargetPlan:
     padded, iteration, folder, args = run.padded, run.iteration, run.folder, run.args
     args.ckpt_format = NAME
     args.no_save_optim = args.no_save_rng = True  # a model-only checkpoint: resuming asks for no optimizer state
-    vision = megatron.megatron_vision(model, opts.megatron_vision)
+    vision = megatron_vision(model, opts.megatron_vision)
     located = located_tensors(model, padded, vision)
     chunks = target_chunks(model, located, opts.tp, megatron.expert_tp(opts), vision)
     size = {c.name: dtypes.itemsize(stored_dtype(model, c, opts, dtype)) * math.prod(c.shape)

@@ -9,6 +9,7 @@ import dataclasses
 
 from reshard.core.canonical import CanonicalModel
 from reshard.errors import PlanError
+from reshard.mapping import evaluate
 
 #: Layouts that hold a vision tower (the others refuse a vision-language model).
 TOWER_LAYOUTS = ("hf", "megatron", "torch_dist", "vllm")
@@ -131,3 +132,25 @@ def drop_unheld(source, layout: str, opts) -> list[str]:
     if dropped:
         source.model = without(model, dropped)
     return notes
+
+
+def tower_views(model: CanonicalModel, spec_name: str, vision: str) -> dict[str, tuple[int, ...]]:
+    """Tower tensors Megatron stores under another shape of the same bytes (native CLIP's class token
+    ``[1, 1, H]``): stored name -> that shape."""
+    return {spec.megatron_name(spec_name, vision=vision): tuple(evaluate(e, model.dims) for e in spec.megatron_shape)
+            for spec in model.family.weights if spec.megatron_shape and vision == "native"}
+
+
+def check_megatron_tower(model: CanonicalModel, opts) -> None:
+    """A vision tower's Megatron layout is one its family has, its split divides ``--tp`` (native), and Qwen3-VL's
+    DeepStack features reach language-model layers held by the first stage (Megatron-Bridge's requirement)."""
+    mm = model.family.multimodal
+    vision = megatron_vision(model, opts.megatron_vision)
+    if mm is None:
+        return
+    if vision == "native":
+        check_tower_degrees(model, opts.tp, "megatron_native")
+    if mm.deepstack > model.num_layers // opts.pp:
+        raise PlanError(f"Qwen3-VL adds its {mm.deepstack} DeepStack features to the first {mm.deepstack} language "
+                        f"model layers, which must all be on the first pipeline stage: pp={opts.pp} gives it "
+                        f"{model.num_layers // opts.pp}; choose a smaller --pp")
