@@ -17,10 +17,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from reshard.errors import MappingError, PlanError
-from reshard.mapping import (DIM_KEYS, PACK_SLOTS, SPLIT_KINDS, ArchitectureConfig, ConfigSpelling, Family,
+from reshard.mapping import (DIM_KEYS, PACK_SLOTS, SPLIT_KINDS, Family,
                              WeightSpec, _check_keys, _suggest, evaluate, load_shipped, lookup,
                              shipped_mapping_names, text_architectures, text_family_for_architecture)
 
@@ -219,9 +219,10 @@ def compose(data: dict, source: str, config: dict) -> Family:
     model_type = config.get("model_type") or architecture
     vlm_spelling = dataclasses.replace(spelling, model_type=model_type, other_model_types=())
     extra = {spec: tuple(meg(t) for t in templates) for spec, templates in text_family.extra_state.items()}
+
     def tower_extra(kind: str):
         return tuple((spec, tuple(_expand_templates(data.get("megatron", {}).get(f"extra_state_{kind}_{spec}", []),
-                                                    blocks, used, deepstack))) for spec in extra)
+                                                    blocks, deepstack))) for spec in extra)
     groups = tuple((g, tuple(hf_name(t) for t in ts)) for g, ts in text_family.config.bias_groups)
     config_spelling = dataclasses.replace(text_family.config, bias_groups=groups,
                                           architectures=((architecture, vlm_spelling),))
@@ -241,7 +242,8 @@ def compose(data: dict, source: str, config: dict) -> Family:
         hf_ignore=tuple(hf_name(t) for t in text_family.hf_ignore), hf_optional_prefix="", multimodal=multimodal)
 
 
-def _expand_templates(templates: list[str], blocks: int, used: int, deepstack: int) -> list[str]:
+def _expand_templates(templates: list[str], blocks: int, deepstack: int) -> list[str]:
+    """``_extra_state`` templates with ``{vblock}`` / ``{ds}`` expanded over every block / DeepStack merger."""
     out = []
     for t in templates:
         if "{vblock}" in t:
@@ -305,10 +307,12 @@ def _tower_spec(w: dict, mark: str | None, index: int | None, unused: bool, symb
 
 @dataclass
 class _Template:
+    """A shipped VLM mapping file, unbound: its name, its tables (``extends`` resolved), where it came from."""
+
     name: str
     data: dict
     source: str
-    architectures: tuple[str, ...] = field(default=())
+    architectures: tuple[str, ...] = ()
 
 
 def extended(data: dict, load) -> dict:
@@ -380,5 +384,5 @@ def family_for_architecture(architecture: str, mapping_file=None, config: dict |
                        "family")
 
 
-__all__ = ["family_for_architecture", "ArchitectureConfig", "ConfigSpelling", "Multimodal", "compose", "flat_view", "nested", "lookup",
-           "vlm_family", "refuse_unknown_multimodal", "multimodal_architectures", "used_blocks"]
+__all__ = ["family_for_architecture", "Multimodal", "compose", "flat_view", "nested", "vlm_family",
+           "refuse_unknown_multimodal", "multimodal_architectures", "used_blocks"]
