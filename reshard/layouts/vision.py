@@ -1,6 +1,6 @@
 """Vision towers in the layouts: which Megatron layout a tower takes, what TP degrees it splits over, and the tower
-tensors a source does not hold (vLLM and megatron-core build no CLIP layer past LLaVA's ``vision_feature_layer``
-and no ``post_layernorm``; an engine served text only has no tower at all).
+tensors a source does not hold (vLLM builds no CLIP layer past LLaVA's ``vision_feature_layer``, neither vLLM nor
+megatron-core a ``post_layernorm``; an engine served text only has no tower at all).
 """
 
 from __future__ import annotations
