@@ -91,6 +91,8 @@ CASES = {
                             convert_args=("--vllm-vision", "none"),
                             token_prompts=[vlm_cases.TEXT_IDS["qwen2_5_vl"], [1, 17, 42, 42, 8, 100, 133, 64, 158, 3]]),
 }
+#: the same LLaVA case served from its HF folder as it is, through reshard's vLLM plugin (load_format="reshard")
+PLUGIN = "llava_plugin"
 
 
 # ---- the HF folders ----------------------------------------------------------------------------------------------
@@ -183,9 +185,10 @@ def launch(python: str, folders: dict[str, Path], tp: int, workdir: Path) -> dic
     workdir.mkdir(parents=True, exist_ok=True)
     jobs = []
     for name, folder in folders.items():
-        case = CASES[name]
+        case = CASES["llava" if name == PLUGIN else name]
         job = {"name": name, "model": str(folder), "limits": case["limits"], "top_k": TOP_K,
-               "token_prompts": case["token_prompts"], "image_prompts": []}
+               "token_prompts": case["token_prompts"], "image_prompts": [],
+               "load_format": "reshard" if name == PLUGIN else "sharded_state"}
         if "image_prompt" in case:
             job["image_prompts"] = [{"prompt": case["image_prompt"], "image_seed": 0, "image_size": case["image_size"]}]
         jobs.append(job)
@@ -306,6 +309,7 @@ def vllm_runs(tmp_path_factory, vllm_python, hf_folders):
             root = tmp_path_factory.mktemp(f"vlm-vllm-tp{tp}")
             folders = reshard_folders(hf_folders, root, tp)
             loadable = {n: f for n, f in folders.items() if isinstance(f, Path)}
+            loadable[PLUGIN] = folders[PLUGIN] = hf_folders["llava"]
             done[tp] = folders, (launch(vllm_python, loadable, tp, root / "run") if loadable else {})
         return done[tp]
 
@@ -317,10 +321,18 @@ def run_case(vllm_runs, hf_folders, name: str, tp: int) -> dict[str, float]:
     folders, results = vllm_runs(tp)
     if not isinstance(folders[name], Path):
         pytest.fail(folders[name], pytrace=False)
-    worst = check_case(name, hf_folders[name], results[name], tp)
+    case = "llava" if name == PLUGIN else name
+    worst = check_case(case, hf_folders[case], results[name], tp)
     print(f"\n{name} tp={tp}: max |vLLM - transformers| prompt logprob: "
           + ", ".join(f"{k} {v:.3g}" for k, v in worst.items()))
     return worst
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_llava_served_from_hf_by_the_plugin(vllm_runs, hf_folders, tp):
+    """The HF LLaVA folder as it is, ``load_format="reshard"``: every worker builds its rank with reshard.load_rank;
+    the image prompt's logprobs within 1e-4 of transformers'."""
+    assert "image" in run_case(vllm_runs, hf_folders, PLUGIN, tp)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
