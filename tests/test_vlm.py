@@ -211,10 +211,10 @@ def test_every_spelling_reads_to_the_hub_bytes(hub, tmp_path, capsys, family, sp
     assert_same_tensors(src, convert(capsys, respelt, tmp_path / "hf", "--to", "hf"))
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "llava"])
+@pytest.mark.parametrize("family", vlm_cases.FAMILIES)
 def test_hf_spelling_v5_writes_transformers_5_names(hub, tmp_path, capsys, family):
-    """--hf-spelling v5 writes the names transformers 5.24 saves with save_original_format=False, and transformers
-    loads them to the same logits."""
+    """--hf-spelling v5 writes the names transformers 5.24 saves with save_original_format=False (Qwen3-VL's are
+    its Hub names), and transformers loads them to the same logits."""
     src = hub(family)
     model = vlm_cases.load(src, family)
     model.save_pretrained(tmp_path / "tf_v5", save_original_format=False)

@@ -50,8 +50,8 @@ def respell_write(family, tensors: list[StoredTensor], spelling: str) -> list[St
     """``tensors`` under ``spelling``'s names: ``hub`` (canonical) or ``v5`` (transformers 5's own)."""
     if spelling not in SPELLINGS:
         raise PlanError(f"--hf-spelling {spelling}: use {' or '.join(SPELLINGS)}")
-    if spelling == "hub":
-        return tensors
-    if not family.multimodal or not family.multimodal.v5:
+    if not family.multimodal and spelling != "hub":
         raise PlanError(f"--hf-spelling v5 is for vision-language models; {family.name} has one spelling: drop it")
+    if spelling == "hub" or not family.multimodal.v5:  # Qwen3-VL: transformers 5 writes the Hub names
+        return tensors
     return [replace(t, name=canonical_name(family.multimodal.v5, t.name)) for t in tensors]
