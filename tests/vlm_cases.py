@@ -70,6 +70,18 @@ TEXT_IDS = {"qwen2_5_vl": [1, 5, 7, 9, 150, 159, 2], "qwen3_vl": [1, 5, 7, 9, 15
 NEXT_IMAGE = (1, 2)
 
 
+#: LLaVA's and LLaVA-NeXT's tiny CLIP tower
+CLIP_TINY = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                 num_attention_heads=2, image_size=28, patch_size=14, projection_dim=32)
+
+
+def _llava_text(model_type: str, hidden: int) -> dict:
+    """The tiny language model of LLaVA (``llama``) and LLaVA-NeXT (``mistral``)."""
+    return dict(model_type=model_type, vocab_size=300, hidden_size=hidden, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1,
+                eos_token_id=2, pad_token_id=0)
+
+
 def _settings(family: str, text_hidden: int) -> tuple[str, dict]:
     """(config class name, keyword arguments) of the tiny ``family`` model; every count divides TP 2 and PP 2.
     ``text_hidden`` 64 gives the text model head_dim 16, 128 head_dim 32 (vLLM CPU's attention needs >= 32)."""
@@ -107,26 +119,16 @@ def _settings(family: str, text_hidden: int) -> tuple[str, dict]:
             mm_tokens_per_image=4, image_token_index=260, boi_token_index=255, eoi_token_index=256,
             bos_token_id=2, eos_token_id=1, pad_token_id=0)
     if family == "llava":
-        return "LlavaConfig", dict(
-            text_config=dict(model_type="llama", vocab_size=300, hidden_size=text_hidden, intermediate_size=96,
-                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                             max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0),
-            # Lv = 3 and vision_feature_layer -2: vLLM / Megatron build only CLIP layers 0-1, no post_layernorm.
-            vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=48,
-                               num_hidden_layers=3, num_attention_heads=2, image_size=28, patch_size=14,
-                               projection_dim=32),
-            image_token_index=260, vision_feature_layer=-2, vision_feature_select_strategy="default",
-            projector_hidden_act="gelu")
+        # Lv = 3 and vision_feature_layer -2: vLLM builds only CLIP layers 0-1, and neither vLLM nor megatron-core
+        # a post_layernorm.
+        return "LlavaConfig", dict(text_config=_llava_text("llama", text_hidden), vision_config=dict(CLIP_TINY),
+                                   image_token_index=260, vision_feature_layer=-2,
+                                   vision_feature_select_strategy="default", projector_hidden_act="gelu")
     if family == NEXT:
         # LLaVA's tower (Lv = 3, vision_feature_layer -2: CLIP layer 2 and post_layernorm unused) over a Mistral
         # text model (LLaVA's case is Llama); anyres pinpoints of 1 x 1, 1 x 2 and 2 x 1 tiles of image_size 28.
         return "LlavaNextConfig", dict(
-            text_config=dict(model_type="mistral", vocab_size=300, hidden_size=text_hidden, intermediate_size=96,
-                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                             max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0),
-            vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=48,
-                               num_hidden_layers=3, num_attention_heads=2, image_size=28, patch_size=14,
-                               projection_dim=32),
+            text_config=_llava_text("mistral", text_hidden), vision_config=dict(CLIP_TINY),
             image_token_index=260, image_grid_pinpoints=[[28, 28], [28, 56], [56, 28]], vision_feature_layer=-2,
             vision_feature_select_strategy="default", projector_hidden_act="gelu")
     raise ValueError(f"unknown VLM family {family!r}; known: {', '.join(ALL_FAMILIES)}")
