@@ -129,8 +129,8 @@ def _ranges(numbers: list[int]) -> str:
 
 def _value(value) -> str:
     """A setting's value in words: lists of layers as ranges, dicts as ``key=value`` pairs."""
-    if isinstance(value, dict):
-        return " ".join(f"{k}={_value(v)}" for k, v in value.items())
+    if isinstance(value, dict):  # a dict's lists are values (M-RoPE's sections), not layer numbers
+        return " ".join(f"{k}={list(v) if isinstance(v, (list, tuple)) else _value(v)}" for k, v in value.items())
     if isinstance(value, (list, tuple)):
         return _ranges(value) if all(isinstance(v, int) for v in value) else ", ".join(map(_value, value))
     return str(value)

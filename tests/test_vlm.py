@@ -280,6 +280,8 @@ def test_verify_reports_the_tower_tensors_a_vllm_llava_lacks(hub, tmp_path, caps
     missing = {t["name"] for t in report["tensors"] if t["status"] == "missing_in_b"}
     assert code != 0 and missing == llava_unused(json.loads((src / "config.json").read_text()))
     assert all(t["status"] == "equal" for t in report["tensors"] if t["name"] not in missing)
+    code, stdout, _ = run_cli(capsys, "inspect", hub("qwen2_5_vl"))
+    assert code == 0 and "mrope_section=[2, 3, 3]" in stdout  # sections, not a range of layers
     code, stdout, _ = run_cli(capsys, "inspect", out, "--json")
     vision = json.loads(stdout)["vision"]
     assert code == 0 and (vision["blocks"], vision["used_blocks"], vision["absent"]) == (3, 2, len(missing))
