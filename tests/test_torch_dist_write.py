@@ -103,3 +103,19 @@ def test_megatron_core_loads_the_output_strictly(load_tp, tmp_path_factory):
         expected = model(input_ids=ids, use_cache=False).logits
     assert got["logits"].shape == expected.shape
     assert (got["logits"] - expected).abs().max().item() <= 1e-5
+
+
+def test_extra_state_keys_name_the_decoder_layers_beside_mtp_layers_and_a_vision_tower():
+    """The per-layer ``core_attention`` objects go under the decoder's own key (a VLM's ``language_model.``), not
+    under an MTP layer's prefix, and a native vision tower's blocks get theirs on the block axis."""
+    from reshard.layouts.torch_dist_keys import Location, extra_state_keys
+
+    locations = [Location("decoder.layers.self_attention.linear_qkv.weight", (0,), ("layer",)),
+                 Location("mtp.layers.0.transformer_layer.self_attention.linear_qkv.weight")]
+    keys = extra_state_keys(locations, {"layer": 2}, 2, True)
+    assert "decoder.layers.self_attention.core_attention._extra_state/shard_1_2" in keys
+    assert "mtp.layers.0.transformer_layer.self_attention.core_attention._extra_state/shard_0_1" in keys
+    assert not any(k.startswith("mtp.layers.0.transformer_layer.decoder.") for k in keys)
+    vlm = extra_state_keys([], {"layer": 2, "vblock": 3}, 2, True, layer_prefix="language_model.")
+    assert "language_model.decoder.layers.self_attention.core_attention._extra_state/shard_1_2" in vlm
+    assert "vision_model.decoder.layers.self_attention.core_attention._extra_state/shard_2_3" in vlm

@@ -103,10 +103,11 @@ def object_key(module: str, index: tuple[int, ...], sizes: tuple[int, ...]) -> s
 
 
 def extra_state_keys(locations: list[Location], sizes: dict[str, int], num_layers: int, stacked: bool,
-                     prefix: str = "") -> list[str]:
+                     layer_prefix: str = "") -> list[str]:
     """Every ``_extra_state`` key a Megatron-Core load of a model with these tensors may ask for: each ``linear_*``
     module holding a ``.weight`` (per layer, per expert), each separate norm module, and per layer the modules of
-    :data:`_EXTRA_STATE_ALSO`. ``sizes``: the prepended axes' lengths by name."""
+    :data:`_EXTRA_STATE_ALSO` (the decoder's under ``layer_prefix``: a VLM's ``language_model.``, and a native
+    vision tower's). ``sizes``: the prepended axes' lengths by name."""
     keys = {}
     for loc in locations:
         if not loc.key.endswith(".weight"):
@@ -116,18 +117,18 @@ def extra_state_keys(locations: list[Location], sizes: dict[str, int], num_layer
         if last.startswith("linear_") or last.endswith("layernorm") or last in _EXTRA_STATE_LINEARS:
             keys.setdefault(object_key(module, loc.index, tuple(sizes[a] for a in loc.axes)))
     mtp = sorted({m.group(0) for loc in locations for m in [_MTP_LAYER.match(loc.key)] if m})
-    for prefix in mtp:  # an MTP layer's decoder layer: per-layer modules as a decoder layer's
+    for mtp_layer in mtp:  # an MTP layer's decoder layer: per-layer modules as a decoder layer's
         for module in _EXTRA_STATE_ALSO:
-            keys.setdefault(object_key(f"{prefix}{module}", (), ()))
+            keys.setdefault(object_key(f"{mtp_layer}{module}", (), ()))
     for block in range(sizes.get("vblock", 0)):  # a native vision tower's blocks, stacked
         for module in _EXTRA_STATE_ALSO:
             keys.setdefault(object_key(f"vision_model.decoder.layers.{module}", (block,), (sizes["vblock"],)))
     for layer in range(num_layers):
         for module in _EXTRA_STATE_ALSO:
             if stacked:
-                keys.setdefault(object_key(f"{prefix}decoder.layers.{module}", (layer,), (num_layers,)))
+                keys.setdefault(object_key(f"{layer_prefix}decoder.layers.{module}", (layer,), (num_layers,)))
             else:
-                keys.setdefault(object_key(f"{prefix}decoder.layers.{layer}.{module}", (), ()))
+                keys.setdefault(object_key(f"{layer_prefix}decoder.layers.{layer}.{module}", (), ()))
     return list(keys)
 
 
