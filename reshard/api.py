@@ -43,8 +43,8 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
             follow_symlinks: bool = False, keep_fp8: bool = False, drop_mtp: bool = False,
             torchtitan_names: Literal["current", "v0.2"] = "current",
             hf_spelling: Literal["hub", "v5"] = "hub", megatron_vision: Literal["hf", "native"] | None = None,
-            vllm_vision: Literal["weights", "data", "none"] = "weights", allow_missing: tuple[str, ...] | list[str] = (),
-            progress: bool = False):
+            vllm_vision: Literal["weights", "data", "none"] = "weights",
+            allow_missing: tuple[str, ...] | list[str] = (), progress: bool = False):
     """Convert ``src`` (a folder or ``hf://ORG/NAME[@REV]``) to layout ``to`` at the given degrees in ``dst``,
     streaming; returns a :class:`reshard.conversion.ConvertResult` (its ``plan``; ``download`` for a remote
     dry run). Options as ``reshard convert``: ``max_shard_size`` ``"5GB"`` or bytes; ``megatron_format``
@@ -55,8 +55,8 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
     (DeepSpeed: fp32 masters) say how to read a training checkpoint; ``torchtitan_names`` (``to="torchtitan"``):
     ``"current"`` or ``"v0.2"``. Vision-language models: ``hf_spelling`` (``to="hf"``: ``"hub"`` or ``"v5"``),
     ``megatron_vision`` (``"hf"`` or ``"native"``; default: the family's), ``vllm_vision`` (``"weights"``,
-    ``"data"``: the tower whole on every rank, or ``"none"``: language model only) and ``allow_missing=("vision",)`` (write without the tower tensors the
-    source lacks)."""
+    ``"data"``: the tower whole on every rank, or ``"none"``: language model only) and
+    ``allow_missing=("vision",)`` (write without the tower tensors the source lacks)."""
     from reshard.conversion import convert as run_convert
 
     if megatron_format not in ("torch", "torch_dist"):

@@ -49,7 +49,7 @@ def make_plan(source: Source, to: str, opts: Options) -> tuple[Plan, object]:
         raise PlanError(f"the {to} layout is read-only: it cannot be a --to target")
     _refuse_unread_options(source, opts)
     refuse_multimodal(source.model, to)
-    mtp_notes = _drop_mtp(source, layout, opts) + drop_unheld(source, to, opts)
+    dropped_notes = _drop_mtp(source, layout, opts) + drop_unheld(source, to, opts)
     model = source.model
     dtype = output_dtype(source, opts)
     target = layout.targets(source, opts, dtype)
@@ -62,7 +62,7 @@ def make_plan(source: Source, to: str, opts: Options) -> tuple[Plan, object]:
             tensors.append(plan_tensor(index, stored, stored_dtype(model, stored, opts, dtype)))
         files.append(TargetFile(spec.path, spec.format, tensors, payload=spec.payload, metadata=spec.metadata,
                                 rank=spec.rank))
-    notes = list(source.info.get("notes", ())) + mtp_notes + target.notes
+    notes = list(source.info.get("notes", ())) + dropped_notes + target.notes
     dropped = source.info.get("dropped")
     if dropped:
         notes.append(f"dropping non-model state from the source: {', '.join(dropped)}")

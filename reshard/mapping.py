@@ -186,15 +186,14 @@ class WeightSpec:
 
     layers: str = "all"  # which layers hold it: all | sparse (MoE layers) | dense | mtp (MTP layers only)
     # Vision-language models (reshard/mapping_vlm.py): a tower or projector weight, the dims symbol of its qkv
-    # head count, its native-Megatron names and split, its split in the HF-module Megatron layout, where it is
-    # stored [in, out], the layouts that do not hold it, and a Megatron view of another shape (CLIP's class token).
+    # head count, its native-Megatron names and split, its split in the HF-module Megatron layout, vLLM storing
+    # it [in, out], the layouts that do not hold it, and a Megatron view of another shape (CLIP's class token).
     tower: str | None = None
     heads: str | None = None
     megatron_native_te: str | None = None
     megatron_native_local: str | None = None
     split_native: str | None = None
     split_megatron_hf: str = "replicated"
-    megatron_hf_transposed: bool = False
     vllm_transposed: bool = False
     absent_in: tuple[str, ...] = ()
     megatron_shape: tuple[str, ...] | None = None
@@ -219,8 +218,8 @@ class WeightSpec:
         return self.split_megatron_local if layout == "megatron_local" and self.split_megatron_local else self.split
 
     def held_in(self, layout: str) -> bool:
-        """Whether ``layout`` (vllm | megatron_native | ...) holds it (vLLM and native Megatron build no CLIP
-        block past LLaVA's feature layer)."""
+        """Whether ``layout`` (vllm | megatron_native | ...) holds it (vLLM builds no CLIP block past LLaVA's
+        feature layer, neither vLLM nor megatron-core a post_layernorm)."""
         return layout not in self.absent_in
 
     @property
@@ -349,7 +348,6 @@ def lookup(config: dict, key: str):
     if count and value is not None:
         return len(value) if isinstance(value, list) else 1
     return value
-
 
 
 def _parse_condition(condition: str) -> tuple[str, str, object]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import tomllib
 from dataclasses import dataclass
 
@@ -30,7 +31,7 @@ VISION_KEYS = {"blocks", "deepstack", "used_blocks", "megatron_default", "megatr
 VLM_HF_KEYS = {"read", "v5"}
 TOWER_KEYS = {"hf", "split", "slot", "shape", "heads", "hf_stored", "hf_transposed", "optional", "vllm",
               "vllm_transposed", "megatron_hf", "split_megatron_hf", "megatron_native", "megatron_native_te",
-              "megatron_native_local", "split_native", "absent_in", "megatron_shape", "megatron_hf_transposed",
+              "megatron_native_local", "split_native", "absent_in", "megatron_shape",
               "vllm_text_only"}
 MEGATRON_VISIONS = ("hf", "native")
 ABSENT_LAYOUTS = ("vllm", "megatron_native")
@@ -295,7 +296,6 @@ def _tower_spec(w: dict, mark: str | None, index: int | None, unused: bool, symb
         megatron_te=hf_module, megatron_local=hf_module, tower="vision", heads=w.get("heads"),
         vllm_transposed=bool(w.get("vllm_transposed", False)),
         split_megatron_hf=w.get("split_megatron_hf", "replicated"),
-        megatron_hf_transposed=bool(w.get("megatron_hf_transposed", False)),
         megatron_native_te=name(w.get("megatron_native_te", w.get("megatron_native"))),
         megatron_native_local=name(w.get("megatron_native_local", w.get("megatron_native"))),
         split_native=w.get("split_native"), absent_in=tuple(dict.fromkeys(absent)),
@@ -330,8 +330,9 @@ def extended(data: dict, load) -> dict:
     return merged
 
 
-def vlm_templates() -> list[_Template]:
-    """The shipped VLM mapping files, unbound."""
+@functools.lru_cache(maxsize=None)
+def vlm_templates() -> tuple[_Template, ...]:
+    """The shipped VLM mapping files, unbound (read once: every family lookup of a VLM goes through them)."""
     from reshard.mapping import shipped_mapping_text
 
     def load(name: str) -> dict:
@@ -342,7 +343,7 @@ def vlm_templates() -> list[_Template]:
         data = extended(load(name), load)
         check_vlm_file(data, f"mappings/{name}.toml")
         out.append(_Template(name, data, f"mappings/{name}.toml", tuple(data["family"]["architectures"])))
-    return out
+    return tuple(out)
 
 
 def multimodal_architectures() -> list[str]:

@@ -158,8 +158,9 @@ class ModelConfig:
 
 def normalize_scaling(scaling: dict | None) -> tuple[tuple[str, Any], ...] | None:
     """transformers' ``rope_scaling`` / ``rope_parameters`` dict as canonical items: ``type`` read as
-    ``rope_type`` (Qwen-VL's ``mrope`` as ``default``, as transformers reads it), the theta and the partial-rotary factor removed (fields of their own), numbers as floats except
-    ``original_max_position_embeddings``; ``None`` for plain RoPE."""
+    ``rope_type`` (Qwen-VL's ``mrope`` as ``default``, as transformers reads it), the theta and the partial-rotary
+    factor removed (fields of their own), numbers as floats except ``original_max_position_embeddings``; ``None``
+    for plain RoPE."""
     if not scaling:
         return None
     items = {}

@@ -28,6 +28,7 @@ from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpe
                                   find_side_files, pack_by_size, read_json_object)
 from reshard.layouts.hf_config import read_meaning, without_dropped_settings, write_config as write_hf_config
 from reshard.layouts.hf_spelling import respell_read, respell_write
+from reshard.layouts.vision import unused_tower_tensor
 from reshard.mapping_vlm import family_for_architecture, flat_view, nested
 
 NAME = "hf"
@@ -199,13 +200,6 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
             fp8.add_scales(model, quantized, stored, {t.name: t.pieces[0].canonical for _, t in stored})
     return Source(layout=NAME, root=path, model=model, files=files, stored=stored,
                   degrees={"tp": 1, "pp": 1}, info=info, side_files=side_files)
-
-
-def unused_tower_tensor(model: CanonicalModel, tensor: StoredTensor) -> bool:
-    """Whether ``tensor`` is a vision-tower tensor the model does not use (LLaVA's CLIP blocks past
-    ``vision_feature_layer``, ``post_layernorm``): a folder written with ``--allow-missing vision`` lacks them."""
-    return all((t := model.tensors.get(p.canonical)) is not None and t.spec.tower and "vllm" in t.spec.absent_in
-               for p in tensor.pieces)
 
 
 def _mtp_layers_held(family, config: dict, held: set[int | None], notes: list[str]) -> int:

@@ -28,13 +28,13 @@ from reshard.io.heads import read_heads_while_torch_imports
 from reshard.io.torch_format import MegatronEnum, TensorSlot, TorchFile, torch_dtype_global
 from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, check_shape,
                                   chosen_architecture)
-from reshard.layouts.hf import unused_tower_tensor, write_config
+from reshard.layouts.hf import write_config
 from reshard.layouts.hf_config import read_meaning, without_dropped_settings, write_config as write_hf_config
 from reshard.layouts.megatron_folders import (  # noqa: F401  (_checkpoint_root, _label: for torch_dist, verify)
     _RANK_DIR, _REMOTE_RANK_FILE, TRACKER, _checkpoint_root, _iteration_dir, _label, find_side_files_in,
     iteration_folder, iteration_folder_name, side_folders, true_vocab_size)
 from reshard.layouts.megatron_args import RECORD_ONLY, args_from_meaning, meaning_from_args
-from reshard.layouts.vision import check_megatron_tower, megatron_vision, tower_views
+from reshard.layouts.vision import check_megatron_tower, megatron_vision, tower_views, unused_tower_tensor
 from reshard.mapping import Family, WeightSpec
 from reshard.mapping_vlm import family_for_architecture, flat_view, nested
 
@@ -372,7 +372,6 @@ def open_source(path: str, opts: Options) -> Source:
     chunk_keys = sorted({c for _, c in chunk_layers}, key=lambda c: -1 if c == "model" else int(c[5:]))
     spec_name = "te" if any(n.endswith(".layer_norm_weight") for n in names_all) else "local"
     vision = "native" if any(n.startswith("vision_model.decoder.layers.") for n in names_all) else "hf"
-
     grouped = any(GROUPED.search(n) for n in names_all)
     legacy_grouped = any(LEGACY_GROUPED.search(n) for n in names_all)
     starts, offset = {}, 0

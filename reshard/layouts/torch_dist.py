@@ -28,8 +28,8 @@ from reshard.io.partial import replace_with_text
 from reshard.io.heads import read_heads_while_torch_imports
 from reshard.io.regular import open_regular
 from reshard.io.torch_format import TorchFile, TorchZipWriter, object_archive
-from reshard.layouts import hf, megatron
-from reshard.layouts.vision import megatron_vision, tower_views
+from reshard.layouts import megatron
+from reshard.layouts.vision import megatron_vision, tower_views, unused_tower_tensor
 from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, pack_by_size,
                                   stored_dtype)
 from reshard.layouts.dcp_chunks import chunk_tensors, slice_pieces
@@ -132,7 +132,7 @@ def open_source(path: str, opts: Options) -> Source:
     stored, used, locations = [], set(), []
     for target in layout:
         regions = index.regions(target.name, unit_axes(views, target))
-        if regions is None and hf.unused_tower_tensor(model, target):
+        if regions is None and unused_tower_tensor(model, target):
             continue  # a tower built with only the blocks LLaVA uses: they read as absent
         if regions is None:
             raise CheckpointError(f"{folder}: tensor '{target.name}' is missing from the checkpoint (the args say "
@@ -212,7 +212,8 @@ def located_tensors(model, padded: int, vision: str = "hf") -> list[tuple[Stored
 
 
 def target_chunks(model, located: list[tuple[StoredTensor, Location]], tp: int, etp: int | None = None,
-                  vision: str = "hf") -> list[tuple[str, tuple[int, ...], StoredTensor, tuple[int, ...], tuple[int, ...]]]:
+                  vision: str = "hf"
+                  ) -> list[tuple[str, tuple[int, ...], StoredTensor, tuple[int, ...], tuple[int, ...]]]:
     """Every chunk Megatron would store at ``tp`` (routed experts at expert-TP ``etp``, default ``tp``): (DCP key,
     global shape, chunk as pieces of the canonical tensors, saved shape, global offsets). Keys and prepended
     layer / expert axes by :func:`~reshard.layouts.torch_dist_keys.location` (one chunk per layer, expert and TP

@@ -84,6 +84,13 @@ def absent_tensors(source) -> list[str]:
     return [name for name in source.model.tensors if name not in held]
 
 
+def unused_tower_tensor(model: CanonicalModel, tensor) -> bool:
+    """Whether ``tensor`` is a vision-tower tensor the model does not use (LLaVA's CLIP blocks past
+    ``vision_feature_layer``, ``post_layernorm``): a folder written with ``--allow-missing vision`` lacks them."""
+    return all((t := model.tensors.get(p.canonical)) is not None and t.spec.tower and "vllm" in t.spec.absent_in
+               for p in tensor.pieces)
+
+
 def without(model: CanonicalModel, names: set[str]) -> CanonicalModel:
     kept = {n: t for n, t in model.tensors.items() if n not in names}
     return dataclasses.replace(model, tensors=kept, dtypes={n: d for n, d in model.dtypes.items() if n in kept})
