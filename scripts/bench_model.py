@@ -226,21 +226,28 @@ def choose_shapes(size_gib: float, model: str = "llama") -> dict[str, Any]:
         return vlm_shapes(target_params)
     mlps = MIXTRAL_EXPERTS if model == "mixtral" else 1
     for hidden in HIDDEN_CANDIDATES:
-        base = param_count(model_shapes(hidden, 0, model))
-        per_layer = param_count(model_shapes(hidden, 1, model)) - base
-        layers = max(1, round((target_params - base) / per_layer))
-        if layers >= min_layers_for_hidden(hidden) or hidden == HIDDEN_CANDIDATES[-1]:
-            shapes = model_shapes(hidden, layers, model)
-            # fine-tune the FFN width (within 2.5x..4x hidden, multiple of hidden/8) to close
-            # the gap left by the integer layer count
-            step = hidden // 8
-            mlp_params = 3 * mlps * hidden * shapes["intermediate_size"] * layers
-            rest = param_count(shapes) - mlp_params
-            inter = (target_params - rest) / (3 * mlps * hidden * layers)
-            inter = min(4 * hidden, max(5 * hidden // 2, round(inter / step) * step))
-            shapes["intermediate_size"] = int(inter)
+        shapes = fit_layers(target_params, hidden, lambda layers: model_shapes(hidden, layers, model), mlps)
+        if shapes is not None:
             return shapes
     raise AssertionError("unreachable")
+
+
+def fit_layers(target_params: float, hidden: int, shapes_of, mlps: int = 1) -> dict[str, Any] | None:
+    """The shapes (``shapes_of(layers)``) at ``hidden`` with the layer count closest to ``target_params``, or None
+    when that is fewer layers than the hidden size wants (the last candidate is always taken); the FFN width is
+    fine-tuned (within 2.5x..4x hidden, a multiple of hidden/8; ``mlps`` MLPs a layer) to close the gap the
+    integer layer count leaves."""
+    base = param_count(shapes_of(0))
+    per_layer = param_count(shapes_of(1)) - base
+    layers = max(1, round((target_params - base) / per_layer))
+    if layers < min_layers_for_hidden(hidden) and hidden != HIDDEN_CANDIDATES[-1]:
+        return None
+    shapes = shapes_of(layers)
+    step = hidden // 8
+    rest = param_count(shapes) - 3 * mlps * hidden * shapes["intermediate_size"] * layers
+    inter = (target_params - rest) / (3 * mlps * hidden * layers)
+    shapes["intermediate_size"] = int(min(4 * hidden, max(5 * hidden // 2, round(inter / step) * step)))
+    return shapes
 
 
 def wide_shapes(target_params: float) -> dict[str, Any]:
@@ -276,15 +283,8 @@ def vlm_shapes(target_params: float) -> dict[str, Any]:
         stem = sum(math.prod(s) for _, s in vision_specs(no_blocks))  # the patch embedding and the merger
         per_block = param_count(vlm_model_shapes(hidden, 0, 1)) - param_count(no_blocks)
         depth = max(2, round((VLM_VISION_SHARE * target_params - stem) / per_block))
-        base = param_count(vlm_model_shapes(hidden, 0, depth))
-        per_layer = param_count(vlm_model_shapes(hidden, 1, depth)) - base
-        layers = max(1, round((target_params - base) / per_layer))
-        if layers >= min_layers_for_hidden(hidden) or hidden == HIDDEN_CANDIDATES[-1]:
-            shapes = vlm_model_shapes(hidden, layers, depth)
-            step = hidden // 8
-            rest = param_count(shapes) - 3 * hidden * shapes["intermediate_size"] * layers
-            inter = round((target_params - rest) / (3 * hidden * layers) / step) * step
-            shapes["intermediate_size"] = int(min(4 * hidden, max(5 * hidden // 2, inter)))
+        shapes = fit_layers(target_params, hidden, lambda layers: vlm_model_shapes(hidden, layers, depth))
+        if shapes is not None:
             return shapes
     raise AssertionError("unreachable")
 
