@@ -371,13 +371,11 @@ def test_vllm_expects_the_expert_parallel_key_set(tmp_path, vllm_python, served,
     reshard.convert(folder, str(out), to="vllm", tp=2, expert_parallel=True)
     worker = tmp_path / "keys_worker.py"
     worker.write_text(KEYS_WORKER)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(VLLM_HOST_IP="127.0.0.1", VLLM_LOOPBACK_IP="127.0.0.1", GLOO_SOCKET_IFNAME="lo",
-               VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
-               VLLM_DIST_IDENT="reshard-keys",  # the CPU communicator's shared-memory name, set by vLLM's engine
-               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"))
+    from test_vllm_load import removing_inductor_caches, vllm_env
+
+    # VLLM_DIST_IDENT: the CPU communicator's shared-memory name, set by vLLM's engine
+    env = vllm_env(tmp_path, "keys", OMP_NUM_THREADS="1", VLLM_DIST_IDENT="reshard-keys")
     port = 29500 + os.getpid() % 1000
-    from test_vllm_load import removing_inductor_caches
 
     with removing_inductor_caches():
         proc = subprocess.run([vllm_python, str(worker), str(out), "2", str(port), str(tmp_path / "keys")],

@@ -26,7 +26,7 @@ import pytest
 import reshard
 from reshard import live
 from test_vllm_load import (ENV_VAR, PROMPTS, SETUP, TOP_K, build_model, compare, no_inductor_cache_left,  # noqa: F401
-                            removing_inductor_caches, run_vllm)
+                            removing_inductor_caches, run_vllm, vllm_env)
 
 pytestmark = pytest.mark.vllm
 
@@ -70,12 +70,7 @@ def run_example(python: str, launcher: str, hf, workdir: Path) -> list[dict]:
     if launcher == "torchrun":
         args = ["-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-addr", "127.0.0.1",
                 "--master-port", str(free_port()), "--log-dir", str(workdir / "torchrun-logs"), *args]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(VLLM_HOST_IP="127.0.0.1", VLLM_LOOPBACK_IP="127.0.0.1", GLOO_SOCKET_IFNAME="lo",
-               VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="0", OMP_NUM_THREADS="1",
-               TORCHINDUCTOR_CACHE_DIR=str(workdir / f"inductor-{launcher}"),
-               VLLM_CACHE_ROOT=str(workdir / f"vllm-{launcher}"))
+    env = vllm_env(workdir, launcher, VLLM_CPU_OMP_THREADS_BIND="0", OMP_NUM_THREADS="1")
     with removing_inductor_caches():
         proc = subprocess.Popen([python, *args], env=env, cwd=workdir, start_new_session=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

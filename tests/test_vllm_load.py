@@ -149,6 +149,25 @@ def no_inductor_cache_left():
         yield
 
 
+def vllm_env(workdir, tag: str, **extra: str) -> dict[str, str]:
+    """The environment of a vLLM process started by a test: this one's without PYTHONPATH, loopback networking,
+    a 1 GiB CPU KV cache, offline and without usage stats, its inductor and vLLM caches in ``workdir`` (named by
+    ``tag``), then ``extra`` (CPU thread binding, PYTHONPATH for a shim, ...)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(VLLM_HOST_IP="127.0.0.1", VLLM_LOOPBACK_IP="127.0.0.1", GLOO_SOCKET_IFNAME="lo",
+               VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", TORCHINDUCTOR_CACHE_DIR=str(workdir / f"inductor-{tag}"),
+               VLLM_CACHE_ROOT=str(workdir / f"vllm-{tag}"))
+    env.update(extra)
+    return env
+
+
+def tp_threads(tp: int) -> dict[str, str]:
+    """One CPU thread per rank (``VLLM_CPU_OMP_THREADS_BIND``); TP 1 runs in-process."""
+    return dict(VLLM_CPU_OMP_THREADS_BIND="|".join(str(r) for r in range(tp)),
+                **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if tp == 1 else {}))
+
+
 def launch_vllm(python: str, folder, tp: int, workdir, expert_parallel: bool = False,
                 load_format: str = "sharded_state"):
     """Run the worker; returns (process, its log, result path). Fails on the loader's shape / dtype warnings, which
@@ -157,14 +176,8 @@ def launch_vllm(python: str, folder, tp: int, workdir, expert_parallel: bool = F
     request, result = workdir / f"request-{tag}.json", workdir / f"result-{tag}.json"
     request.write_text(json.dumps({"prompts": PROMPTS, "top_k": TOP_K, "enable_expert_parallel": expert_parallel,
                                    "load_format": load_format}))
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(VLLM_HOST_IP="127.0.0.1", VLLM_LOOPBACK_IP="127.0.0.1", GLOO_SOCKET_IFNAME="lo",
-               VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="|".join(str(r) for r in range(tp)))
-    if tp == 1:
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # vLLM's caches go to the test's folder (what its compile workers leave in the temp folder is removed after)
-    env.update(TORCHINDUCTOR_CACHE_DIR=str(workdir / f"inductor-{tag}"), VLLM_CACHE_ROOT=str(workdir / f"vllm-{tag}"))
+    env = vllm_env(workdir, tag, **tp_threads(tp))
     with removing_inductor_caches():
         proc = subprocess.run([python, WORKER, str(folder), str(tp), str(request), str(result)], env=env,
                               capture_output=True, text=True, timeout=1200)

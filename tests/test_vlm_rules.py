@@ -262,7 +262,7 @@ def test_refusal_cases_build(tmp_path):
 
 # ---- vLLM itself (opt-in) ----------------------------------------------------------------------------------------
 
-from test_vllm_load import vllm_python  # noqa: E402,F401  (the fixture: RESHARD_VLLM_PYTHON, or the setup to make it)
+from test_vllm_load import vllm_env, vllm_python  # noqa: E402,F401  (the fixture: RESHARD_VLLM_PYTHON, or the setup to make it)
 
 # Run under the vLLM python, written into the test's folder: builds MODEL_DIR's model at TP ranks (no engine),
 # loads the HF folder with vLLM's own loader and saves each rank's state before process_weights_after_loading.
@@ -365,11 +365,8 @@ def vllm_dump(python: str, folder, tp: int, vision: str, workdir) -> tuple[subpr
     worker.write_text(DUMP_WORKER)
     shim.mkdir(exist_ok=True)
     (shim / "sitecustomize.py").write_text(SHIM)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(PYTHONPATH=str(shim), OMP_NUM_THREADS="1", VLLM_HOST_IP="127.0.0.1", VLLM_LOOPBACK_IP="127.0.0.1",
-               GLOO_SOCKET_IFNAME="lo", VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_DIST_IDENT=f"reshard-vlm-{os.getpid()}",
-               TORCHINDUCTOR_CACHE_DIR=str(workdir / "inductor"), VLLM_CACHE_ROOT=str(workdir / "vllm-cache"))
+    env = vllm_env(workdir, "dump", PYTHONPATH=str(shim), OMP_NUM_THREADS="1",
+                   VLLM_DIST_IDENT=f"reshard-vlm-{os.getpid()}")
     proc = subprocess.run([python, str(worker), str(folder), str(tp), str(out), str(free_port()), vision], env=env,
                           capture_output=True, text=True, timeout=600)
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(tp)] if proc.returncode == 0 else []

@@ -38,7 +38,7 @@ import torch
 
 import vlm_cases
 from cli_inprocess import run_main
-from test_vllm_load import ENV_VAR, TOLERANCE, removing_inductor_caches
+from test_vllm_load import ENV_VAR, TOLERANCE, removing_inductor_caches, tp_threads, vllm_env
 from test_vllm_load import no_inductor_cache_left  # noqa: F401  (autouse: what vLLM's processes leave goes too)
 
 pytestmark = pytest.mark.vllm
@@ -150,17 +150,9 @@ def reshard_folders(hf: dict[str, Path], root: Path, tp: int) -> dict[str, Path 
     return out
 
 
-def vllm_env(tp: int, workdir: Path, tag: str) -> dict[str, str]:
-    """The worker's environment (test_vllm_load.launch_vllm's, plus the torchvision shim on PYTHONPATH)."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(VLLM_HOST_IP="127.0.0.1", VLLM_LOOPBACK_IP="127.0.0.1", GLOO_SOCKET_IFNAME="lo",
-               VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="|".join(str(r) for r in range(tp)),
-               PYTHONPATH=str(SHIM), VLLM_DIST_IDENT=f"reshard-vlm-{tag}",
-               TORCHINDUCTOR_CACHE_DIR=str(workdir / f"inductor-{tag}"), VLLM_CACHE_ROOT=str(workdir / f"vllm-{tag}"))
-    if tp == 1:
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    return env
+def worker_env(tp: int, workdir: Path, tag: str) -> dict[str, str]:
+    """The worker's environment (test_vllm_load.vllm_env at ``tp`` ranks, plus the torchvision shim on PYTHONPATH)."""
+    return vllm_env(workdir, tag, **tp_threads(tp), PYTHONPATH=str(SHIM), VLLM_DIST_IDENT=f"reshard-vlm-{tag}")
 
 
 def vllm_saved_folders(python: str, hf: dict[str, Path], root: Path, tp: int) -> dict[str, Path]:
@@ -173,7 +165,7 @@ def vllm_saved_folders(python: str, hf: dict[str, Path], root: Path, tp: int) ->
     request.write_text(json.dumps({"jobs": [{"model": str(hf[n]), "out": str(folders[n]), "limits": CASES[n]["limits"]}
                                             for n in CASES]}))
     with removing_inductor_caches():
-        proc = subprocess.run([python, str(WORKER), "save", str(tp), str(request)], env=vllm_env(tp, root, f"save{tp}"),
+        proc = subprocess.run([python, str(WORKER), "save", str(tp), str(request)], env=worker_env(tp, root, f"save{tp}"),
                               capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, f"vLLM's save at tp {tp} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return folders
@@ -196,7 +188,7 @@ def launch(python: str, folders: dict[str, Path], tp: int, workdir: Path) -> dic
     request.write_text(json.dumps({"jobs": jobs}))
     with removing_inductor_caches():
         proc = subprocess.run([python, str(WORKER), "run", str(tp), str(request), str(result)],
-                              env=vllm_env(tp, workdir, f"tp{tp}"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env=worker_env(tp, workdir, f"tp{tp}"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, timeout=1800)
     log = proc.stdout  # stdout and stderr in one stream, in the order written: job_log splits it
     results = json.loads(result.read_text()) if result.is_file() else {}
