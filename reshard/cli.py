@@ -249,8 +249,8 @@ def verify(
     forward: bool = typer.Option(False, "--forward", help="Run a tensor-parallel forward pass on both and compare "
                                  "logits (B at --nproc ranks, each reading only its own shard files)."),
     nproc: Optional[int] = typer.Option(None, "--nproc", help="--forward: TP degree for B (default: B's own)."),
-    backend: Optional[str] = typer.Option(None, "--backend", help="--forward: gloo or nccl (default: nccl when "
-                                          "CUDA is available)."),
+    backend: Optional[str] = typer.Option(None, "--backend", help="--forward: gloo or nccl (default: nccl "
+                                          "when every process of this node gets a GPU of its own, else gloo on CPU)."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="--forward: tokens per sequence (default 16)."),
     batch: Optional[int] = typer.Option(None, "--batch", help="--forward: sequences (default 2)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="--forward: seed of the random token ids (default 0)."),
@@ -463,13 +463,16 @@ def mappings_new(
 @app.command()
 def demo(workdir: Optional[str] = typer.Option(None, "--workdir", help="Write the demo checkpoints into this "
                                                "folder and keep them."),
-         keep: bool = typer.Option(False, "--keep", help="Keep the temporary folder (its path is printed).")):
+         keep: bool = typer.Option(False, "--keep", help="Keep the temporary folder (its path is printed)."),
+         backend: str = typer.Option("gloo", "--backend", help="The forward step's backend: gloo (CPU, the "
+                                     "default, whatever GPUs there are), nccl (2 GPUs) or auto (as verify "
+                                     "--forward chooses).")):
     """Make a tiny Llama checkpoint and run hf -> megatron tp4 -> vllm tp8 -> megatron tp2 pp2 -> torch_dist -> hf,
     verifying each step. The checkpoints go to a temporary folder deleted at the end unless --keep or --workdir
     keeps them; the last lines name three commands to try on them."""
     from reshard.demo import run_demo
 
-    if not run_demo(workdir, keep):
+    if not run_demo(workdir, keep, None if backend == "auto" else backend):
         raise typer.Exit(1)
 
 

@@ -54,11 +54,12 @@ def make_demo_checkpoint(path: str, seed: int = 0) -> str:
     return path
 
 
-def _forward_check(src: str, dst: str) -> bool:
-    """The last step's output run with tensor parallelism over 2 processes against the source at TP=1."""
+def _forward_check(src: str, dst: str, backend: str) -> bool:
+    """The last step's output run with tensor parallelism over 2 processes against the source at TP=1, on
+    ``backend`` (gloo: CPU, whatever GPUs the machine has and however busy they are)."""
     from reshard.verification.forward import verify_forward
 
-    r = verify_forward(src, dst, nproc=2)
+    r = verify_forward(src, dst, nproc=2, backend=backend)
     print(f"forward check: {os.path.basename(dst)} at tp=2 ({r['backend']}) vs source at tp=1: max |logit diff| "
           f"{r['max_abs']:.2g}, argmax agreement {r['argmax_agreement']:.3f} -> "
           f"{'equal within ' + r['tolerance']['basis'] + ' tolerance' if r['ok'] else 'DIFFERENT'}")
@@ -79,7 +80,7 @@ def next_commands(base: str | None) -> list[str]:
             f"reshard verify {path('hf')} {path('my-vllm-tp2')} --forward"]
 
 
-def _run_steps(base: str) -> bool:
+def _run_steps(base: str, backend: str) -> bool:
     """Make the demo model in ``base``, convert it through every step, verify each; True when all agree."""
     from reshard.conversion import convert
     from reshard.verification.digest import verify
@@ -100,19 +101,21 @@ def _run_steps(base: str) -> bool:
         print(f"{prev.split(os.sep)[-1] + ' -> ' + name:<34}{layout:<10}{tp:>3}{pp:>4}{len(result.plan.files):>7}"
               f"{result.plan.nbytes / 2**20:>8.2f}{took:>9.2f}  {verdict}")
         prev = dst
-    ok &= _forward_check(src, prev)
+    ok &= _forward_check(src, prev, backend)
     return ok
 
 
-def run_demo(workdir: str | None = None, keep: bool = False) -> bool:
+def run_demo(workdir: str | None = None, keep: bool = False, backend: str = "gloo") -> bool:
     """Run the demo in ``workdir`` (kept), or in a temporary folder deleted at the end unless ``keep``; print each
-    step, then where the checkpoints are (or how to keep them) and three commands to try on them."""
+    step, then where the checkpoints are (or how to keep them) and three commands to try on them. ``backend``:
+    the forward step's (gloo on CPU by default; ``nccl`` needs 2 GPUs, ``None`` chooses as ``verify --forward``
+    does)."""
     temporary = workdir is None and not keep
     base = workdir or tempfile.mkdtemp(prefix="reshard-demo-")
     print(f"demo model: Llama, 4 layers, 8 heads / 4 KV heads, vocab 1003 (Megatron pads it), fp32, in {base}"
           + (" (temporary: deleted at the end; --keep keeps it)" if temporary else ""))
     try:
-        ok = _run_steps(base)
+        ok = _run_steps(base, backend)
     finally:
         if temporary:
             shutil.rmtree(base, ignore_errors=True)

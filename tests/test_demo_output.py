@@ -14,7 +14,7 @@ def stub_steps(monkeypatch) -> list[str]:
     """Replace the demo's steps (run for real by the last test and tests/test_cli.py::test_demo) by one folder."""
     made = []
 
-    def steps(base):
+    def steps(base, *_):
         made.append(base)
         (Path(base) / "hf").mkdir()
         return True

@@ -17,6 +17,7 @@ import torch
 from reshard.errors import PlanError, ReshardError
 from reshard.layouts.base import Options, import_string
 from reshard.layouts.registry import get_layout, layout_names, open_checkpoint
+from reshard.verification.forward.backend import choose_backend
 from reshard.verification.forward.job import COMPUTE_DTYPES, ForwardJob, Side
 from reshard.verification.forward.launch import under_torchrun
 from reshard.verification.forward.rank_weights import DecoderConfig, check_world
@@ -89,12 +90,7 @@ def plan_job(a: str, b: str, *, nproc: int | None = None, backend: str | None = 
         raise ReshardError(f"{b} is a {layouts[1]} checkpoint at tp={degrees[1]}: its rank files only run at that "
                            f"degree; use --nproc {degrees[1]} (got {nproc}), or convert it to tp={nproc} first")
     check_world(config_b, nproc, ffn_b)
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend not in ("gloo", "nccl"):
-        raise ReshardError(f"unknown --backend '{backend}': use gloo or nccl")
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise ReshardError("--backend nccl needs CUDA, which this torch cannot see; use --backend gloo")
+    backend, backend_note = choose_backend(backend, nproc, torchrun=under_torchrun(), fixed_nproc=degrees[1] > 1)
     if compute_dtype not in COMPUTE_DTYPES:
         raise ReshardError(f"unknown --compute-dtype '{compute_dtype}': use fp32, bf16 or fp16")
     if prompt_ids:
@@ -106,7 +102,7 @@ def plan_job(a: str, b: str, *, nproc: int | None = None, backend: str | None = 
     job = ForwardJob(a=Side(a, layouts[0], a_degree, own_tp=degrees[0], run=a_run), b=Side(b, layouts[1], nproc),
                      input_ids=ids, vocab=vocab, opts=opts, compute_dtype=compute_dtype, backend=backend, atol=atol,
                      rtol=rtol, timeout=timeout)
-    notes = []
+    notes = [backend_note] if backend_note else []
     tokens = len(ids[0])
     for label, config in (("A", config_a), ("B", config_b)):
         if config.window_layers and tokens <= config.sliding_window:
