@@ -38,7 +38,7 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
             vocab_size: int | None = None, make_vocab_size_divisible_by: int | None = None,
             architecture: str | None = None, mapping: str | None = None, config: str | None = None,
             tag: str | None = None, master_weights: bool = False, allow_replica_mismatch: bool = False,
-            workers: int | None = 1, push_to: str | None = None, revision: str | None = None,
+            workers: int | None = None, push_to: str | None = None, revision: str | None = None,
             allow_lossy_config: tuple[str, ...] | list[str] = (), allow_cast_overflow: bool = False,
             follow_symlinks: bool = False, keep_fp8: bool = False, drop_mtp: bool = False,
             torchtitan_names: Literal["current", "v0.2"] = "current",
@@ -49,7 +49,8 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
     streaming; returns a :class:`reshard.conversion.ConvertResult` (its ``plan``; ``download`` for a remote
     dry run). Options as ``reshard convert``: ``max_shard_size`` ``"5GB"`` or bytes; ``megatron_format``
     ``"torch_dist"`` with ``to="megatron"`` writes torch_dist; ``push_to`` uploads the finished output
-    (``revision``: the branch); ``workers=None`` chooses as the CLI does; ``keep_fp8`` (``to="hf"``): copy a
+    (``revision``: the branch); ``workers`` (default None: chosen from the cores, the memory and the bytes, as the CLI
+    does; the result's ``workers`` and ``workers_reason`` say what ran); ``keep_fp8`` (``to="hf"``): copy a
     block-FP8 source's fp8 weights and scales unchanged instead of dequantising them; ``drop_mtp``: leave a
     model's multi-token-prediction layers out; ``config`` (a config.json), ``tag`` and ``master_weights``
     (DeepSpeed: fp32 masters) say how to read a training checkpoint; ``torchtitan_names`` (``to="torchtitan"``):
@@ -101,19 +102,21 @@ def verify(a: str, b: str, *, atol: float | None = None, rtol: float | None = No
            tag: str | None = None, master_weights: bool = False, forward: bool = False,
            nproc: int | None = None, backend: Literal["gloo", "nccl"] | None = None, seq_len: int | None = None,
            batch: int | None = None, seed: int | None = None, prompt_ids: str | None = None,
-           compute_dtype: str | None = None, timeout: float | None = None, workers: int = 1,
+           compute_dtype: str | None = None, timeout: float | None = None, workers: int | None = None,
            dry_run: bool = False, drop_mtp: bool = False, progress: bool = False):
     """Compare checkpoints ``a`` and ``b`` as ``reshard verify`` does. The digest check (default) returns a
     :class:`reshard.verification.digest.VerifyReport` (``.equal``); ``forward=True`` runs the forward check and
     returns its report dict (``["ok"]``; ``nproc``, ``backend``, ``seq_len`` (16), ``batch`` (2), ``seed`` (0),
     ``prompt_ids``, ``compute_dtype`` ("fp32"), ``timeout`` (300 s) apply to it only and are refused
     without it). ``dry_run=True`` returns what each process would read and its peak-memory estimate;
-    ``drop_mtp`` (digest check): compare the main models, leaving multi-token-prediction layers out."""
+    ``drop_mtp`` (digest check): compare the main models, leaving multi-token-prediction layers out. ``workers``
+    (digest check): processes that compare; None (the default) chooses from the cores, the memory and the bytes,
+    and the report's ``workers`` and ``workers_reason`` say what ran."""
     values = dict(nproc=nproc, backend=backend, seq_len=seq_len, batch=batch, seed=seed, prompt_ids=prompt_ids,
                   compute_dtype=compute_dtype, timeout=timeout)
     given = {k: values[k] for k in FORWARD_ONLY if values[k] is not None}
-    if workers < 1:
-        raise ReshardError(f"--workers must be at least 1 (got {workers})")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise ReshardError(f"workers must be a whole number of at least 1, or None to choose (got {workers!r})")
     common = dict(vocab_size=vocab_size, architecture=architecture, mapping=mapping, config=config, tag=tag,
                   master_weights=master_weights)
     if not forward:
@@ -128,7 +131,7 @@ def verify(a: str, b: str, *, atol: float | None = None, rtol: float | None = No
 
         return run_digest(a, b, atol=atol, rtol=rtol, workers=workers, progress=progress, drop_mtp=drop_mtp,
                           **common)
-    if workers != 1:
+    if workers is not None:
         raise ReshardError("--workers applies to the digest check; a forward check runs --nproc processes")
     if drop_mtp:
         raise ReshardError("--drop-mtp applies to the digest check; the forward check runs the main model only")

@@ -210,11 +210,12 @@ def convert(
                **({"expert_parallel": True} if expert_parallel else {})}
     if as_json:
         print(json.dumps({"output": dst, "layout": result.layout, **degrees, "files": len(result.plan.files),
-                          "bytes": result.plan.nbytes}))
+                          "bytes": result.plan.nbytes, "workers": result.workers,
+                          "workers_reason": result.workers_reason}))
     else:
         shown = " ".join(f"{k}={v}" if v is not True else k.replace("_", "-") for k, v in degrees.items())
         print(f"wrote {dst}: {result.layout} {shown}, {len(result.plan.files)} files, "
-              f"{result.plan.nbytes / 2**20:.1f} MiB")
+              f"{result.plan.nbytes / 2**20:.1f} MiB\n  written by {result.workers_reason}")
     if result.pushed is not None:
         _report_push(dst, result.pushed)
 
@@ -260,7 +261,8 @@ def verify(
                                                 "fp16."),
     timeout: Optional[float] = typer.Option(None, "--timeout", help="--forward: seconds before hung workers are "
                                             "killed (default 300)."),
-    workers: int = typer.Option(1, "--workers", help="Processes that compare tensors (digest check; same report)."),
+    workers: Optional[int] = typer.Option(None, "--workers", help="Processes that compare tensors (digest check; "
+                                          "same report; default: chosen from the cores, the memory and the bytes)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the bytes each process will read and its peak "
                                  "memory estimate; read no tensor data."),
     drop_mtp: bool = typer.Option(False, "--drop-mtp", help="Compare the main models only, leaving "
@@ -300,6 +302,7 @@ def _print_digest_report(report, a: str, b: str, as_json: bool) -> None:
     print(f"A {report.layout_a} {a}\nB {report.layout_b} {b}")
     for line in checked_lines(report):
         print(f"  {line}")
+    print(f"  compared by {report.workers_reason}")
     for d in report.config_differences:
         print(f"  config {d['key']}: {d['a']} != {d['b']}")
     for problem in report.replica_differences[:20]:

@@ -31,6 +31,8 @@ class ConvertResult:
     download: dict | None = None  # hf:// plans: {"files", "bytes"} a conversion would download
     layout: str | None = None  # the layout written (``megatron_format="torch_dist"`` gives torch_dist)
     pushed: object | None = None  # reshard.hub.push.Pushed, after ``push_to``
+    workers: int | None = None  # processes that wrote the files (None: nothing written)
+    workers_reason: str | None = None  # why that many (the automatic choice's limits, or "asked for")
 
 
 def output_dtype(source: Source, opts: Options) -> str:
@@ -117,13 +119,21 @@ def write_side_files(source: Source, staging: str, plan: Plan, state: object, fo
 AUTO_WORKERS_MIN_BYTES = 256 << 20
 
 
-def auto_workers(plan: Plan) -> int:
-    """2 processes for a conversion that writes at least ``AUTO_WORKERS_MIN_BYTES`` in 2 or more files on a machine
-    with 2 or more cores (measured: scripts/bench.py --workers 1 vs 2), else 1."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if cores >= 2 and len(plan.files) >= 2 and plan.nbytes >= AUTO_WORKERS_MIN_BYTES:
-        return 2
-    return 1
+def auto_workers(plan: Plan) -> tuple[int, str]:
+    """(processes, why) for a conversion: one per core up to 8, one per GiB of memory available, one per
+    ``AUTO_WORKERS_MIN_BYTES`` written (:func:`reshard.machine.choose_workers`)."""
+    from reshard.machine import choose_workers
+
+    return choose_workers(plan.nbytes, AUTO_WORKERS_MIN_BYTES)
+
+
+def processes_used(plan: Plan, files, workers: int) -> int:
+    """How many processes ``execute`` runs for ``workers`` (fewer where the plan has fewer units to split)."""
+    if workers <= 1:
+        return 1
+    from reshard.execute import partition
+
+    return max(1, len(partition(plan, files, workers)))
 
 
 def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
@@ -144,8 +154,9 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
     ``megatron_spec`` (default ``te``), ``max_shard_size`` (default 5 GB) and the expert options apply to the
     targets that write with them; given to another target, they are refused (:func:`refuse_unused_options`).
     Everything that can be refused is refused before a byte is written; the output appears only when complete.
-    ``workers`` > 1 splits the target files over that many processes; the output bytes are the same. ``None``
-    chooses (:func:`auto_workers`), as the command line does. ``allow_lossy_config`` names canonical config fields
+    ``workers`` > 1 splits the target files over that many processes; the output bytes are the same. ``None`` (the
+    default, as on the command line) chooses from the cores, the memory and the bytes (:func:`auto_workers`); the
+    result's ``workers`` and ``workers_reason`` say what ran. ``allow_lossy_config`` names canonical config fields
     the target may drop (else a field it cannot express is refused); ``allow_cast_overflow`` lets a ``dtype``
     cast turn finite values into inf (else refused). ``distributed``: split the files over the torchrun world
     this process belongs to (:mod:`reshard.distributed`); ``None`` does so when torchrun started 2 or more
@@ -167,8 +178,8 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
         raise PlanError(f"--allow-lossy-config {unknown[0]}: not a canonical config field (fields: "
                         f"{', '.join(SEMANTIC_FIELDS)}) nor a setting reshard does not carry (settings: "
                         f"{', '.join(UNCARRIED_SETTINGS)})")
-    if workers is not None and workers < 1:
-        raise PlanError(f"--workers must be at least 1 (got {workers})")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise PlanError(f"workers must be a whole number of at least 1, or None to choose (got {workers!r})")
     refuse_unused_options(to, {"ep": ep, "etp": etp, "expert_parallel": expert_parallel,
                                "moe_grouped_gemm": moe_grouped_gemm, "megatron_spec": megatron_spec,
                                "vocab_divisor": vocab_divisor, "max_shard_size": max_shard_size,
@@ -197,8 +208,8 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
         plan.allow_cast_overflow = allow_cast_overflow
         if dry_run:
             return ConvertResult(plan, None, False, plan.notes, source.info.get("download"))
-        convert_here(source, plan, state, dst, overwrite, progress, workers, opts)
-    return ConvertResult(plan, dst, True, plan.notes)
+        used, reason = convert_here(source, plan, state, dst, overwrite, progress, workers, opts)
+    return ConvertResult(plan, dst, True, plan.notes, workers=used, workers_reason=reason)
 
 
 def distributed_run(choice: bool | None) -> bool:
@@ -209,14 +220,22 @@ def distributed_run(choice: bool | None) -> bool:
 
 
 def convert_here(source: Source, plan: Plan, state, dst: str, overwrite: bool, progress: bool,
-                 workers: int | None, opts: Options) -> None:
-    """Check, stage, write (in this process or ``workers`` forked ones) and publish."""
+                 workers: int | None, opts: Options) -> tuple[int, str]:
+    """Check, stage, write (in this process or ``workers`` forked ones; None: :func:`auto_workers`) and publish;
+    returns (processes that wrote, why that many)."""
     check_destination(source.root, dst, overwrite)
     ensure_replicas_agree(plan, source.files, opts.allow_replica_mismatch, _warn)
+    if workers is None:
+        workers, reason = auto_workers(plan)
+    else:
+        reason = f"{workers} process{'es' if workers > 1 else ''} asked for"
+    used = processes_used(plan, source.files, workers)
+    if used < workers:
+        reason += f"; {used} used (the output has {used} part{'s' if used > 1 else ''} to split)"
     with staged_output(source.root, dst, overwrite) as staging:  # lock, stage, publish by rename (staging.py)
-        execute(plan, source.files, staging, progress=progress,
-                workers=auto_workers(plan) if workers is None else workers)
+        execute(plan, source.files, staging, progress=progress, workers=workers)
         finish_output(source, staging, plan, state, opts)
+    return used, reason
 
 
 def finish_output(source: Source, staging: str, plan: Plan, state, opts: Options) -> None:

@@ -36,9 +36,12 @@ def _rebuild(info: dict) -> BaseException:
     return RuntimeError(f"a worker failed: {info['message']}")
 
 
-def _child(share, work, files: list[TensorFile], wfd: int) -> None:
+def _child(share, work, files: list[TensorFile], wfd: int, processes: int) -> None:
+    from reshard.io.heads import share_read_ahead
+
     for f in files:
         f.close()
+    share_read_ahead(processes)  # the processes together ask for one window ahead, not one each
     if "torch" in sys.modules:  # OpenMP pools do not survive fork: keep torch (casts only) single-threaded
         sys.modules["torch"].set_num_threads(1)
 
@@ -71,7 +74,7 @@ def run_in_workers(shares: list, work, files: list[TensorFile], total_bytes: int
             pid = os.fork()
             if pid == 0:
                 os.close(rfd)
-                _child(share, work, files, wfd)
+                _child(share, work, files, wfd, len(shares))
             pids.append(pid)
     finally:
         os.close(wfd)

@@ -189,8 +189,10 @@ def test_workers_give_the_same_report(tmp_path):
     src = make_hf(tmp_path / "hf", vocab=1000, shards=2)
     out = str(tmp_path / "meg")
     reshard.convert(src, out, to="megatron", tp=2, pp=2)
-    one = verify_streamed(src, out, block_bytes=512).to_dict()
+    one = verify_streamed(src, out, block_bytes=512, workers=1).to_dict()
     two = verify_streamed(src, out, block_bytes=512, workers=2).to_dict()
+    assert (one.pop("workers"), two.pop("workers")) == (1, 2)  # each says how many compared, and why
+    assert (one.pop("workers_reason"), two.pop("workers_reason")) == ("1 process asked for", "2 processes asked for")
     assert one == two and one["equal"] and one["replicas_checked"] > 0
 
 

@@ -64,7 +64,7 @@ def test_worker_failure_fails_the_run(hf_source, tmp_path, monkeypatch):
 
 
 def test_workers_must_be_positive(hf_source, tmp_path):
-    with pytest.raises(ReshardError, match="--workers"):
+    with pytest.raises(ReshardError, match="workers must be a whole number of at least 1"):
         reshard.convert(hf_source, str(tmp_path / "o"), to="megatron", tp=2, workers=0)
 
 

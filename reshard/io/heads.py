@@ -30,16 +30,29 @@ EARLY_BUDGET = 512 << 20
 _HEAD_CHUNK = 8 << 20
 
 
+#: Processes sharing the read-ahead window (set in each forked worker: the machine's total stays one window).
+_SHARERS = 1
+
+
+def share_read_ahead(processes: int) -> None:
+    """Divide this process's read-ahead window by ``processes`` (called in each of that many workers)."""
+    global _SHARERS
+    _SHARERS = max(1, processes)
+
+
 def read_ahead_window() -> int:
-    """``WINDOW``, or a quarter of the memory available now when that is less (never crowd out the cache)."""
+    """``WINDOW``, or a quarter of the memory available now when that is less (never crowd out the cache), shared
+    by the processes of a run (:func:`share_read_ahead`); at least 64 MiB. Page cache, never this process's RSS."""
+    window = WINDOW
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return max(64 << 20, min(WINDOW, int(line.split()[1]) * 1024 // 4))
+                    window = min(WINDOW, int(line.split()[1]) * 1024 // 4)
+                    break
     except (OSError, ValueError, IndexError):
         pass
-    return WINDOW
+    return max(64 << 20, window // _SHARERS)
 
 
 def read_heads_in_background(paths: list[str], budget: int | None = None) -> None:

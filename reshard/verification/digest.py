@@ -4,7 +4,8 @@ Every canonical tensor of A and of B is read in the same row blocks of at most `
 (:mod:`reshard.verification.block_stream`): positioned reads, read-ahead, SHA-256 of each side's canonical bytes
 updated in row-major order (the digest of the whole tensor), error figures per block where they mean something
 (:mod:`reshard.verification.compare`). Every stored copy of a replicated tensor is compared with the copy read,
-streamed the same way. ``workers > 1`` splits the tensors over forked processes, balanced by bytes. Memory is
+streamed the same way. ``workers > 1`` shares the tensors out to forked processes, each claiming the next batch
+(largest first) when it is free; ``workers=None`` chooses the count (:func:`choose_verify_workers`). Memory is
 bounded by the blocks, never by a tensor, a rank or the model.
 """
 
@@ -33,6 +34,8 @@ class VerifyReport:
     config_differences: list[dict] = field(default_factory=list)
     replica_differences: list[str] = field(default_factory=list)  # copies of a replicated tensor that disagree
     replicas_checked: int = 0  # stored copies of replicated tensors compared with the copy read
+    workers: int = 1  # processes that compared
+    workers_reason: str = ""  # why that many (the automatic choice's limits, or "asked for")
 
     @property
     def equal(self) -> bool:
@@ -97,7 +100,7 @@ def plan_work(sa: Source, sb: Source, atol: float | None, rtol: float | None) ->
 
 def verify(a: str, b: str, *, atol: float | None = None, rtol: float | None = None,
            vocab_size: int | None = None, architecture: str | None = None, mapping: str | None = None,
-           workers: int = 1, progress: bool = False, block_bytes: int = BLOCK_BYTES,
+           workers: int | None = None, progress: bool = False, block_bytes: int = BLOCK_BYTES,
            drop_mtp: bool = False, **reading) -> VerifyReport:
     """Compare checkpoints ``a`` and ``b`` (any layouts, any degrees) tensor by tensor, streaming: bit-exact by
     SHA-256 where dtypes agree; after a cast, or within ``atol`` / ``rtol``, where they differ. ``drop_mtp``:
@@ -112,9 +115,10 @@ def verify(a: str, b: str, *, atol: float | None = None, rtol: float | None = No
 
 
 def verify_sources(sa: Source, sb: Source, a: str, b: str, *, atol: float | None = None, rtol: float | None = None,
-                   workers: int = 1, progress: bool = False, block_bytes: int = BLOCK_BYTES) -> VerifyReport:
+                   workers: int | None = None, progress: bool = False, block_bytes: int = BLOCK_BYTES
+                   ) -> VerifyReport:
     """:func:`verify` of two opened sources."""
-    from reshard.verification.digest_run import run_tasks
+    from reshard.verification.digest_run import processes_for, run_tasks
 
     report = VerifyReport(a, b, sa.layout, sb.layout)
     report.config_differences = config_differences(sa, sb)
@@ -123,6 +127,10 @@ def verify_sources(sa: Source, sb: Source, a: str, b: str, *, atol: float | None
         if absent:
             source.model = without(source.model, absent)
     work = plan_work(sa, sb, atol, rtol)
+    workers, report.workers_reason = choose_verify_workers(work.tasks, workers)
+    report.workers = processes_for(work.tasks, workers)
+    if report.workers < workers:
+        report.workers_reason += f"; {report.workers} used (tensor pairs to share: {len(work.tasks)})"
     results = run_tasks(work.tasks, sa.files + sb.files, workers, progress, block_bytes)
     tensor_results = iter(results[:len(work.tasks) - len(work.replica_checks)])
     report.tensors = [work.known[i] if i in work.known else next(tensor_results) for i in range(work.count)]
@@ -135,8 +143,22 @@ def verify_sources(sa: Source, sb: Source, a: str, b: str, *, atol: float | None
     return report
 
 
+def choose_verify_workers(tasks, workers: int | None) -> tuple[int, str]:
+    """(processes, why): ``workers`` as asked, or, for None, one per 2 cores up to 8, one per GiB of memory
+    available, one per :data:`VERIFY_MIN_BYTES` to read (:func:`reshard.machine.choose_workers`)."""
+    if workers is not None:
+        return workers, f"{workers} process{'es' if workers > 1 else ''} asked for"
+    from reshard.machine import choose_workers
+
+    return choose_workers(sum(t.nbytes for t in tasks), VERIFY_MIN_BYTES, cores_per_process=2)
+
+
+#: Below this many bytes to read per process, another process costs more than it saves.
+VERIFY_MIN_BYTES = 256 << 20
+
+
 def verify_dry_run(a: str, b: str, *, vocab_size: int | None = None, architecture: str | None = None,
-                   mapping: str | None = None, workers: int = 1, block_bytes: int = BLOCK_BYTES,
+                   mapping: str | None = None, workers: int | None = None, block_bytes: int = BLOCK_BYTES,
                    drop_mtp: bool = False, **reading) -> dict:
     """What :func:`verify` would read, per process, and each process's peak-memory estimate; reads headers
     and configs only."""
@@ -147,7 +169,8 @@ def verify_dry_run(a: str, b: str, *, vocab_size: int | None = None, architectur
         if drop_mtp:
             sa.drop_mtp(), sb.drop_mtp()
         work = plan_work(sa, sb, None, None)
-        return {"a": a, "b": b, "layout_a": sa.layout, "layout_b": sb.layout, "tensors": work.count,
+        workers, reason = choose_verify_workers(work.tasks, workers)
+        return {"workers": workers, "workers_reason": reason, "a": a, "b": b, "layout_a": sa.layout, "layout_b": sb.layout, "tensors": work.count,
                 "replica_checks": len(work.replica_checks), "block_bytes": block_bytes,
                 "processes": estimate(work.tasks, sa.files, workers, block_bytes)}
 

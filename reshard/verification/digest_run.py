@@ -1,8 +1,12 @@
 """Runs a digest verify's tensor pairs in this process or in ``--workers`` forked processes, and estimates, before
 anything is read, the bytes each process reads and its peak memory (``verify --dry-run``).
 
-Shares are balanced by bytes (largest pair first, to the least loaded process): deterministic. Each worker
-sends its results back as one-line messages (:mod:`reshard.workers`); results are returned in task order.
+With several processes the pairs are cut into batches (largest pair first; small pairs grouped up to
+:func:`batch_target` bytes, each batch read in checkpoint order) and each process claims the next batch from a
+shared counter whenever it is free, so a process slowed by its reads or a large tensor never leaves the others
+idle at the end (a fixed split by bytes did: the tail of the slowest share). Each worker sends its results back as
+one-line messages (:mod:`reshard.workers`); results are returned in task order. The estimate uses the split
+by bytes a claiming run approaches (largest pair first, to the least loaded process).
 """
 
 from __future__ import annotations
@@ -31,21 +35,62 @@ def shares_of(tasks: list[PairTask], workers: int) -> list[list[int]]:
     return [sorted(s) for s in shares if s]
 
 
+def batch_target(total: int, workers: int) -> int:
+    """Bytes of a batch of small pairs: an eighth of a process's fair share, or up to 64 MiB (a half share at
+    most) where that is smaller: each batch ends the overlap of reads and digests once."""
+    share = total // max(1, workers)
+    return max(1, share // 8, min(64 << 20, share // 2))
+
+
+def batches_of(tasks: list[PairTask], workers: int) -> list[list[int]]:
+    """Task indices in claim order: largest pair first, pairs below :func:`batch_target` grouped; each batch in
+    task (checkpoint) order."""
+    target = batch_target(sum(t.nbytes for t in tasks), workers)
+    out: list[list[int]] = []
+    current, size = [], 0
+    for i in sorted(range(len(tasks)), key=lambda i: (-tasks[i].nbytes, i)):
+        current.append(i)
+        size += tasks[i].nbytes
+        if size >= target:
+            out.append(sorted(current))
+            current, size = [], 0
+    if current:
+        out.append(sorted(current))
+    return out
+
+
+def processes_for(tasks: list[PairTask], workers: int) -> int:
+    """Processes a run of ``tasks`` at ``workers`` starts: no more than there are batches to claim."""
+    return max(1, min(workers, len(batches_of(tasks, workers)))) if workers > 1 and len(tasks) > 1 else 1
+
+
 def run_tasks(tasks: list[PairTask], files: list[TensorFile], workers: int, progress: bool,
               block_bytes: int = BLOCK_BYTES) -> list[TensorResult]:
     """Results of ``tasks`` in order; ``files``: every source file the tasks read (closed in forked workers)."""
     from reshard.progress import byte_bar
 
     total = sum(t.nbytes for t in tasks)
-    shares = shares_of(tasks, workers)
-    if len(shares) > 1:
+    processes = processes_for(tasks, workers)
+    if processes > 1:
+        import multiprocessing
+
         from reshard.workers import run_in_workers
 
-        def work(share, report):
-            results = run_pairs([tasks[i] for i in share], block_bytes, report)
-            return [{"index": i, **asdict(r)} for i, r in zip(share, results)]
+        batches = batches_of(tasks, workers)
+        claimed = multiprocessing.get_context("fork").Value("q", 0)  # shared by the forked workers
 
-        items = run_in_workers(shares, work, files, total, progress, desc="verifying")
+        def work(_, report):
+            out = []
+            while True:
+                with claimed.get_lock():
+                    k = claimed.value
+                    claimed.value = k + 1
+                if k >= len(batches):
+                    return out
+                results = run_pairs([tasks[i] for i in batches[k]], block_bytes, report)
+                out += [{"index": i, **asdict(r)} for i, r in zip(batches[k], results)]
+
+        items = run_in_workers(list(range(processes)), work, files, total, progress, desc="verifying")
         by_index = {item.pop("index"): TensorResult(**item) for item in items}
         return [by_index[i] for i in range(len(tasks))]
     with byte_bar(total, "verifying", disable=not progress) as bar:
