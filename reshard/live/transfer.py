@@ -18,6 +18,7 @@ import time
 from reshard.errors import PlanError
 from reshard.io import dtypes
 from reshard.io.assemble import rope_rows
+from reshard.live.agree import agree, check_tensor, gpu_identity, resolve, tensor_problems, uses_nccl, verdict
 from reshard.live.schedule import build
 from reshard.live.source import dtype_name
 from reshard.live.stats import Received, Stats
@@ -66,12 +67,7 @@ def place(dest, op, axis: int, data) -> None:
 
 def _on(tensor, device) -> bool:
     """Whether ``tensor`` is on ``device`` (``"cuda"`` meaning the current CUDA device)."""
-    import torch
-
-    want = torch.device(device)
-    if want.type == "cuda" and want.index is None:
-        want = torch.device("cuda", torch.cuda.current_device())
-    return tensor.device == want
+    return tensor.device == resolve(device)
 
 
 def _flat_bytes(tensor):
@@ -82,10 +78,11 @@ def _flat_bytes(tensor):
 
 class _Local:
     """Source parallel rank ``index``'s tensors, looked up in the caller's mapping at each use (a mapping may
-    build them on demand), each checked against the plan on first use; names are checked up front."""
+    build them on demand), each checked against the plan (and against device ``want`` unless None) on first use;
+    names are checked up front."""
 
-    def __init__(self, plan, index: int, local, chunks):
-        self.plan, self.index, self.local, self.checked = plan, index, local, set()
+    def __init__(self, plan, index: int, local, chunks, want=None):
+        self.plan, self.index, self.local, self.checked, self.want = plan, index, local, set(), want
         for name in dict.fromkeys(c.op.tensor for c in chunks):
             if local is None or name not in local:
                 raise PlanError(f"live.transfer: source rank {plan.source_ranks[index]} has no tensor '{name}' "
@@ -100,6 +97,7 @@ class _Local:
                 raise PlanError(f"live.transfer: '{name}' on rank {self.plan.source_ranks[self.index]} is "
                                 f"{list(tensor.shape)} {tensor.dtype}; the plan expects {list(want.shape)} "
                                 f"{dtypes.torch_name(want.dtype)} (pass the live dtype as source={{..., 'dtype': ...}})")
+            check_tensor(self.plan.source_ranks[self.index], f"local_tensors['{name}']", tensor, self.want)
             self.checked.add(name)
         return tensor
 
@@ -141,6 +139,33 @@ def _default_device(group):
     return "cuda" if "nccl" in backend and "gloo" not in backend else "cpu"
 
 
+def _agree_devices(watch, me: int, backend: str, device, into, local_tensors, chunks) -> torch.device | None:
+    """On a group with NCCL: judge this rank's record (its device, its GPU, its tensors on another device than
+    ``device``: ``into``'s, and ``local_tensors``' used by ``chunks`` when it is a dict) with every participant's
+    (:mod:`reshard.live.agree`), raising :class:`TransferError` on every rank alike. Returns the device NCCL needs
+    every tensor on (None: no rule: not NCCL, or ``device`` is not CUDA)."""
+    import torch
+
+    where = resolve(device)
+    nccl = uses_nccl(backend, where)
+    want = where if nccl and where.type == "cuda" else None
+    problems = []
+    if want is not None:
+        held = [(f"into['{n}']", t.device) for n, t in dict(into or {}).items() if isinstance(t, torch.Tensor)]
+        if isinstance(local_tensors, dict):  # a lazy mapping's tensors are checked on first use (_Local)
+            for name in dict.fromkeys(c.op.tensor for c in chunks):
+                t = dict.get(local_tensors, name)
+                if isinstance(t, torch.Tensor):
+                    held.append((f"local_tensors['{name}']", t.device))
+        problems = tensor_problems(me, held, want)
+    record = {"rank": me, "backend": backend, "nccl": nccl, "device": str(where),
+              "gpu": gpu_identity(where) if nccl else None, "problems": problems}
+    message = verdict(agree(watch, record))
+    if message:
+        raise TransferError(message)
+    return want
+
+
 def transfer(plan, local_tensors=None, group=None, dtype=None, into=None, timeout: float = 300.0,
              chunk_bytes: int = DEFAULT_CHUNK, device=None) -> Received:
     """Run ``plan`` (:func:`reshard.live.plan`) on this process: send this rank's source slices, receive its
@@ -152,7 +177,12 @@ def transfer(plan, local_tensors=None, group=None, dtype=None, into=None, timeou
     in place (shape must match, dtype and device may differ; padding rows zeroed); names it lacks are
     allocated. ``timeout``: seconds without progress on any rank after which every rank raises
     :class:`TransferError`; any error on any rank makes every participant raise. ``chunk_bytes``: the bound of
-    one message. ``device``: where buffers and new tensors live (default ``cuda`` for NCCL, else ``cpu``)."""
+    one message. ``device``: where buffers and new tensors live (default ``cuda`` for NCCL, else ``cpu``).
+
+    On a group with NCCL the participants first agree through the group's store (:mod:`reshard.live.agree`):
+    before any byte moves, every one raises the same :class:`TransferError` when two ranks share one GPU, or when
+    a rank's ``into`` tensors or (a dict's) source tensors are not on ``device`` (a lazy mapping's source tensors:
+    on first use, failing the transfer). Gloo groups skip this step."""
     import torch.distributed as dist
 
     started = time.perf_counter()
@@ -174,7 +204,12 @@ def transfer(plan, local_tensors=None, group=None, dtype=None, into=None, timeou
         sends, recvs = schedule.sends(me), schedule.receives(me)
         local_chunks = schedule.local.get(me, [])
         mine = [c for _, m in sends for c in m.chunks] + local_chunks
-        local = _Local(plan, src, local_tensors, mine) if src is not None else {}
+        backend = str(dist.get_backend(group))
+        want = None
+        if "nccl" in backend.lower():
+            want = _agree_devices(watch, me, backend, device, into if dst is not None else None, local_tensors,
+                                  mine if src is not None else [])
+        local = _Local(plan, src, local_tensors, mine, want) if src is not None else {}
         dests = _destinations(plan, dst, into, name, device, stats) if dst is not None else {}
         targets = plan.targets[dst] if dst is not None else []
         for chunk in local_chunks:

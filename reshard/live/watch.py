@@ -2,7 +2,8 @@
 
 The status board is the process group's store (the rendezvous ``TCPStore``), under a prefix of its own per
 transfer call: ``failed`` (the first failure's message, set by the rank that raised), ``progress`` (a counter every
-rank bumps after each round it completes), ``done/<rank>``. A rank waiting for its messages, or at the end for
+rank bumps after each round it completes), ``done/<rank>``, and ``agree/<rank>`` under NCCL (each rank's record
+for :mod:`reshard.live.agree`, judged before any byte moves). A rank waiting for its messages, or at the end for
 the other ranks' ``done``, polls its own operations and the board: it raises as soon as ``failed`` is set, when
 its operations fail (a peer's socket closed: a dead process), when the store itself is gone, or when ``progress``
 has not moved for ``timeout`` seconds (a hung or killed peer). The ranks waiting are thus bounded by ``timeout``
@@ -45,6 +46,7 @@ class Watch:
         self.store, self.participants, self.me, self.timeout = store, participants, me, float(timeout)
         self.prefix = f"reshard_live/{label}{'-'.join(map(str, key))}/{call}/"
         self.seen = -1
+        self.clear: list[str] = []  # more keys the last one out deletes (the agreement's records)
         self.deadline = time.monotonic() + self.timeout
 
     def _key(self, name: str) -> str:
@@ -111,7 +113,7 @@ class Watch:
             self.check()
             time.sleep(self.POLL_STORE / 5)
         if self._board(lambda: self.store.add(self._key("exit"), 1)) == len(self.participants):
-            for key in done + [self._key("progress"), self._key("exit")]:
+            for key in done + self.clear + [self._key("progress"), self._key("exit")]:
                 self._board(lambda: self.store.delete_key(key))
 
     def fail(self, exc: BaseException) -> None:
