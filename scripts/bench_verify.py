@@ -4,9 +4,12 @@ the conversion that made B, each run cold (both folders evicted from the page ca
 For each pair (A = the generated HF checkpoint, B = its conversion) and repeat:
 
 1. ``read``: every file of A and of B read once (``cat`` of each file into /dev/null, one process);
-2. ``verify``: ``python -m reshard verify A B`` (the digest check), its peak RSS (``ru_maxrss`` from
-   ``os.wait4`` through the bench's rusage wrapper);
-3. ``convert``: ``python -m reshard convert A OUT`` with B's arguments, its output deleted.
+2. ``verify``: ``python -m reshard verify A B`` (the digest check, at its automatic process count, which the row
+   shows), its peak RSS (``ru_maxrss`` from ``os.wait4`` through the bench's rusage wrapper: the largest of its
+   processes);
+3. ``convert``: ``python -m reshard convert A OUT`` with B's arguments, its output deleted;
+4. ``plan``: ``python -m reshard verify A B --dry-run``: the start-up a verify pays before its first block
+   (interpreter, imports, both checkpoints' indexes, the plan), which no read of the files pays.
 
 The row gives the medians, verify / read and verify / convert, and verify's peak RSS against the 512 MiB goal
 and the largest tensor. Run on its own::
@@ -61,20 +64,24 @@ def measure_pair(src: Path, model: str, work: Path, logs: Path, repeat: int, cac
                      logs / f"{pair}-prepare.log", env, timeout)
     if made["rc"] != 0:
         return {"pair": pair, "status": f"preparing B failed (rc={made['rc']})"}
-    runs: dict[str, list[dict]] = {"read": [], "verify": [], "convert": []}
+    runs: dict[str, list[dict]] = {"read": [], "verify": [], "convert": [], "plan": []}
     for rep in range(repeat):
-        for kind in ("read", "verify", "convert"):
+        for kind in ("read", "verify", "convert", "plan"):
             out = work / f"{pair}-convert-out"
             if kind == "read":
                 cmd = [sys.executable, "-c", READ_CODE, str(src), str(converted)]
             elif kind == "verify":
                 cmd = [*reshard, "verify", str(src), str(converted)]
+            elif kind == "plan":
+                cmd = [*reshard, "verify", str(src), str(converted), "--dry-run"]
             else:
                 cmd = [*reshard, "convert", str(src), str(out), *OPS[op][1], "--overwrite"]
             cache_got = _cold(cache, src, converted)
             r = run_child(cmd, logs / f"{pair}-{kind}-{rep}.log", env, timeout)
             shutil.rmtree(out, ignore_errors=True)
             r.update(cache=cache_got, cmd=cmd)
+            if kind == "verify":
+                r["workers"] = verify_workers(logs / f"{pair}-{kind}-{rep}.log")
             runs[kind].append(r)
             log(f"[bench] {pair} {kind} #{rep}: rc={r['rc']} {r['wall_s']:.2f}s peak RSS "
                 f"{r['peak_rss_bytes'] / MIB:.0f} MiB")
@@ -86,12 +93,20 @@ def measure_pair(src: Path, model: str, work: Path, logs: Path, repeat: int, cac
         return row
     med = {k: statistics.median(r["wall_s"] for r in rs) for k, rs in runs.items()}
     peak = max(r["peak_rss_bytes"] for r in runs["verify"])
-    row.update(status="ok", verify_s=med["verify"], read_s=med["read"], convert_s=med["convert"],
+    row.update(status="ok", verify_workers=runs["verify"][0].get("workers"), plan_s=med["plan"], verify_s=med["verify"], read_s=med["read"], convert_s=med["convert"],
                verify_per_read=med["verify"] / med["read"], verify_per_convert=med["verify"] / med["convert"],
                verify_peak_rss_bytes=peak, within_rss_goal=peak <= RSS_GOAL,
                rss_per_largest_tensor=peak / row["largest_tensor_bytes"],
                convert_peak_rss_bytes=max(r["peak_rss_bytes"] for r in runs["convert"]))
     return row
+
+
+def verify_workers(log: Path) -> str | None:
+    """The process count a verify run reports (``compared by N processes chosen for ...``), from its log."""
+    for line in log.read_text(errors="replace").splitlines():
+        if line.strip().startswith("compared by "):
+            return line.strip().removeprefix("compared by ")
+    return None
 
 
 def measure_forward_row(src: Path, work: Path, logs: Path, nproc: int = 2, timeout: float | None = None) -> dict:
@@ -127,14 +142,16 @@ def render_forward(rows: list[dict]) -> str:
 
 def render(rows: list[dict]) -> str:
     lines = ["| size | model | pair | verify s | read A+B s | verify / read | convert s | verify / convert | "
-             "verify peak RSS | / largest tensor |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "verify peak RSS | / largest tensor | verify processes | start-up s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("status") != "ok":
-            lines.append(f"| {r.get('size')} | {r.get('model')} | {r['pair']} | {r.get('status')} | | | | | | |")
+            lines.append(f"| {r.get('size')} | {r.get('model')} | {r['pair']} | {r.get('status')} | | | | | | | | |")
             continue
         lines.append(f"| {r['size']} GiB | {r['model']} | {r['pair']} | {r['verify_s']:.2f} | {r['read_s']:.2f} | "
                      f"{r['verify_per_read']:.2f} x | {r['convert_s']:.2f} | {r['verify_per_convert']:.2f} x | "
-                     f"{r['verify_peak_rss_bytes'] / MIB:.0f} MiB | {r['rss_per_largest_tensor']:.2f} x |")
+                     f"{r['verify_peak_rss_bytes'] / MIB:.0f} MiB | {r['rss_per_largest_tensor']:.2f} x | "
+                     f"{r.get('verify_workers') or '?'} | {r.get('plan_s', 0):.2f} |")
     return "\n".join(lines)
 
 
