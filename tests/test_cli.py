@@ -31,16 +31,6 @@ def hf(tmp_path_factory):
     return make_hf(tmp_path_factory.mktemp("cli") / "hf", hidden=64, heads=8, kv_heads=2, ffn=96, vocab=1000, shards=3)
 
 
-def test_demo(tmp_path):
-    proc = cli_process("demo", "--workdir", tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    assert "demo passed" in proc.stdout and proc.stdout.count("tensors bit-exact") == 5
-    assert "forward check: hf-roundtrip at tp=2 (gloo) vs source at tp=1" in proc.stdout
-    assert "equal within float32 tolerance" in proc.stdout
-    for step in ("megatron-tp4", "vllm-tp8", "megatron-tp2-pp2", "torch-dist", "hf-roundtrip"):
-        assert (tmp_path / step).is_dir()
-
-
 def test_inspect_json(hf, tmp_path):
     proc = cli("convert", hf, tmp_path / "m", "--to", "megatron", "--tp", "2", "--pp", "2", "--dtype", "bf16")
     assert proc.returncode == 0, proc.stderr

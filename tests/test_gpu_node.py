@@ -116,10 +116,15 @@ def test_one_gpu_nccl_is_refused_before_any_process_starts(monkeypatch, no_torch
 
 
 def test_demo_passes_on_a_one_gpu_machine(monkeypatch, no_torchrun, tmp_path):
+    """The whole demo, for real (the suite's one run of it), where torch sees one GPU."""
     fake_gpus(monkeypatch, 1)
-    proc = run_main("demo", "--workdir", tmp_path / "demo")
+    proc = run_main("demo", "--workdir", tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert "forward check: hf-roundtrip at tp=2 (gloo)" in proc.stdout and "demo passed" in proc.stdout
+    assert "demo passed" in proc.stdout and proc.stdout.count("tensors bit-exact") == 5
+    assert "forward check: hf-roundtrip at tp=2 (gloo) vs source at tp=1" in proc.stdout
+    assert "equal within float32 tolerance" in proc.stdout
+    for step in ("megatron-tp4", "vllm-tp8", "megatron-tp2-pp2", "torch-dist", "hf-roundtrip"):
+        assert (tmp_path / step).is_dir()
 
 
 def test_demo_on_cpu_whatever_gpus_there_are(monkeypatch, no_torchrun, tmp_path):
