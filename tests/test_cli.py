@@ -17,13 +17,9 @@ from cli_inprocess import run_main
 
 
 def cli(*args):
-    """``reshard ARGS`` in this process (torch and the interpreter are already up); test_demo runs ``python -m
-    reshard`` and test_usage_errors_from_the_installed_executable the installed command."""
+    """``reshard ARGS`` in this process (torch and the interpreter are already up);
+    test_usage_errors_from_the_installed_executable runs the installed command."""
     return run_main(*args)
-
-
-def cli_process(*args):
-    return subprocess.run([sys.executable, "-m", "reshard", *map(str, args)], capture_output=True, text=True)
 
 
 @pytest.fixture(scope="module")
