@@ -8,6 +8,10 @@ same files the whole-rank loader read. :meth:`RankStream.load_all` gives the who
 
 ``metered=True`` reads nothing: every read returns a ``meta`` tensor of the slice's shape and dtype and adds the
 slice's bytes to :attr:`RankStream.bytes_read` (the forward check's dry-run estimate runs the same reading code).
+
+A stream's files are wrapped (:meth:`RankStream.staged`) so that, once :attr:`RankStream.stager` is set (a GPU
+rank: :mod:`.staging`), every read lands on the compute device through bounded host buffers instead of in host
+memory; with no stager (the default) reads are the files' own.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 
 from reshard.io import dtypes
 from reshard.verification.forward.rank_weights import DecoderConfig, LayerWeights, RankWeights
+from reshard.verification.forward.staging import StagedFile, Stager, plain
 
 
 class MeteredFile:
@@ -78,6 +83,8 @@ class RankStream:
     lm_head_start: int = 0
     padded_vocab: int = 0
     tied: bool = False
+    #: Where reads land: None, the host (the files' own reads); a :class:`~.staging.Stager`, its device.
+    stager: Stager | None = None
 
     def __init__(self, rank: int, world: int, metered: bool = False):
         self.rank, self.world, self.metered = rank, world, metered
@@ -90,9 +97,12 @@ class RankStream:
                    why: str) -> None:
         """Prove ``other`` (a replica a real run computes with) identical, byte for byte, to ``used`` (the copy this
         check computes with); a difference becomes a problem naming both places and the tensor."""
-        if self.metered or (used.dtype == other.dtype and used.shape == other.shape
-                            and torch.equal(used.contiguous().view(-1).view(torch.uint8),
-                                            other.contiguous().view(-1).view(torch.uint8))):
+        if self.metered:
+            return
+        other = other.to(used.device)  # one read staged onto the device, the other (an unstaged file's) not
+        if used.dtype == other.dtype and used.shape == other.shape \
+                and torch.equal(used.contiguous().view(-1).view(torch.uint8),
+                                other.contiguous().view(-1).view(torch.uint8)):
             return
         how = f"max abs diff {(used.double() - other.double()).abs().max().item():g}" \
             if used.shape == other.shape else f"shape {tuple(other.shape)} vs {tuple(used.shape)}"
@@ -101,18 +111,26 @@ class RankStream:
 
     def record_copy(self, key: str, data: torch.Tensor, where: str, used: bool, why: str) -> None:
         """Note the SHA-256 of ``data``, one of several ranks' copies of ``key`` (``used``: the copy this check
-        computes with); rank 0 compares the copies of every key (:func:`~.report.copy_problems`)."""
+        computes with); rank 0 compares the copies of every key (:func:`~.report.copy_problems`). A device tensor
+        is hashed 64 MiB at a time on the host."""
         if self.metered:
             return
         import hashlib
 
-        raw = data.contiguous().view(-1).view(torch.uint8).numpy()
-        self.copies.append({"key": key, "sha256": hashlib.sha256(raw).hexdigest(), "where": where, "used": used,
-                            "why": why})
+        digest = hashlib.sha256()
+        for piece in data.contiguous().view(-1).view(torch.uint8).split(64 << 20):
+            digest.update(piece.cpu().numpy())
+        self.copies.append({"key": key, "sha256": digest.hexdigest(), "where": where, "used": used, "why": why})
+
+    def staged(self, file):
+        """``file`` (a TensorFile) read through :attr:`stager` once one is set: a :class:`~.staging.StagedFile`
+        where its reads can be staged (:func:`~.staging.plain`), else ``file`` itself (read on the host)."""
+        return StagedFile(file, self) if plain(file) else file
 
     def opened(self, file):
-        """Keep ``file`` (a TensorFile) to close with the stream; with ``metered``, wrap it in a MeteredFile."""
-        file = MeteredFile(file) if self.metered else file
+        """Keep ``file`` (a TensorFile) to close with the stream; with ``metered``, wrap it in a MeteredFile, else
+        :meth:`staged`."""
+        file = MeteredFile(file) if self.metered else self.staged(file)
         self._opened.append(file)
         return file
 

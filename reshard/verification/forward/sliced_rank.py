@@ -25,6 +25,7 @@ from reshard.layouts.registry import open_checkpoint
 from reshard.verification.forward.rank_stream import MeteredFile, RankStream, whole_rank_loader
 from reshard.verification.forward.rank_weights import (DecoderConfig, LayerWeights, check_world, kv_heads_of_rank,
                                                        padded_vocab_for, vocab_rows)
+from reshard.verification.forward.staging import assemble_on
 
 
 #: The decoder roles a rank holds part of, by how the part is cut (the others are whole on every rank).
@@ -80,6 +81,7 @@ class SlicedRankStream(RankStream):
         self.files = [f.path for f in source.files]
         self.meters = [MeteredFile(f) for f in source.files] if self.metered else []
         self._opened = self.meters
+        self.reading = self.meters or [self.staged(f) for f in source.files]  # what the reads go through
         self.replica_checks: dict[str, list] = {}  # canonical name -> this rank's share of the stored replicas
         for i, check in enumerate(dict.fromkeys(self.index.checks)):  # each distinct pair once
             if i % world == rank:
@@ -100,13 +102,16 @@ class SlicedRankStream(RankStream):
             for op in reads:
                 self.meters[op.source].count((op.length * row,), self.source.files[op.source].tensors[op.tensor].dtype)
             return torch.empty(shape, dtype=dtypes.to_torch(self.model.dtypes[name]), device="meta")
-        return assemble(TargetTensor(name, shape, self.model.dtypes[name], axis, reads), self.source.files)
+        target = TargetTensor(name, shape, self.model.dtypes[name], axis, reads)
+        if self.stager is not None:
+            return assemble_on(target, self.reading, self.stager.device)
+        return assemble(target, self.reading)
 
     def _check_replicas(self, name: str) -> None:
         """Where the source stores ``name`` more than once (Meta's norms in every consolidated file, replicated
         torch_dist chunks), each copy a real run computes with must equal the one read here: this rank proves its
         share of them (one pair at a time, when ``name`` is read)."""
-        files = self.meters or self.source.files
+        files = self.reading
         for check in self.replica_checks.pop(name, ()):
             used, other = (read_op(op, check.axis, files) for op in (check.first, check.other))
             where = [os.path.relpath(files[op.source].path, self.source.root) for op in (check.first, check.other)]

@@ -5,16 +5,21 @@ read from the rank's files and cast to the compute dtype on a reader thread whil
 dropped once it has run; the hidden state is all that is carried. At any moment a rank therefore holds at most two
 consecutive steps' weights (plus, for a tied head, its embedding rows, kept for the head). The arithmetic is the
 in-memory :func:`.decoder.forward`'s, step for step: the logits are bit-identical.
+
+On a CUDA device the weights are read straight onto it (:mod:`.staging`: through a few bounded pinned host
+buffers) and cast there: the host holds the buffers, not the layers. On CPU they are read and cast in host memory.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import torch
 
 from reshard.verification.forward import decoder
 from reshard.verification.forward.rank_stream import RankStream
+from reshard.verification.forward.staging import stager_for
 
 
 def steps(config) -> list[str]:
@@ -73,16 +78,39 @@ def read_step(stream: RankStream, step: str, dtype: torch.dtype, device, stored:
     return weights
 
 
+def step_label(step: str, layers: int) -> str:
+    """How a progress line names a step: ``embedding``, ``layer 4/32`` (for ``layer 3``), ``head``."""
+    return f"layer {int(step.split()[1]) + 1}/{layers}" if step.startswith("layer ") else step
+
+
 def forward_streamed(stream: RankStream, ids: torch.Tensor, tp: decoder.TPGroup, dtype: torch.dtype, device,
-                     record: bool = True) -> tuple[decoder.ForwardOutput, torch.dtype]:
-    """(the decoder's output on ``ids``, the stored dtype of the embedding) with one step read ahead."""
+                     record: bool = True, progress: Callable[[str | None], None] | None = None
+                     ) -> tuple[decoder.ForwardOutput, torch.dtype]:
+    """(the decoder's output on ``ids``, the stored dtype of the embedding) with one step read ahead; reads are
+    staged onto ``device`` where :func:`~.staging.stager_for` gives a stager (CUDA). ``progress`` is called with
+    each step's :func:`step_label` once it has run, then with None (e.g. :func:`reshard.progress.step_progress`)."""
+    stager = stream.stager = stager_for(device)
+    try:
+        return _run(stream, ids, tp, dtype, device, record, progress)
+    finally:
+        stream.stager = None
+        if stager is not None:
+            stager.close()
+        if progress is not None:
+            progress(None)
+
+
+def _run(stream: RankStream, ids: torch.Tensor, tp: decoder.TPGroup, dtype: torch.dtype, device, record: bool,
+         progress) -> tuple[decoder.ForwardOutput, torch.dtype]:
     config = stream.config
     names = steps(config)
     out = decoder.ForwardOutput(logits=torch.empty(0))
     states = out.states if record else None
     stored: list[torch.dtype] = []
+    device = torch.device(device)
+    on_device = {"initializer": torch.cuda.set_device, "initargs": (device,)} if device.type == "cuda" else {}
 
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="reshard-forward-read") as reader:
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="reshard-forward-read", **on_device) as reader:
         pending = reader.submit(read_step, stream, names[0], dtype, device, stored)
         for k, step in enumerate(names):
             weights = pending.result()
@@ -106,4 +134,6 @@ def forward_streamed(stream: RankStream, ids: torch.Tensor, tp: decoder.TPGroup,
             del weights
             if step == "embedding":
                 del table
+            if progress is not None:
+                progress(step_label(step, config.layers))
     return out, stored[0]
