@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from reshard.layouts.base import Options, import_string
 from reshard.layouts.registry import get_layout
+from reshard.progress import step_progress
 from reshard.verification.forward import decoder, report
 from reshard.verification.forward.streamed import forward_streamed
 
@@ -104,7 +105,8 @@ def run_job(job: ForwardJob, rank: int, world: int) -> dict | None:
         if rank >= side.degree:
             continue
         with open_rank_stream(side.layout, side.path, rank, side.degree, job.opts) as stream, torch.no_grad():
-            out, stored = forward_streamed(stream, ids, groups[side.degree], compute, device, record=rank == 0)
+            out, stored = forward_streamed(stream, ids, groups[side.degree], compute, device, record=rank == 0,
+                                           progress=step_progress(f"forward: {label.upper()}", rank, side.degree))
             info = {"world": side.degree, "padded_vocab": stream.padded_vocab, "dtype": stored,
                     "files_rank0": stream.files, "vocab": stream.config.vocab}
             findings["problems"] += [f"{label.upper()}: {p}" for p in stream.problems]
