@@ -2,12 +2,14 @@
 a source checkpoint without writing anything.
 
 ``load_rank(src, to="vllm", tp=4, rank=3)`` plans the conversion exactly as ``convert`` does (same planner, same
-target names, padding, packing and dtype), keeps the target files that belong to the rank, and assembles each of
-their tensors from positioned reads of only the source byte ranges it needs (:func:`reshard.io.assemble.assemble`).
-Memory is the rank's tensors plus one source slice at a time. A column (dim 1) slice of a row-parallel weight is
-read row by row when each row's piece is at least 4 KiB (narrower pieces are read as whole rows, in bounded
-blocks: one call per tiny piece would cost more than the bytes), so the bytes read stay close to the rank's
-share.
+target names, padding, packing and dtype), keeps the target files that belong to the rank, and streams each of
+their tensors onto ``device`` (:func:`reshard.io.device_load.load_tensors`): allocated once there and filled row
+block by row block from positioned reads of only the source byte ranges it needs. On the CPU the blocks are read
+straight into the tensors; on another device they pass through two bounded host buffers (pinned for CUDA) and are
+cast on the device, so host memory stays bounded whatever the model. A column (dim 1) slice of a row-parallel
+weight is read row by row when each row's piece is at least 4 KiB (narrower pieces are read as whole rows, in
+bounded blocks: one call per tiny piece would cost more than the bytes), so the bytes read stay close to the
+rank's share.
 """
 
 from __future__ import annotations
@@ -52,13 +54,14 @@ def load_rank(src: str, to: str = "vllm", *, tp: int = 1, pp: int = 1, rank: int
 
     ``src``: any checkpoint reshard reads (a folder or ``hf://ORG/NAME``). ``dtype``: cast to ``"bf16"``,
     ``"fp16"``, ``"fp32"`` or a ``torch.dtype`` (default: keep the source's). ``device``: where the tensors are
-    placed. Other keyword ``options`` are :class:`reshard.layouts.base.Options` fields (``vocab_size``,
-    ``megatron_spec``, ``architecture``, ...). A ``torch_dist`` rank holds what a ``megatron`` (torch format) rank
-    does: the same module tensors, by their state-dict names.
+    placed (off the CPU: streamed through two bounded host buffers, :mod:`reshard.io.device_load`). Other keyword
+    ``options`` are :class:`reshard.layouts.base.Options` fields (``vocab_size``, ``megatron_spec``,
+    ``architecture``, ...). A ``torch_dist`` rank holds what a ``megatron`` (torch format) rank does: the same
+    module tensors, by their state-dict names.
     """
     from reshard.conversion import make_plan
-    from reshard.io.assemble import assemble
     from reshard.hub import open_source
+    from reshard.io.device_load import load_tensors
     from reshard.layouts.registry import get_layout
 
     _check_rank("tensor-parallel", rank, tp)
@@ -70,8 +73,6 @@ def load_rank(src: str, to: str = "vllm", *, tp: int = 1, pp: int = 1, rank: int
                    **options)
     with open_source(src, opts) as source:
         plan, _ = make_plan(source, view, opts)
-        tensors = {}
-        for target in rank_files(plan, to, {"tp": rank, "pp": pp_rank, "ep": ep_rank}, {"tp": tp, "pp": pp, "ep": ep}):
-            for tensor in target.tensors:
-                tensors[tensor.name] = assemble(tensor, source.files, allow_overflow=allow_cast_overflow).to(device)
-    return tensors
+        targets = rank_files(plan, to, {"tp": rank, "pp": pp_rank, "ep": ep_rank}, {"tp": tp, "pp": pp, "ep": ep})
+        return load_tensors([t for target in targets for t in target.tensors], source.files, device,
+                            allow_overflow=allow_cast_overflow)

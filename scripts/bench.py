@@ -133,6 +133,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--verify", action="store_true", help="also time `reshard verify` of each source against its "
                     "conversion, next to reading both and to that conversion, and `verify --forward --nproc 2` "
                     "with each process's peak RSS (scripts/bench_verify.py)")
+    ap.add_argument("--load-rank", action="store_true", help="also time reshard.load_rank of vLLM rank 0 at tp 1 and 2 "
+                    "to the CPU next to safetensors' load_file, with peak RSS (scripts/bench_load_rank.py)")
     ap.add_argument("--live", action="store_true", help="also time live resharding between gloo processes "
                     "(reshard.live.transfer and a naive all-gather baseline, peak RSS per rank; scripts/bench_live.py)")
     ap.add_argument("--keep", action="store_true", help="keep the outputs of the last repeat under OUT/outputs")
@@ -414,6 +416,13 @@ def main(argv: list[str] | None = None) -> int:
                 forward = measure_forward_row(src, work, logs, 2, args.timeout)
                 result.setdefault("verify_forward", []).append({"size": key, "model": args.model, **forward})
                 save()
+            if args.load_rank:
+                from bench_load_rank import measure as measure_load_rank
+
+                rows = measure_load_rank(src, "cpu", repeat=args.repeat, logs=logs / f"{key}-load-rank",
+                                         timeout=args.timeout, cache=args.cache)
+                result.setdefault("load_rank", []).extend({"size": key, **row} for row in rows)
+                save()
             if args.live:
                 from bench_live import measure as measure_live
 
@@ -438,6 +447,10 @@ def main(argv: list[str] | None = None) -> int:
 
         md += "\n\n## Verify (digest check, cold)\n\n" + render_verify(result["verify"]) + "\n"
         md += "\n## Verify --forward (--nproc 2)\n\n" + render_forward(result["verify_forward"]) + "\n"
+    if result.get("load_rank"):
+        from bench_load_rank import render as render_load_rank
+
+        md += "\n\n## load_rank (vLLM rank 0, to the CPU, cold)\n\n" + render_load_rank(result["load_rank"]) + "\n"
     if result.get("live"):
         from bench_live import render as render_live
 
