@@ -19,6 +19,7 @@ from reshard.hub import open_source
 from reshard.layouts.vision import drop_unheld, refuse_multimodal
 from reshard.layouts.base import SOURCE_OPTIONS, Options, Source, escapes_source, stored_dtype
 from reshard.layouts.registry import get_layout, refuse_unused_options
+from reshard.side_files import prune_auto_map
 from reshard.staging import check_destination, staged_output
 
 
@@ -103,16 +104,24 @@ def _warn(message: str) -> None:
 
 
 def write_side_files(source: Source, staging: str, plan: Plan, state: object, follow_symlinks: bool) -> None:
-    """Copy the tokenizer and generation-config files, then let the target layout write its own (last). A side file
-    that is a symlink out of the source (:func:`escapes_source`) is skipped with a warning unless
-    ``follow_symlinks``: the output, which ``--push-to`` uploads, holds no file from elsewhere."""
+    """Copy the side files (tokenizer, generation config, remote code: :mod:`reshard.side_files`), let the target
+    layout write its own (last), then drop an ``auto_map`` from the written config.json that names code the output
+    lacks, with a note in ``plan.notes``. A side file that is a symlink out of the source
+    (:func:`escapes_source`) is skipped with a warning unless ``follow_symlinks``: the output, which ``--push-to``
+    uploads, holds no file from elsewhere. An OS error copying one (ELOOP) is an OutputError, as a weight's."""
     for path in source.side_files:
         if not follow_symlinks and escapes_source(path, source.root):
             _warn(f"skipped {path}: a symlink to {os.path.realpath(path)}, outside the source (pass "
                   "--follow-symlinks to copy it)")
             continue
-        shutil.copy2(path, os.path.join(staging, os.path.basename(path)))
+        try:
+            shutil.copy2(path, os.path.join(staging, os.path.basename(path)))
+        except OSError as exc:
+            raise OutputError(os_error_message(exc, path)) from exc
     get_layout(plan.target_layout).finalize(staging, source, plan, state)
+    note = prune_auto_map(staging)
+    if note:
+        plan.notes.append(note)
 
 
 #: Below this many output bytes a second process costs more than it saves.

@@ -25,11 +25,12 @@ from reshard.io.safetensors_format import SafetensorsFile
 from reshard.io.tensorfile import TensorFile
 from reshard.io.torch_format import TorchFile
 from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, check_shape, chosen_architecture,
-                                  find_side_files, pack_by_size, read_json_object)
+                                  pack_by_size, read_json_object)
 from reshard.layouts.hf_config import read_meaning, without_dropped_settings, write_config as write_hf_config
 from reshard.layouts.hf_spelling import respell_read, respell_write
 from reshard.layouts.vision import unused_tower_tensor
 from reshard.mapping_vlm import family_for_architecture, flat_view, nested
+from reshard.side_files import find_side_files
 
 NAME = "hf"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; recomputed at run time
@@ -54,17 +55,10 @@ def read_config(path: str) -> dict:
     return read_json_object(os.path.join(path, "config.json"), "an HF checkpoint")
 
 
-def custom_code_files(path: str, config: dict) -> list[str]:
-    """The ``*.py`` modules config.json's ``auto_map`` names (``trust_remote_code`` models), to copy along."""
-    auto_map = config.get("auto_map")
-    if not isinstance(auto_map, dict):
-        return []
-    modules = set()
-    for value in auto_map.values():
-        for ref in value if isinstance(value, list) else [value]:
-            if isinstance(ref, str) and "--" not in ref and "." in ref:  # "repo--module.Class" is another repo
-                modules.add(ref.rsplit(".", 1)[0].replace(".", "/") + ".py")
-    return sorted(os.path.join(path, m) for m in modules if os.path.isfile(os.path.join(path, m)))
+def side_files(path: str, config: dict) -> list[str]:
+    """The side files of HF-style folder ``path`` whose config.json is ``config``: tokenizer, generation config
+    and the remote code ``auto_map`` names (:func:`reshard.side_files.find_side_files`)."""
+    return find_side_files([path], config)
 
 
 def architecture_of(config: dict, opts: Options, where: str = "config.json") -> str:
@@ -95,7 +89,7 @@ def open_source(path: str, opts: Options) -> Source:
     if not paths:
         raise CheckpointError(f"{path} has config.json but no *.safetensors or pytorch_model*.bin weights")
     files = [TorchFile(p) if p.endswith(".bin") else SafetensorsFile(p) for p in paths]
-    source = build_source(path, config, files, opts, find_side_files(path) + custom_code_files(path, config))
+    source = build_source(path, config, files, opts, side_files(path, config))
     skipped = sorted(n for n in os.listdir(path) if n.endswith(".safetensors") and is_other_format(n)
                      and os.path.join(path, n) not in paths)
     if skipped:

@@ -31,12 +31,13 @@ from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpe
 from reshard.layouts.hf import write_config
 from reshard.layouts.hf_config import read_meaning, without_dropped_settings, write_config as write_hf_config
 from reshard.layouts.megatron_folders import (  # noqa: F401  (_checkpoint_root, _label: for torch_dist, verify)
-    _RANK_DIR, _REMOTE_RANK_FILE, TRACKER, _checkpoint_root, _iteration_dir, _label, find_side_files_in,
+    _RANK_DIR, _REMOTE_RANK_FILE, TRACKER, _checkpoint_root, _iteration_dir, _label,
     iteration_folder, iteration_folder_name, side_folders, true_vocab_size)
 from reshard.layouts.megatron_args import RECORD_ONLY, args_from_meaning, meaning_from_args
 from reshard.layouts.vision import check_megatron_tower, megatron_vision, tower_views, unused_tower_tensor
 from reshard.mapping import Family, WeightSpec
 from reshard.mapping_vlm import family_for_architecture, flat_view, nested
+from reshard.side_files import find_side_files
 
 NAME = "megatron"
 RANK_FILE = "model_optim_rng.pt"
@@ -454,7 +455,7 @@ def open_source(path: str, opts: Options) -> Source:
             "vocab_divisor": getattr(args, "make_vocab_size_divisible_by", None), "dropped": dropped}
     return Source(layout=NAME, root=path, model=model, files=files, stored=stored,
                   degrees={"tp": tp, "pp": pp, **({"ep": ep_found, "etp": etp} if model.num_experts else {})},
-                  info=info, side_files=find_side_files_in(folders))
+                  info=info, side_files=find_side_files(folders, config))
 
 
 # ---------------------------------------------------------------------------------------------- writing

@@ -35,6 +35,7 @@ from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpe
 from reshard.layouts.dcp_chunks import chunk_tensors, slice_pieces
 from reshard.layouts.torch_dist_keys import (Location, expert_objects_missing, extra_state_keys, location, other_spelling,
                                              stacked_layers)
+from reshard.side_files import find_side_files
 
 NAME = "torch_dist"
 CONFIG = "metadata.json"
@@ -170,7 +171,7 @@ def open_source(path: str, opts: Options) -> Source:
                                      or info["saved_degrees"]["tp"])
     return Source(layout=NAME, root=path, model=model, files=file_list,
                   stored=[(position[id(f)], t) for f, t in stored], degrees=degrees, info=info,
-                  side_files=megatron.find_side_files_in(folders))
+                  side_files=find_side_files(folders, config))
 
 
 def _holds(index: _Index, family, config: dict, spec) -> bool:

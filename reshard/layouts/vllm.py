@@ -35,8 +35,8 @@ from reshard.io.regular import open_regular
 from reshard.io.safetensors_format import SafetensorsFile
 from reshard.layouts import hf
 from reshard.layouts.hf_config import read_meaning, without_dropped_settings
-from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, check_shape, find_side_files,
-                                  pack_by_size, stored_dtype)
+from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, check_shape, pack_by_size,
+                                  stored_dtype)
 from reshard.layouts.vision import check_tower_degrees, without
 from reshard.mapping import WeightSpec
 from reshard.mapping_vlm import family_for_architecture, flat_view
@@ -326,7 +326,7 @@ def open_source(path: str, opts: Options) -> Source:
     info = {"config": config, "padded_vocab": padded, "recorded_tp": recorded, "notes": notes,
             "dropped": [f"vLLM attention scale scalars ({', '.join(sorted(dropped))})"] if dropped else []}
     return Source(layout=NAME, root=path, model=model, files=files, stored=stored, degrees={"tp": tp, "pp": 1},
-                  info=info, side_files=find_side_files(path) + hf.custom_code_files(path, config))
+                  info=info, side_files=hf.side_files(path, config))
 
 
 # ---------------------------------------------------------------------------------------------- writing
