@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import errno
 import gc
 import hashlib
 import io
@@ -137,11 +138,23 @@ def _torch_load_meta(path: str, extra_globals: tuple = ()) -> Any:
             return torch.load(path, map_location="meta", weights_only=True)
     except pickle.UnpicklingError as exc:
         _refuse(path, exc)
-    except OSError:
-        raise
+    except OSError as exc:
+        if exc.errno != errno.EINVAL or exc.filename:  # a real OS error (ELOOP, EACCES, EIO): exit 3 as for any
+            raise
+        _unreadable(path, "torch's zip reader cannot parse it")  # its bare EINVAL for a truncated archive
+    except EOFError:
+        _unreadable(path, "it ends early")
     except Exception as exc:  # noqa: BLE001  a truncated zip, a corrupt pickle stream, a bad storage record...
-        first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
-        raise CheckpointError(f"{path}: not a readable torch checkpoint ({first})") from None
+        line = (str(exc).splitlines() or [""])[0]
+        _unreadable(path, re.split(r"(?<=[.!?])\s", line, maxsplit=1)[0].rstrip(".") or type(exc).__name__)
+
+
+def _unreadable(path: str, reason: str):
+    """Refuse ``path`` as an unreadable archive in one whole sentence: the reason (whole words) and the fix."""
+    if len(reason) > 160:
+        reason = reason[:160].rsplit(" ", 1)[0] + " ..."
+    raise CheckpointError(f"{path}: not a readable torch checkpoint ({reason}): the file is truncated or corrupt; "
+                          "copy it again from where it was saved, or save it again") from None
 
 
 def _location(t, path: str, name: str) -> TensorLocation:

@@ -21,8 +21,14 @@ from reshard.io.dcp import DcpTensor, DistcpFile
 from reshard.io.tensorfile import TensorFile, TensorLocation
 from reshard.layouts.torch_dist_keys import Location
 
-#: Top-level keys of a training checkpoint that are not model weights (torchtitan, FSDP2 with optimizer state).
-TRAINING_STATE = ("optimizer.", "lr_scheduler.", "dataloader.", "train_state.")
+#: Top-level keys of a training checkpoint that are not model weights (torchtitan, FSDP2 with optimizer state, and
+#: PyTorch's DCP recipe: ``{"model": ..., "optim": ...}``, also inside its ``app`` Stateful).
+TRAINING_STATE = ("optimizer.", "optim.", "lr_scheduler.", "dataloader.", "train_state.")
+
+
+def training_state(key: str) -> bool:
+    """Whether DCP key ``key`` lies under a training-state root (:data:`TRAINING_STATE`, or one inside ``app.``)."""
+    return key.removeprefix("app.").startswith(TRAINING_STATE)
 
 
 def data_file(files: dict[str, DistcpFile], folder: str, tensor: DcpTensor, relative: str) -> DistcpFile:

@@ -11,15 +11,21 @@ from reshard.io.dcp import DcpTensor, DistcpFile
 from reshard.io.tensorfile import TensorFile, TensorLocation
 from reshard.layouts import hf
 from reshard.layouts.base import Options, Source
-from reshard.layouts.dcp_chunks import TRAINING_STATE, StitchedFile, dcp_stored
+from reshard.layouts.dcp_chunks import StitchedFile, dcp_stored
 
 METADATA = ".metadata"
 
 
-def skipped_kinds(keys) -> list[str]:
-    """The training-state groups among ``keys`` (``optimizer``, ``lr_scheduler``, ...), for a note."""
-    return sorted({k.split(".")[0] for k in keys if k.startswith(TRAINING_STATE)} |
-                  ({"non-tensor items"} if any(not k.startswith(TRAINING_STATE) for k in keys) else set()))
+def dcp_root(key: str) -> str:
+    """The state-dict root DCP key ``key`` lies under: its first name (``optim``), or its first two inside the DCP
+    recipe's ``app`` Stateful (``app.optim``)."""
+    parts = key.split(".")
+    return ".".join(parts[:2]) if parts[0] == "app" and len(parts) > 1 else parts[0]
+
+
+def roots_note(roots) -> str:
+    """The one note naming the roots of a DCP folder that were skipped."""
+    return f"skipped {', '.join(sorted(roots))} (DCP roots not holding model weights)"
 
 
 def build_dcp_source(layout: str, root: str, folder: str, tensors: dict[str, DcpTensor], config: dict,

@@ -91,7 +91,7 @@ def open_source(root: str, opts: Options) -> Source:
     config_path = os.path.join(found_in, "config.json") if found_in else opts.config
     read = ds.read_tag(folder, master)
     ds.strip_peft(read.files, folder)
-    config = _tied(config, read, folder)
+    config = _tied(config, read, folder, opts)
     try:
         source = hf.build_source(folder, config, read.files, opts, find_side_files(beside))
     except CheckpointError as exc:
@@ -120,12 +120,12 @@ def open_source(root: str, opts: Options) -> Source:
     return source
 
 
-def _tied(config: dict, read: ds.TagRead, folder: str) -> dict:
+def _tied(config: dict, read: ds.TagRead, folder: str, opts: Options) -> dict:
     """``config`` tied when ``shared_params`` makes the family's head an alias of the embedding; other aliases
     are refused."""
     if not read.shared:
         return config
-    family = family_for_architecture(hf.architecture_of(config, Options()), None)
+    family = family_for_architecture(hf.architecture_of(config, opts), opts.mapping)
     head = next((s for s in family.weights if s.tied_to), None)
     for alias, owner in read.shared.items():
         alias, owner = alias.removeprefix(ds.PEFT_PREFIX), owner.removeprefix(ds.PEFT_PREFIX)

@@ -1,12 +1,13 @@
 """torch.distributed.checkpoint folders of HF-named models, as FSDP2, accelerate and the HF Trainer save them
 (reading): a folder with ``.metadata`` and ``__{rank}_{i}.distcp`` data files and no ``metadata.json`` (that one is
 Megatron's ``torch_dist``), given directly or as ``pytorch_model_fsdp_0/`` inside it (accelerate's / the HF
-Trainer's ``SHARDED_STATE_DICT`` in ``checkpoint-N/``). Model keys are HF names, bare (a plain
-``dcp.save(model.state_dict())``) or under one ``model.`` prefix (accelerate saves ``{"model": state_dict}``:
-``model.model.layers.0...``, ``model.lm_head.weight``), decided by matching the family's names, since HF names
-start with ``model.`` too. ``optimizer.*``, ``lr_scheduler.*``, ``dataloader.*``, ``train_state.*`` keys and byte
-items are skipped with a note. Chunks are FSDP2 ``Shard(0)`` pieces (``torch.chunk`` of dim 0, uneven allowed,
-no padding on disk), read in place (:mod:`reshard.layouts.dcp_chunks`).
+Trainer's ``SHARDED_STATE_DICT`` in ``checkpoint-N/``). Model keys are HF names under one of the roots PyTorch's
+recipes use (:data:`MODEL_PREFIXES`): bare (a plain ``dcp.save(model.state_dict())``), under ``model.``
+(accelerate's and the DCP recipe's ``{"model": sd, "optim": osd}``: ``model.model.layers.0...``) or under
+``app.model.`` (the DCP recipe's ``{"app": AppState}``), decided by matching the family's names, since HF names
+start with ``model.`` too. Other roots (``optim``, ``optimizer``, ``lr_scheduler``, ``app.optim``, ...) and byte
+items are skipped with one note naming them. Chunks are FSDP2 ``Shard(0)`` pieces (``torch.chunk`` of dim 0,
+uneven allowed, no padding on disk), read in place (:mod:`reshard.layouts.dcp_chunks`).
 
 Also accelerate's ``FULL_STATE_DICT`` file ``pytorch_model_fsdp.bin`` (a plain ``torch.save`` of HF names, read
 with reshard's restricted unpickler); FSDP1's ``LOCAL_STATE_DICT`` ``pytorch_model_fsdp_rank{r}.bin`` (flat
@@ -26,8 +27,8 @@ from reshard.io.heads import read_heads_while_torch_imports
 from reshard.io.torch_format import TorchFile
 from reshard.layouts import hf
 from reshard.layouts.base import Layout, Options, Source, find_side_files, training_config
-from reshard.layouts.dcp_chunks import TRAINING_STATE
-from reshard.layouts.dcp_source import METADATA, build_dcp_source, skipped_kinds
+from reshard.layouts.dcp_chunks import training_state
+from reshard.layouts.dcp_source import METADATA, build_dcp_source, dcp_root, roots_note
 from reshard.layouts import torchtitan
 from reshard.mapping_vlm import family_for_architecture
 
@@ -36,29 +37,43 @@ ACCELERATE_FOLDER = "pytorch_model_fsdp_0"
 FULL_STATE_DICT = "pytorch_model_fsdp.bin"
 LOCAL_STATE_DICT = re.compile(r"^pytorch_model_fsdp(_\d+)?_rank\d+\.bin$")
 MEGATRON_MARKER = "metadata.json"
-PREFIX = "model."
+#: Where PyTorch's recipes put the model in a DCP save: bare (``dcp.save(model.state_dict())``), ``{"model": sd}``
+#: (accelerate, the DCP recipe), the DCP recipe's ``{"app": AppState}`` (``state_dict()``: ``{"model", "optim"}``).
+MODEL_PREFIXES = ("", "model.", "app.model.")
 RESHARD_RECORD = "reshard.json"  # beside .metadata: a torchtitan folder reshard wrote
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 _STEP = re.compile(r"^step-\d+/$")
 
 
-def _strip_prefix(tensors: dict[str, DcpTensor], family, where: str) -> tuple[dict[str, DcpTensor], bool]:
-    """``tensors`` under HF names: as saved, or with one leading ``model.`` removed, whichever matches the
-    family's names (an HF model's own names start with ``model.`` too, so the prefix is decided by matching)."""
-    def unknown(names) -> list[str]:
-        return [n for n in names if match_template(family, n, stored=True) is None
-                and not n.endswith(hf.IGNORED_SUFFIXES)
-                and all(template_layer(t, n) is False for t in family.hf_ignore)]
+def _known(family, name: str) -> bool:
+    return (match_template(family, name, stored=True) is not None or name.endswith(hf.IGNORED_SUFFIXES)
+            or any(template_layer(t, name) is not False for t in family.hf_ignore))
 
-    bare = unknown(tensors)
-    if not bare:
-        return tensors, False
-    if all(k.startswith(PREFIX) for k in tensors):
-        stripped = {k[len(PREFIX):]: t for k, t in tensors.items()}
-        if not unknown(stripped):
-            return stripped, True
-    raise CheckpointError(f"{where}: tensor '{bare[0]}' is not a weight of mapping '{family.name}' (bare or under "
-                          "one 'model.' prefix): the config is another model's, or pass --mapping FILE for this one")
+
+def model_tensors(tensors: dict[str, DcpTensor], objects, family, where: str):
+    """``(model tensors under HF names, the prefix they were under, the other roots, the model's byte items)``.
+    The prefix (:data:`MODEL_PREFIXES`) is the one under which most keys are the family's names (HF names start
+    with ``model.`` too, so it is decided by matching); every key under it must be one, keys elsewhere are other
+    roots (``optim``, ``lr_scheduler``, ...), skipped."""
+    counts = {p: sum(k.startswith(p) and _known(family, k[len(p):]) for k in tensors) for p in MODEL_PREFIXES}
+    prefix = max(MODEL_PREFIXES, key=lambda p: counts[p])  # the first of equals: bare before model.
+    if not counts[prefix]:
+        stray = next(k for k in tensors if not training_state(k))
+        raise CheckpointError(f"{where}: tensor '{stray}' is not a weight of mapping '{family.name}' (bare or "
+                              f"under {' or '.join(repr(p) for p in MODEL_PREFIXES if p)}): the config is another "
+                              "model's, or pass --mapping FILE for this one")
+    roots = {k.split(".")[0] for k in tensors if _known(family, k)}
+
+    def inside(key: str) -> bool:
+        return key.startswith(prefix) if prefix else key.split(".")[0] in roots
+
+    named = {k[len(prefix):]: t for k, t in tensors.items() if inside(k)}
+    bad = next((k for k in named if not _known(family, k)), None)
+    if bad is not None:
+        raise CheckpointError(f"{where}: tensor '{prefix}{bad}' is not a weight of mapping '{family.name}': the "
+                              "config is another model's, or pass --mapping FILE for this one")
+    others = sorted({dcp_root(k) for k in [*tensors, *objects] if not inside(k)})
+    return named, prefix, others, [k for k in objects if inside(k)]
 
 
 def config_folders(root: str) -> list[str]:
@@ -73,24 +88,25 @@ def looks_torchtitan(keys) -> bool:
 
 def open_dcp_folder(root: str, folder: str, opts: Options) -> Source:
     tensors, objects = read_metadata(folder)
-    model_keys = {k: t for k, t in tensors.items() if not k.startswith(TRAINING_STATE)}
-    if looks_torchtitan(model_keys):
+    if looks_torchtitan({k for k in tensors if not training_state(k)}):
         return torchtitan.open_source(root, opts)
-    if not model_keys:
-        raise CheckpointError(f"{folder} holds no model tensors (only {', '.join(skipped_kinds(tensors))}): pass the "
-                              f"folder of the model's weights (accelerate's {ACCELERATE_FOLDER}/)")
+    if all(training_state(k) for k in tensors):
+        roots = ", ".join(sorted({dcp_root(k) for k in [*tensors, *objects]}))
+        raise CheckpointError(f"{folder} holds no model tensors (only {roots}): pass the folder of the model's "
+                              f"weights (accelerate's {ACCELERATE_FOLDER}/)")
     config, config_folder = training_config(config_folders(root), opts, "a torch.distributed.checkpoint folder")
     family = family_for_architecture(hf.architecture_of(config, opts), opts.mapping)
-    named, prefixed = _strip_prefix(model_keys, family, folder)
-    skipped = skipped_kinds(set(tensors) - set(model_keys) | set(objects))
+    named, prefix, others, items = model_tensors(tensors, objects, family, folder)
     notes = [f"read {os.path.relpath(folder, root) if folder != root else 'the folder'} (torch.distributed."
-             f"checkpoint, {'model.-prefixed ' if prefixed else ''}HF names)"]
-    if skipped:
-        notes.append(f"skipped {', '.join(skipped)} (not model weights)")
+             f"checkpoint, HF names{f' under {prefix!r}' if prefix else ''})"]
+    if others:
+        notes.append(roots_note(others))
+    if items:
+        notes.append(f"skipped {len(items)} non-tensor item(s) among the model's keys (e.g. {items[0]})")
     read_heads_while_torch_imports(sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".distcp")))
     sides = find_side_files(config_folder) if config_folder else []
     source = build_dcp_source(NAME, root, folder, named, config, opts, sides, notes)
-    source.info.update(keys="model.<HF name>" if prefixed else "<HF name>", skipped=skipped)
+    source.info.update(keys=f"{prefix}<HF name>", skipped=others + (["non-tensor items"] if items else []))
     return source
 
 

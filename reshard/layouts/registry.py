@@ -7,16 +7,22 @@ Everything that needs to know the layouts asks here: the CLI's ``--to`` choices 
 included), or calls :func:`register_layout` in its own process. A name is never silently replaced: registering
 a taken name is an error naming who has it (``replace=True`` is explicit), and an entry point that clashes with
 a layout already registered, or fails to import, is skipped with a warning.
+
+:func:`open_checkpoint` also reads the architecture name transformers writes into config.json under FSDP2
+(``FSDPLlamaForCausalLM``) as its base class, for every layout described by an HF config.json.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
 from collections.abc import Collection
+from dataclasses import replace
 
 from reshard.errors import CheckpointError, PlanError, ReshardError
+from reshard.io.regular import open_regular
 from reshard.layouts.base import TARGET_OPTION_REASONS, TARGET_OPTIONS, Layout, Options, Source, import_string
 
 BUILTIN = {
@@ -34,6 +40,9 @@ ENTRY_POINT_GROUP = "reshard.layouts"
 _NAME = re.compile(r"^[a-z][a-z0-9_.-]*$")
 #: How deep a local folder is listed for detection (root/iter_0000100/mp_rank_00/model_optim_rng.pt).
 LISTING_DEPTH = 3
+#: The layouts whose model is described by a Hugging Face config.json (where transformers' FSDP2 name can be).
+HF_CONFIG_LAYOUTS = ("hf", "dcp", "torchtitan", "deepspeed", "vllm")
+FSDP_PREFIX = "FSDP"
 
 _targets: dict[str, type[Layout] | str] = dict(BUILTIN)
 _origins: dict[str, str] = {name: "reshard (built in)" for name in BUILTIN}
@@ -205,9 +214,88 @@ def detect(path: str) -> Layout:
         raise CheckpointError(f"{path} does not exist")
     if not os.path.isdir(path):
         raise CheckpointError(f"{path} is not a folder: pass the checkpoint folder")
-    return detect_in(folder_listing(path), path)
+    names = folder_listing(path)
+    try:
+        return detect_in(names, path)
+    except CheckpointError:
+        from reshard.layouts.torchtitan import incomplete_step
+
+        message = incomplete_step(path, names)
+        if message:
+            raise CheckpointError(message) from None
+        raise
+
+
+def _config_architecture(path: str, opts: Options) -> tuple[dict, str] | None:
+    """``(config, the architecture it names)`` of the HF config a layout reads for ``path``: ``--config``, else
+    ``config.json`` in ``path``, else in its parent (a DCP ``pytorch_model_fsdp_0/``); None where there is none
+    (the layout itself reports a missing or unreadable one)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    candidates = [opts.config] if opts.config else [os.path.join(path, "config.json"),
+                                                    os.path.join(parent, "config.json")]
+    for candidate in candidates:
+        if not os.path.isfile(candidate):
+            continue
+        try:
+            with open_regular(candidate, "rb") as f:
+                config = json.loads(f.read())
+        except (OSError, ValueError, ReshardError):
+            return None
+        archs = config.get("architectures") if isinstance(config, dict) else None
+        return (config, archs[0]) if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+    return None
+
+
+def fsdp_base_architecture(named: str, opts: Options, config: dict) -> str | None:
+    """The model class of ``named`` where it is the name transformers writes under FSDP2 (``FSDP`` + the class:
+    ``FSDPLlamaForCausalLM``, transformers issue 40750) and reshard knows that class but not ``named``; else None."""
+    from reshard.mapping_vlm import family_for_architecture
+
+    base = named[len(FSDP_PREFIX):]
+    if not named.startswith(FSDP_PREFIX) or not base[:1].isupper():
+        return None
+    known = []
+    for name in (named, base):
+        try:
+            family_for_architecture(name, opts.mapping, config)
+            known.append(name)
+        except ReshardError:
+            pass
+    return base if known == [base] else None
+
+
+def _open_fsdp_named(layout: Layout, path: str, opts: Options) -> Source | None:
+    """``path`` opened with its config's FSDP2 architecture name read as the base class
+    (:func:`fsdp_base_architecture`) with a note, the outputs then naming the base class; None where the config
+    names no such class, ``--architecture`` names a third one, or the layout read another config (then the layout
+    decides, as for any forced architecture)."""
+    if layout.name not in HF_CONFIG_LAYOUTS:
+        return None
+    found = _config_architecture(path, opts)
+    base = found and fsdp_base_architecture(found[1], opts, found[0])
+    if not base or opts.architecture not in (None, base, found[1]):
+        return None
+    named = found[1]
+    # chosen_architecture refuses a forced name other than the config's unless relabelling is allowed: here it is
+    # the same class under its FSDP2 name, so the relabel is allowed for this open only, and its note replaced.
+    source = layout.open(path, replace(opts, architecture=base,
+                                       allow_lossy_config=(*opts.allow_lossy_config, "architecture")))
+    relabel = f"relabelled {named} as {base} (--allow-lossy-config architecture)"
+    notes = source.info.setdefault("notes", [])
+    if relabel not in notes:  # the layout read a config naming another class: no relabel is allowed for that
+        source.close()
+        return None
+    notes[:] = [f"architecture {named} read as {base} (the name transformers writes under FSDP2)"] + \
+        [n for n in notes if n != relabel]
+    for config in (source.model.config, source.info.get("config")):
+        if isinstance(config, dict) and config.get("architectures", [None])[:1] == [named]:
+            config["architectures"] = [base, *config["architectures"][1:]]
+    return source
 
 
 def open_checkpoint(path: str, opts: Options | None = None) -> Source:
-    """Detect the layout of local folder ``path`` and open it as a canonical view."""
-    return detect(path).open(path, opts or Options())
+    """Detect the layout of local folder ``path`` and open it as a canonical view (an FSDP2-written architecture
+    name read as its base class: :func:`_open_fsdp_named`)."""
+    opts = opts or Options()
+    layout = detect(path)
+    return _open_fsdp_named(layout, path, opts) or layout.open(path, opts)

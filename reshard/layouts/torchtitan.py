@@ -2,8 +2,9 @@
 
 Reading: a root whose ``step-N/`` folders each hold ``.metadata`` and ``__{rank}_{i}.distcp`` (the newest step
 that has ``.metadata`` is read: torchtitan writes it last), or a ``step-N/`` folder itself. Model keys are at the
-top level in torchtitan's names, either spelling (:mod:`torchtitan_names`); a full checkpoint's ``optimizer.*``,
-``lr_scheduler.*``, ``dataloader.*``, ``train_state.*`` keys and a ``freqs_cis`` buffer are skipped with a note.
+top level in torchtitan's names, either spelling (:mod:`torchtitan_names`); a full checkpoint's other roots
+(``optimizer``, ``lr_scheduler``, ``dataloader``, ``train_state``, byte items) are skipped with one note naming them,
+a ``freqs_cis`` buffer with another.
 Llama-family ``wq`` / ``wk`` rows are in Meta's interleaved-RoPE order, Qwen3's in HF's order; Qwen3 MoE
 (stacked experts) is refused. torchtitan saves no model config: ``--config`` (the HF config.json) is required,
 except for a folder reshard wrote (its ``config.json`` beside ``reshard.json``).
@@ -33,8 +34,8 @@ from reshard.io.partial import replace_with_text
 from reshard.layouts import hf
 from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, find_side_files, pack_by_size,
                                   read_json_object, stored_dtype)
-from reshard.layouts.dcp_chunks import TRAINING_STATE
-from reshard.layouts.dcp_source import METADATA, build_dcp_source, skipped_kinds
+from reshard.layouts.dcp_chunks import training_state
+from reshard.layouts.dcp_source import METADATA, build_dcp_source, dcp_root, roots_note
 from reshard.layouts.torchtitan_names import FAMILIES, hf_name, titan_name
 from reshard.mapping_vlm import family_for_architecture
 
@@ -61,6 +62,23 @@ def step_folder(path: str) -> tuple[str, str, list[str]]:
     return os.path.join(path, newest), newest, notes
 
 
+def incomplete_step(path: str, names) -> str | None:
+    """The one-line refusal of a ``step-N`` folder named directly whose save did not finish (``.distcp`` data,
+    no ``.metadata``: torchtitan writes it last), naming the complete steps beside it; None for another folder.
+    ``names``: the folder's listing."""
+    if not _STEP.match(os.path.basename(os.path.normpath(path))) or METADATA in names \
+            or not any(n.endswith(".distcp") and "/" not in n for n in names):
+        return None
+    parent = os.path.dirname(os.path.abspath(path))
+    complete = sorted((int(m.group(1)), n) for n in os.listdir(parent)
+                      if (m := _STEP.match(n)) and os.path.isfile(os.path.join(parent, n, METADATA)))
+    fix = (f"name a complete step ({', '.join(n for _, n in complete)}) or the parent folder {parent} to read "
+           f"the newest complete one" if complete else
+           f"no step of {parent} is complete: save the checkpoint again")
+    return (f"{path} is an incomplete torchtitan step: it has .distcp data but no {METADATA} (torchtitan writes it "
+            f"last, so the save was interrupted); {fix}")
+
+
 def titan_family(config: dict, opts: Options, where: str):
     family = family_for_architecture(hf.architecture_of(config, opts, where), opts.mapping)
     if family.name not in FAMILIES:
@@ -81,10 +99,10 @@ def open_source(path: str, opts: Options) -> Source:
     config = read_json_object(config_path, "a torchtitan checkpoint")
     family = titan_family(config, opts, config_path)
     tensors, objects = read_metadata(folder)
-    named, spellings, skipped = {}, set(), set(objects)
+    named, spellings, skipped = {}, set(), {dcp_root(k) for k in objects}
     for key, tensor in tensors.items():
-        if key.startswith(TRAINING_STATE):
-            skipped.add(key)
+        if training_state(key):
+            skipped.add(dcp_root(key))
             continue
         found = hf_name(key, folder)
         if found is None:
@@ -97,10 +115,10 @@ def open_source(path: str, opts: Options) -> Source:
         named[name] = tensor
         spellings.add(spelling)
     if not named:
-        raise CheckpointError(f"{folder} holds no model tensors (only {', '.join(skipped_kinds(skipped))})")
-    kinds = skipped_kinds(skipped)
-    if kinds:
-        notes.append(f"skipped {', '.join(kinds)} (not model weights)")
+        raise CheckpointError(f"{folder} holds no model tensors (only {', '.join(sorted(skipped))}): pass a step "
+                              "saved with the model's weights")
+    if skipped:
+        notes.append(roots_note(skipped))
     read_heads_while_torch_imports(sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".distcp")))
     sides = find_side_files(os.path.dirname(os.path.abspath(config_path)))  # the HF assets torchtitan was given
     source = build_dcp_source(NAME, path, folder, named, config, opts, sides, notes, interleaved=FAMILIES[family.name])
