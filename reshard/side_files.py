@@ -18,9 +18,14 @@ import stat
 
 from reshard.errors import CheckpointError, OutputError, os_error_message
 from reshard.io.regular import open_regular
-from reshard.layouts.base import SIDE_FILES
 
-#: Tokenizer files transformers looks for by name, besides :data:`reshard.layouts.base.SIDE_FILES`.
+#: Non-weight files that travel with a checkpoint (tokenizer, generation config).
+SIDE_FILES = (
+    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+    "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",
+    "chat_template.json", "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
+)
+#: Tokenizer files transformers looks for by name, besides :data:`SIDE_FILES`.
 STANDARD = SIDE_FILES + ("tiktoken.model", "vocab.txt", "spiece.model", "sentencepiece.bpe.model",
                          "tokenizer.tiktoken", "qwen.tiktoken")
 #: Names a side file never has: the files each layout writes itself.

@@ -229,8 +229,6 @@ def test_a_truncated_zero_file_is_one_whole_sentence(llama, tmp_path, capsys, ke
         assert "(PytorchStreamReader failed reading zip archive: failed finding central directory)" in line
 
 
-@pytest.mark.xfail(strict=True, reason="needs reshard/layouts/base.py stored_dtype to keep the source dtype of a "
-                                       "pinned tensor without --dtype (issue 42 item 6a; see the report)")
 def test_router_bias_keeps_its_dtype_hf_to_hf(tmp_path):
     """(a) A bf16 DeepSeek-V3 checkpoint: e_score_correction_bias stays bf16 in hf -> hf without --dtype."""
     from safetensors.torch import load_file, save_file

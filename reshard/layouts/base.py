@@ -10,18 +10,12 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from reshard import side_files
 from reshard.core.canonical import CanonicalModel
 from reshard.core.pieces import StoredTensor
 from reshard.errors import CheckpointError, PlanError
 from reshard.io.regular import open_regular
 from reshard.io.tensorfile import TensorFile
-
-# Non-weight files that travel with a checkpoint (tokenizer, generation config).
-SIDE_FILES = (
-    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
-    "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",
-    "chat_template.json", "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
-)
 
 
 #: Options only some targets write with: Options field -> (the command-line flag, its value when not given).
@@ -153,8 +147,8 @@ def training_config(folders: list[str], opts: Options, kind: str) -> tuple[dict,
     refused (``kind`` names the checkpoint in the message)."""
     if opts.config:
         return read_json_object(opts.config, "--config"), None
-    for folder in folders:
-        if os.path.isfile(os.path.join(folder, "config.json")):
+    for folder in folders:  # a symlink loop is an OS error (exit 3), not a missing file
+        if side_files.is_file(os.path.join(folder, "config.json")):
             return read_json_object(os.path.join(folder, "config.json"), kind), folder
     raise CheckpointError(f"{folders[0]}: {kind} holds no model config and there is no config.json beside it: pass "
                           "--config FILE (the model's Hugging Face config.json)")
@@ -177,7 +171,8 @@ def stored_dtype(model: CanonicalModel, tensor: StoredTensor, opts: Options, def
     """The dtype a target tensor is written in: its own fixed dtype (constants), else --dtype, else the dtype of
     the source tensor it comes from (``default`` for one without a canonical source)."""
     canon = next((p.canonical for p in tensor.pieces if p.canonical), None)
-    pinned = model.tensors[canon].spec.dtype if canon in model.tensors else None  # a router's fp32 bias
+    # a router's fp32 bias: kept fp32 under --dtype; without --dtype ("keep") it keeps the source's dtype
+    pinned = model.tensors[canon].spec.dtype if canon in model.tensors and opts.dtype else None
     return tensor.dtype or pinned or opts.dtype or model.dtypes.get(canon, default)
 
 
@@ -196,8 +191,10 @@ def pack_by_size(tensors: list, nbytes_of, limit: int) -> list[list]:
     return files
 
 
-def find_side_files(folder: str) -> list[str]:
-    return [os.path.join(folder, n) for n in SIDE_FILES if os.path.isfile(os.path.join(folder, n))]
+def find_side_files(folder: str, config: dict | None = None) -> list[str]:
+    """The side files of ``folder`` for a model whose config.json is ``config``: tokenizer files, the remote code
+    ``auto_map`` names, and what that code declares (:func:`reshard.side_files.find_side_files`)."""
+    return side_files.find_side_files([folder], config)
 
 
 def _within(path: str, folder: str) -> bool:

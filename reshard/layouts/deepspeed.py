@@ -93,7 +93,7 @@ def open_source(root: str, opts: Options) -> Source:
     ds.strip_peft(read.files, folder)
     config = _tied(config, read, folder, opts)
     try:
-        source = hf.build_source(folder, config, read.files, opts, find_side_files(beside))
+        source = hf.build_source(folder, config, read.files, opts, find_side_files(beside, config))
     except CheckpointError as exc:
         if "is missing" in str(exc) and not read.frozen and read.stage != "universal":
             raise CheckpointError(f"{exc}: frozen parameters were excluded when saving "

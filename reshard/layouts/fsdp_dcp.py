@@ -104,7 +104,7 @@ def open_dcp_folder(root: str, folder: str, opts: Options) -> Source:
     if items:
         notes.append(f"skipped {len(items)} non-tensor item(s) among the model's keys (e.g. {items[0]})")
     read_heads_while_torch_imports(sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".distcp")))
-    sides = find_side_files(config_folder) if config_folder else []
+    sides = find_side_files(config_folder, config) if config_folder else []
     source = build_dcp_source(NAME, root, folder, named, config, opts, sides, notes)
     source.info.update(keys=f"{prefix}<HF name>", skipped=others + (["non-tensor items"] if items else []))
     return source
@@ -121,7 +121,7 @@ def open_source(path: str, opts: Options) -> Source:
         bin_path = os.path.join(path, FULL_STATE_DICT)
         read_heads_while_torch_imports([bin_path])
         source = hf.build_source(path, config, [TorchFile(bin_path)], opts,
-                                 find_side_files(config_folder) if config_folder else [])
+                                 find_side_files(config_folder, config) if config_folder else [])
         source.layout = NAME
         source.info["notes"].append(f"read {FULL_STATE_DICT} (accelerate FULL_STATE_DICT, HF names)")
         source.info["folder"] = path

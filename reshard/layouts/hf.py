@@ -148,7 +148,7 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
     tied = bool(config.get("tie_word_embeddings", not has_output)) if output_spec else False
     if output_spec and "tie_word_embeddings" not in config and not has_output:
         notes.append(f"config.json has no tie_word_embeddings and there is no {output_spec.hf_name}: taken as tied "
-                     "(transformers' default is untied; add \"tie_word_embeddings\": true to say so)")
+                     "(the weights hold no separate head; add \"tie_word_embeddings\": true to say so)")
     mtp = _mtp_layers_held(family, config, {layer for _, layer in matched.values()}, notes)
     model = build_canonical(family, config, present, tied, mtp)
     model.meaning = read_meaning(config, family, architecture, model.dims, present, tied, path).replace(

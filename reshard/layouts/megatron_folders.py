@@ -10,7 +10,7 @@ import re
 
 from reshard.errors import CheckpointError
 from reshard.io.regular import open_regular
-from reshard.layouts.base import Options, find_side_files
+from reshard.layouts.base import Options
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
@@ -76,15 +76,6 @@ def side_folders(path: str, iter_dir: str) -> list[str]:
 
 
 _checkpoint_root = side_folders  # the forward verifier's name for it
-
-
-def find_side_files_in(folders: list[str]) -> list[str]:
-    """The side files of ``folders``, the first folder's where several hold the same name."""
-    found: dict[str, str] = {}
-    for folder in folders:
-        for path in find_side_files(folder):
-            found.setdefault(os.path.basename(path), path)
-    return list(found.values())
 
 
 def true_vocab_size(args, opts: Options, folders: str | list[str]) -> int:

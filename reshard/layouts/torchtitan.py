@@ -120,7 +120,7 @@ def open_source(path: str, opts: Options) -> Source:
     if skipped:
         notes.append(roots_note(skipped))
     read_heads_while_torch_imports(sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".distcp")))
-    sides = find_side_files(os.path.dirname(os.path.abspath(config_path)))  # the HF assets torchtitan was given
+    sides = find_side_files(os.path.dirname(os.path.abspath(config_path)), config)  # the HF assets torchtitan was given
     source = build_dcp_source(NAME, path, folder, named, config, opts, sides, notes, interleaved=FAMILIES[family.name])
     source.info.update(step=step, names=" + ".join(sorted(spellings - {None})) or "either",
                        rope_order="interleaved (Meta)" if FAMILIES[family.name] else "rotate-half (HF)")
