@@ -111,11 +111,11 @@ def forward_rows(work: Path) -> list[dict]:
     return rows
 
 
-def helper_rows(module: str, work: Path) -> list[dict]:
-    """``rows(work)`` of a sibling script (scripts/gpu_check_live.py, ...)."""
+def helper_rows(module: str, work: Path, **kwargs) -> list[dict]:
+    """``rows(work, **kwargs)`` of a sibling script (scripts/gpu_check_live.py, ...)."""
     import importlib
 
-    return importlib.import_module(module).rows(work)
+    return importlib.import_module(module).rows(work, **kwargs)
 
 
 def bench_rows(work: Path, size: float, cache: Path) -> list[dict]:
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     sections = [("demo", lambda: demo_rows(work)), ("forward", lambda: forward_rows(work)),
                 ("forward_memory", lambda: helper_rows("gpu_check_forward", work)),
                 ("live", lambda: helper_rows("gpu_check_live", work)),
-                ("load_rank", lambda: helper_rows("bench_load_rank", work)),
+                ("load_rank", lambda: helper_rows("bench_load_rank", work, size_gib=args.size)),
                 ("bench", lambda: bench_rows(work, args.size, cache))]
     import torch
 
