@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from reshard.config_defaults import check_defaults, parse_table, with_defaults
 from reshard.errors import MappingError
 
 SPLIT_KINDS = ("replicated", "column", "row", "vocab", "qkv", "gate_up")
@@ -98,7 +99,7 @@ class DecoderFeatures:
 CONFIG_KEYS = {"norm_eps", "activation", "max_positions", "attn_softcap", "final_softcap", "query_scale",
                "rope_local_theta", "bias_groups", "architectures"}
 ARCH_CONFIG_KEYS = {"model_type", "other_model_types", "biases", "window", "window_pattern", "rotary_fraction",
-                    "requires"}
+                    "requires", "defaults"}
 BIAS_GROUPS = ("qkv", "o", "mlp")
 #: How an architecture's config.json spells a sliding window: ``none`` (it has none), ``all_layers``
 #: (``sliding_window`` applies to every layer, Mistral), ``layer_types`` (``use_sliding_window``,
@@ -114,7 +115,7 @@ class ArchitectureConfig:
     ``requires``: config keys whose other values change the computation in a way reshard does not carry
     (refused on read, e.g. GPT-2's ``scale_attn_by_inverse_layer_idx = false``); ``other_model_types``: other
     ``model_type`` values checkpoints of the architecture carry (Kimi-K2's ``kimi_k2``), kept as the source has
-    them."""
+    them; ``defaults``: its transformers config class's defaults for the keys reshard reads."""
 
     model_type: str
     other_model_types: tuple[str, ...] = ()
@@ -123,6 +124,7 @@ class ArchitectureConfig:
     rotary_fraction: bool = False
     requires: tuple[tuple[str, object], ...] = ()
     window_pattern: int | None = None
+    defaults: tuple[tuple[str, object], ...] = ()  # its transformers config class's defaults (config_defaults.py)
 
 
 @dataclass(frozen=True)
@@ -312,7 +314,8 @@ class Family:
         return next((k for k in key if config is not None and lookup(config, k) is not None), key[0])
 
     def resolve_dims(self, config: dict) -> dict[str, int]:
-        """Bind every dimension symbol to an integer from an HF-style config dict."""
+        """Bind every dimension symbol to an integer from an HF-style config dict (its class's defaults filled)."""
+        config = with_defaults(self, config)
         values: dict[str, int] = {}
         pending = dict(self.dims)
         for _ in range(len(pending) + 1):
@@ -567,12 +570,14 @@ def parse_family(data: dict, source: str) -> Family:
         if w.copy_of and w.copy_of not in names:
             raise MappingError(f"{source}: {w.hf} is a copy of unknown weight '{w.copy_of}'")
     _check_packs(weights, source)
-    return Family(name=fam["name"], description=fam.get("description", ""),
-                  architectures=tuple(fam["architectures"]), dims=dims, weights=tuple(weights),
-                  extra_state=extra_state, source=source, vllm_scales=vllm_scales, decoder=decoder,
-                  config=config, hf_ignore=tuple(hf_table.get("ignore", ())), moe=dict(moe),
-                  hf_optional_prefix=hf_table.get("optional_prefix", ""),
-                  vllm_tied_name=vllm.get("tied_name"), mla=dict(mla), mtp=dict(mtp))
+    family = Family(name=fam["name"], description=fam.get("description", ""),
+                    architectures=tuple(fam["architectures"]), dims=dims, weights=tuple(weights),
+                    extra_state=extra_state, source=source, vllm_scales=vllm_scales, decoder=decoder,
+                    config=config, hf_ignore=tuple(hf_table.get("ignore", ())), moe=dict(moe),
+                    hf_optional_prefix=hf_table.get("optional_prefix", ""),
+                    vllm_tied_name=vllm.get("tied_name"), mla=dict(mla), mtp=dict(mtp))
+    check_defaults(family)
+    return family
 
 
 def _parse_decoder(table: dict, source: str) -> DecoderFeatures:
@@ -610,7 +615,9 @@ def _parse_config(table: dict, source: str, architectures: tuple[str, ...]) -> C
                                                window=entry.get("window", "none"),
                                                rotary_fraction=bool(entry.get("rotary_fraction", False)),
                                                requires=tuple(sorted(entry.get("requires", {}).items())),
-                                               window_pattern=entry.get("window_pattern"))))
+                                               window_pattern=entry.get("window_pattern"),
+                                               defaults=parse_table(entry.get("defaults", {}), source,
+                                                                    f"{where[:-1]}.defaults]"))))
     return ConfigSpelling(norm_eps=table.get("norm_eps", "rms_norm_eps"),
                           activation=table.get("activation", "hidden_act"),
                           max_positions=table.get("max_positions", "max_position_embeddings"),

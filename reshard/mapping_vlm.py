@@ -20,23 +20,27 @@ import functools
 import tomllib
 from dataclasses import dataclass
 
+from reshard.config_defaults import (NESTED, ConfigDefaults, check_vlm_defaults, family_defaults, parse_vlm_defaults,
+                                     with_defaults)
 from reshard.errors import MappingError, PlanError
 from reshard.mapping import (DIM_KEYS, PACK_SLOTS, SPLIT_KINDS, Family,
                              WeightSpec, _check_keys, _suggest, evaluate, load_shipped, lookup,
                              shipped_mapping_names, text_architectures, text_family_for_architecture)
 
-VLM_TOP_KEYS = {"family", "text", "vision", "dims", "hf", "megatron", "tower"}
+VLM_TOP_KEYS = {"family", "text", "vision", "dims", "hf", "megatron", "tower", "config"}
 TEXT_KEYS = {"family", "architecture", "config", "hf", "vllm", "megatron"}
 VISION_KEYS = {"blocks", "deepstack", "used_blocks", "megatron_default", "megatron_refused", "vllm_data"}
 VLM_HF_KEYS = {"read", "v5"}
+#: ``[config]``: the config classes of ``text_config`` / ``vision_config`` and their defaults (config_defaults.py).
+VLM_CONFIG_KEYS = {"text_config", "vision_config", "defaults"}
 TOWER_KEYS = {"hf", "split", "slot", "shape", "heads", "hf_stored", "hf_transposed", "optional", "vllm",
               "vllm_transposed", "megatron_hf", "split_megatron_hf", "megatron_native", "megatron_native_te",
               "megatron_native_local", "split_native", "absent_in", "megatron_shape",
               "vllm_text_only"}
 MEGATRON_VISIONS = ("hf", "native")
 ABSENT_LAYOUTS = ("vllm", "megatron_native")
-#: Where the source's nested config.json is kept inside a flat view (never written out: :func:`nested`).
-NESTED = "__reshard_nested_config__"
+# NESTED (config_defaults.py): where the source's nested config.json is kept inside a flat view (never written
+# out: :func:`nested`).
 #: Top-level keys of a VLM config that stay the VLM's own when the text config has them too.
 VLM_OWN = ("architectures", "model_type")
 
@@ -60,6 +64,7 @@ class Multimodal:
     extra_state_native: tuple[tuple[str, tuple[str, ...]], ...] = ()  # megatron spec -> the native tower's
     extra_state_hf: tuple[tuple[str, tuple[str, ...]], ...] = ()  # ... and the HF-module layout's (Gemma 3's)
     vllm_data: bool = False  # vLLM's model supports mm_encoder_tp_mode="data" (the tower whole on every rank)
+    defaults: ConfigDefaults = ConfigDefaults()  # the config classes' defaults (the file's, then its text family's)
 
     def refusal(self, vision: str) -> str | None:
         return dict(self.megatron_refused).get(vision)
@@ -121,7 +126,8 @@ def is_vlm_data(data: dict) -> bool:
 def check_vlm_file(data: dict, source: str) -> None:
     """Validate a VLM mapping file's tables (the weights are validated when composed)."""
     _check_keys(source, "the top level", data, VLM_TOP_KEYS)
-    for table, valid in (("text", TEXT_KEYS), ("vision", VISION_KEYS), ("hf", VLM_HF_KEYS)):
+    for table, valid in (("text", TEXT_KEYS), ("vision", VISION_KEYS), ("hf", VLM_HF_KEYS),
+                         ("config", VLM_CONFIG_KEYS)):
         _check_keys(source, f"[{table}]", data.get(table, {}), valid)
     if "family" not in data["text"]:
         raise MappingError(f"{source}: [text] needs family (the text family's mapping name)")
@@ -209,7 +215,9 @@ def compose(data: dict, source: str, config: dict) -> Family:
     for sym, entry in data.get("dims", {}).items():
         key = entry["key"]
         dims[sym] = (key if isinstance(key, str) else tuple(key), entry.get("default"))
+    defaults = vlm_defaults(data, source).over(family_defaults(text_family))
     probe = dataclasses.replace(text_family, dims=dims)
+    config = with_defaults(probe, config, defaults)
     values = probe.resolve_dims(config)
     vision = data.get("vision", {})
     blocks = values[vision["blocks"]] if "blocks" in vision else 0
@@ -234,13 +242,29 @@ def compose(data: dict, source: str, config: dict) -> Family:
         megatron_refused=tuple(sorted(vision.get("megatron_refused", {}).items())),
         read=tuple((a, b) for a, b in hf.get("read", [])), v5=tuple((a, b) for a, b in hf.get("v5", [])),
         deepstack=deepstack, extra_state_native=tower_extra("native"), extra_state_hf=tower_extra("hf"),
-        vllm_data=bool(vision.get("vllm_data", False)))
+        vllm_data=bool(vision.get("vllm_data", False)), defaults=defaults)
     return dataclasses.replace(
         text_family, name=data["family"]["name"], description=data["family"].get("description", ""),
         architectures=tuple(data["family"]["architectures"]), dims=dims, weights=tuple(tower + renamed),
         extra_state=extra, source=source, vllm_scales=tuple(vllm_name(s) for s in text_family.vllm_scales),
         vllm_tied_name=vllm_name(text_family.vllm_tied_name), config=config_spelling,
         hf_ignore=tuple(hf_name(t) for t in text_family.hf_ignore), hf_optional_prefix="", multimodal=multimodal)
+
+
+def vlm_defaults(data: dict, source: str) -> ConfigDefaults:
+    """A VLM file's own ``[config]`` defaults and nested config classes (its text family's tables come after)."""
+    return parse_vlm_defaults(data.get("config", {}), source)
+
+
+def check_defaults_of(data: dict, source: str) -> None:
+    """A VLM file's defaults name only keys reshard reads: its text family's, its vision dims', and at the top the
+    used-blocks key and its other top-level dims keys."""
+    keys = [entry["key"] for entry in data.get("dims", {}).values()]
+    keys = [k.removeprefix("count:") for key in keys for k in ([key] if isinstance(key, str) else key)]
+    vision = {k.split(".", 1)[1] for k in keys if k.startswith("vision_config.")}
+    top = {k for k in keys if "." not in k} | set(filter(None, [data.get("vision", {}).get("used_blocks")]))
+    check_vlm_defaults(vlm_defaults(data, source), load_shipped(data["text"]["family"]), vision, top, source,
+                       data["family"]["name"])
 
 
 def _expand_templates(templates: list[str], blocks: int, deepstack: int) -> list[str]:
@@ -324,6 +348,8 @@ def extended(data: dict, load) -> dict:
         return data
     base = extended(load(name), load)
     merged = {key: dict(base.get(key, {}), **data.get(key, {})) for key in ("text", "vision", "dims", "megatron")}
+    own, inherited = data.get("config", {}), base.get("config", {})
+    merged["config"] = {**inherited, **own, "defaults": {**inherited.get("defaults", {}), **own.get("defaults", {})}}
     merged["hf"] = {k: data.get("hf", {}).get(k, []) + base.get("hf", {}).get(k, []) for k in VLM_HF_KEYS}
     merged["tower"] = base.get("tower", []) + data.get("tower", [])
     merged["family"] = {k: v for k, v in data["family"].items() if k != "extends"}
@@ -342,6 +368,7 @@ def vlm_templates() -> tuple[_Template, ...]:
     for name in shipped_mapping_names(multimodal=True):
         data = extended(load(name), load)
         check_vlm_file(data, f"mappings/{name}.toml")
+        check_defaults_of(data, f"mappings/{name}.toml")
         out.append(_Template(name, data, f"mappings/{name}.toml", tuple(data["family"]["architectures"])))
     return tuple(out)
 

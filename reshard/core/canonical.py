@@ -7,6 +7,7 @@ import functools
 import re
 from dataclasses import dataclass, field
 
+from reshard.config_defaults import with_defaults
 from reshard.core.model_config import ModelConfig
 from reshard.core.pieces import Piece, StoredTensor
 from reshard.errors import CheckpointError
@@ -120,8 +121,10 @@ def build_canonical(family: Family, config: dict, present_optional: set[str], ti
     ``tied`` drops weights declared ``tied_to`` another (the output layer when embeddings are tied); weights
     with a ``when`` condition exist where ``config`` meets it. ``mtp``: the number of multi-token-prediction
     layers kept (default: what the config declares), laid out after the decoder layers; their ``copy_of``
-    weights are HF-only copies, not canonical tensors.
+    weights are HF-only copies, not canonical tensors. Everything is derived with the config class's defaults
+    (config_defaults.py); the model keeps ``config`` as the source spells it.
     """
+    spelt, config = config, with_defaults(family, config)
     dims = family.resolve_dims(config)
     for sym in ("L", "V"):
         if sym not in dims:
@@ -154,7 +157,7 @@ def build_canonical(family: Family, config: dict, present_optional: set[str], ti
     for spec in family.weights:
         if spec.stage == "last" and wanted(spec):
             add(spec, None)
-    return CanonicalModel(family=family, config=dict(config), dims=dims, tensors=tensors, tied=tied,
+    return CanonicalModel(family=family, config=dict(spelt), dims=dims, tensors=tensors, tied=tied,
                           sparse_layers=sparse, mtp_layers=mtp_layers)
 
 

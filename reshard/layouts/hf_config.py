@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 
+from reshard.config_defaults import with_defaults
 from reshard.core.model_config import UNCARRIED_SETTINGS, ConfigLoss, ModelConfig, normalize_scaling
 from reshard.errors import CheckpointError, PlanError
 from reshard.layouts.hf_config_moe import read_moe, write_moe
@@ -126,8 +127,10 @@ def without_dropped_settings(config: dict, family: Family, allowed: tuple[str, .
 
 def read_meaning(config: dict, family: Family, architecture: str, dims: dict[str, int], present: set[str],
                  tied: bool, where: str) -> ModelConfig:
-    """The meaning of an HF-style ``config`` whose weights include the optional templates ``present``; a setting
-    the family does not carry (:func:`uncarried_settings`) is refused."""
+    """The meaning of an HF-style ``config`` whose weights include the optional templates ``present``, read with
+    its config class's defaults (config_defaults.py); a setting the family does not carry
+    (:func:`uncarried_settings`) is refused."""
+    config = with_defaults(family, config)
     uncarried = uncarried_settings(config, family)
     if uncarried:
         key, value = uncarried[0]
