@@ -9,7 +9,8 @@ gathered into one of two reusable step buffers while the writer threads write th
 one; the writers take a tensor block by block (a zip record's CRC-32 accumulated over its blocks). Two writer
 threads share the files of a group, each file written by one of them, so the kernel's copies use two cores; a
 read-ahead thread keeps the disk busy (:mod:`reshard.io.readahead`). Peak memory is two step buffers plus
-bounded map windows, whatever the model, file or tensor size.
+bounded map windows, whatever the model, file or tensor size. How the files (and, for ``--workers``, the tensors
+of a large safetensors file) are split over processes: :mod:`reshard.io.partition`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -30,11 +31,11 @@ from reshard.io.copy_ranges import Ranges, as_ranges, data_phase
 from reshard.io.gather import Gatherer, direct
 from reshard.io.heads import read_ahead_window
 from reshard.io.readahead import ReadAhead, source_extents
-from reshard.io.safetensors_format import SafetensorsWriter
+from reshard.io.partition import Piece, aligned as _aligned, split_files
+from reshard.io.partition import buffered_bytes, largest_tensor, lockstep_groups, partition  # noqa: F401
+from reshard.io.safetensors_format import SafetensorsPart, SafetensorsWriter, create_sized, publish_sized
 from reshard.io.tensorfile import TensorFile
 from reshard.io.torch_format import TensorSlot, TorchZipWriter, crc32
-
-_ALIGN = 64
 
 
 def _fill_slots(payload, tensors: dict[str, TargetTensor]):
@@ -46,9 +47,18 @@ def _fill_slots(payload, tensors: dict[str, TargetTensor]):
             _fill_slots(value, tensors)
 
 
-def open_writer(target: TargetFile, out_dir: str, files: list[TensorFile]):
-    """A writer for ``target``, laid out so that copied tensors land page-aligned with their source bytes."""
+def _safetensors_args(target: TargetFile, files: list[TensorFile]) -> tuple:
+    return ([(t.name, t.dtype, t.shape) for t in target.tensors], target.metadata,
+            data_phase(target.tensors, files))
+
+
+def open_writer(target: TargetFile, out_dir: str, files: list[TensorFile], piece: Piece | None = None):
+    """A writer for ``target`` (for ``piece`` of it: tensors into the file :func:`create_split` made), laid out so
+    that copied tensors land page-aligned with their source bytes."""
     path = os.path.join(out_dir, target.path)
+    if piece is not None:
+        entries, metadata, phase = _safetensors_args(target, files)
+        return SafetensorsPart(path, entries, piece.start, piece.stop, metadata, phase)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     if target.format == "distcp":
         from reshard.io.dcp import DistcpWriter
@@ -57,77 +67,9 @@ def open_writer(target: TargetFile, out_dir: str, files: list[TensorFile]):
         return DistcpWriter(path, [(t.name, t.dtype, tuple(t.shape), shapes[t.name]) for t in target.tensors],
                             target.payload["objects"])
     if target.format == "safetensors":
-        return SafetensorsWriter(path, [(t.name, t.dtype, t.shape) for t in target.tensors], target.metadata,
-                                 data_phase=data_phase(target.tensors, files))
+        return SafetensorsWriter(path, *_safetensors_args(target, files))
     _fill_slots(target.payload, {t.name: t for t in target.tensors})
     return TorchZipWriter(path, target.payload, [t.name for t in target.tensors])
-
-
-# ---------------------------------------------------------------------------------------------- scheduling
-
-def _aligned(n: int) -> int:
-    return n + (-n % _ALIGN)
-
-
-def buffered_bytes(file: TargetFile, sources: list[TensorFile]) -> list[int]:
-    """Buffer bytes of each tensor of ``file`` in its step: 0 for a tensor copied file to file (:func:`as_ranges`,
-    it never passes through memory), else its size aligned."""
-    return [0 if as_ranges(t, sources) is not None else _aligned(t.nbytes) for t in file.tensors]
-
-
-def largest_tensor(plan: Plan, files: list[TensorFile]) -> int:
-    """Bytes of the largest tensor the plan reads or writes."""
-    read = {(op.source, op.tensor) for f in plan.files for t in f.tensors for op in t.reads}
-    sizes = [files[s].tensors[name].nbytes for s, name in read] + [t.nbytes for f in plan.files for t in f.tensors]
-    return max(sizes, default=0)
-
-
-def lockstep_groups(files: list[TargetFile], limit: int, sources: list[TensorFile]) -> list[list[int]]:
-    """Indices of target files grouped by identical tensor names (in first-appearance order), each group cut so
-    that one step (the k-th tensor of every file in it) buffers at most ``limit`` bytes plus 10% (vocab
-    padding). Each file's tensors are sized once (the group's steps are running sums), so the cost is linear in
-    the files, not quadratic."""
-    by_names: dict[tuple, list[int]] = {}
-    for i, f in enumerate(files):
-        by_names.setdefault((f.format, tuple(t.name for t in f.tensors)), []).append(i)
-    cap = limit + limit // 10 + _ALIGN * len(files)
-    groups = []
-    for members in by_names.values():
-        current: list[int] = []
-        steps: list[int] = []
-        for i in members:
-            sizes = buffered_bytes(files[i], sources)
-            grown = [a + b for a, b in zip(steps, sizes)] if current else sizes
-            if current and max(grown, default=0) > cap:
-                groups.append(current)
-                current, grown = [], sizes
-            current.append(i)
-            steps = grown
-        groups.append(current)
-    return groups
-
-
-def _split_for_workers(groups: list[list[int]], workers: int) -> list[list[int]]:
-    """Halve the largest groups until there are at least ``workers`` units (or every unit is one file)."""
-    units = [list(g) for g in groups]
-    while len(units) < workers:
-        big = max(range(len(units)), key=lambda i: len(units[i]))
-        if len(units[big]) < 2:
-            break
-        g = units.pop(big)
-        units[big:big] = [g[:len(g) // 2], g[len(g) // 2:]]
-    return units
-
-
-def assign(units: list[list[int]], files: list[TargetFile], workers: int) -> list[list[list[int]]]:
-    """Balance units over workers by bytes (largest first, ties to the lowest worker): deterministic."""
-    loads = [0] * workers
-    shares: list[list[list[int]]] = [[] for _ in range(workers)]
-    for unit in sorted(units, key=lambda u: -sum(files[i].nbytes for i in u)):
-        w = min(range(workers), key=lambda j: (loads[j], j))
-        shares[w].append(unit)
-        loads[w] += sum(files[i].nbytes for i in unit)
-    return [s for s in shares if s]
 
 
 # ---------------------------------------------------------------------------------------------- one process
@@ -263,8 +205,14 @@ class _Run:
         self.lanes = [_WriterThread(locked_report, i) for i in range(WRITER_LANES)]
         self.open: list = []
 
-    def run(self, units: list[list[int]]) -> None:
-        plans = [(unit, unit_steps([self.targets[i] for i in unit], self.files, STEP_BYTES)) for unit in units]
+    def _targets(self, unit) -> list[TargetFile]:
+        if isinstance(unit, Piece):
+            target = self.targets[unit.file]
+            return [replace(target, tensors=target.tensors[unit.start:unit.stop])]
+        return [self.targets[i] for i in unit]
+
+    def run(self, units: list) -> None:
+        plans = [(unit, unit_steps(self._targets(unit), self.files, STEP_BYTES)) for unit in units]
         size = max((_buffered(step) for _, steps in plans for step in steps), default=0)
         for _ in range(2):
             self.free.put(np.empty(size, np.uint8))
@@ -328,11 +276,12 @@ class _Run:
             if lane.error is not None:
                 raise lane.error
 
-    def _unit(self, unit: list[int], steps: list[list[_Write]]) -> None:
-        targets = [self.targets[i] for i in unit]
+    def _unit(self, unit, steps: list[list[_Write]]) -> None:
+        """Write ``unit``: lockstep files (a list of indices) or a :class:`Piece` of one file."""
         writers = []
-        for t in targets:
-            writers.append(open_writer(t, self.out_dir, self.files))
+        for i in [unit.file] if isinstance(unit, Piece) else unit:
+            writers.append(open_writer(self.targets[i], self.out_dir, self.files,
+                                       unit if isinstance(unit, Piece) else None))
             self.open.append(writers[-1])
         lanes = len(self.lanes)
         for step in steps:
@@ -366,24 +315,39 @@ class _Run:
         self._raise_writer_error()
 
 
-def run_units(plan: Plan, files: list[TensorFile], out_dir: str, units: list[list[int]], report) -> None:
+def run_units(plan: Plan, files: list[TensorFile], out_dir: str, units: list, report) -> None:
+    """Write ``units`` (lockstep groups of file indices, or :class:`Piece` s of files :func:`create_split` made)
+    in this process."""
     run = _Run(files, plan.files, out_dir, report)
     run.allow_overflow = plan.allow_cast_overflow
     run.run(units)
 
 
 def execute(plan: Plan, files: list[TensorFile], out_dir: str, progress: bool = True, workers: int = 1) -> None:
-    """Write every target file of ``plan`` under ``out_dir``; with ``workers > 1`` files are split over that
-    many processes (see :mod:`reshard.workers`). The bytes written do not depend on ``workers``."""
+    """Write every target file of ``plan`` under ``out_dir``; with ``workers > 1`` the files, and when there are
+    fewer than ``workers`` of them the safetensors files' tensors (:mod:`reshard.io.partition`), are split over
+    that many processes (see :mod:`reshard.workers`). A file cut into pieces is created at its final size with
+    its header here, before the fork, and renamed from ``.partial`` here once every worker succeeded. The bytes
+    written do not depend on ``workers``."""
     from reshard.progress import byte_bar
 
     if workers > 1:
         from reshard.workers import run_in_workers
 
-        shares = partition(plan, files, workers)
+        shares = partition(plan, files, workers, split_files=True)
         if len(shares) > 1:
-            run_in_workers(shares, lambda share, report: run_units(plan, files, out_dir, share, report),
-                           files, plan.nbytes, progress)
+            split = [plan.files[i] for i in split_files(shares)]
+            try:
+                for target in split:
+                    create_split(target, out_dir, files)
+                run_in_workers(shares, lambda share, report: run_units(plan, files, out_dir, share, report),
+                               files, plan.nbytes, progress)
+            except BaseException:
+                for target in split:
+                    _remove(os.path.join(out_dir, target.path) + ".partial")
+                raise
+            for target in split:
+                publish_sized(os.path.join(out_dir, target.path))
             return
         groups = shares[0] if shares else []
     else:
@@ -392,8 +356,15 @@ def execute(plan: Plan, files: list[TensorFile], out_dir: str, progress: bool = 
         run_units(plan, files, out_dir, groups, bar.update)
 
 
-def partition(plan: Plan, files: list[TensorFile], parts: int) -> list[list[list[int]]]:
-    """The target files split into at most ``parts`` shares of lockstep units, balanced by bytes; deterministic,
-    so every process of a distributed run computes the same split (``--workers`` and torchrun)."""
-    groups = lockstep_groups(plan.files, largest_tensor(plan, files), files)
-    return assign(_split_for_workers(groups, parts), plan.files, parts)
+def create_split(target: TargetFile, out_dir: str, files: list[TensorFile]) -> None:
+    """Create ``target``'s ``.partial`` with its header at its final size, for the workers' pieces to fill."""
+    path = os.path.join(out_dir, target.path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    create_sized(path, *_safetensors_args(target, files))
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

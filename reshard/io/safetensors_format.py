@@ -14,6 +14,7 @@ import struct
 from reshard.errors import CheckpointError
 from reshard.io import dtypes
 from reshard.io.partial import PAGE, PartialFile
+from reshard.pause_points import pause_point
 from reshard.io.regular import open_regular
 from reshard.io.tensorfile import TensorFile, TensorLocation
 
@@ -131,32 +132,41 @@ class SafetensorsFile(TensorFile):
         super().__init__(path, tensors)
 
 
+def layout(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None,
+           data_phase: int | None = None) -> tuple[bytes, list[tuple[str, str, tuple[int, ...], int]]]:
+    """The bytes before the data (length prefix and header) of a file holding ``entries`` (name, dtype, shape)
+    back to back, and each entry with its size; with ``data_phase`` the header is padded (with spaces, as the
+    format allows) so that the data starts at that offset within a page."""
+    header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offset = 0
+    expected = []
+    for name, dtype, shape in entries:
+        nbytes = math.prod(shape) * dtypes.itemsize(dtype)
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        expected.append((name, dtype, tuple(shape), nbytes))
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    if data_phase is not None and data_phase % 8 == 0:
+        raw += b" " * ((data_phase - 8 - len(raw)) % PAGE)
+    return struct.pack("<Q", len(raw)) + raw, expected
+
+
 class SafetensorsWriter(PartialFile):
     """Writes a safetensors file tensor by tensor, in the order of ``entries`` given up front.
 
-    The header is computed from the entries (name, dtype, shape) before any data; with ``data_phase`` it is
-    padded so that the data section starts at that offset within a page. The file is written as
-    ``PATH.partial`` and renamed to ``PATH`` by :meth:`finish`.
+    The header is computed from the entries (name, dtype, shape) before any data (:func:`layout`). The file is
+    written as ``PATH.partial`` and renamed to ``PATH`` by :meth:`finish`.
     """
 
     def __init__(self, path: str, entries: list[tuple[str, str, tuple[int, ...]]],
                  metadata: dict[str, str] | None = None, data_phase: int | None = None):
-        header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
-        offset = 0
-        self._expected = []
-        for name, dtype, shape in entries:
-            nbytes = math.prod(shape) * dtypes.itemsize(dtype)
-            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-            self._expected.append((name, dtype, tuple(shape), nbytes))
-            offset += nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        if data_phase is not None and data_phase % 8 == 0:  # the header is padded with spaces, as the format allows
-            raw += b" " * ((data_phase - 8 - len(raw)) % PAGE)
+        head, self._expected = layout(entries, metadata, data_phase)
         super().__init__(path)
-        self._file.write(struct.pack("<Q", len(raw)) + raw)
+        self._file.write(head)
         self._next = 0
-        self.data_bytes = offset
+        self._stop = len(self._expected)
+        self.data_bytes = sum(e[3] for e in self._expected)
 
     def write(self, name: str, tensor) -> None:
         """Write the next tensor (a torch tensor)."""
@@ -189,6 +199,54 @@ class SafetensorsWriter(PartialFile):
         self.tensor_written()
 
     def finish(self) -> None:
-        if self._next != len(self._expected):
-            raise AssertionError(f"{self.path}: {len(self._expected) - self._next} tensors were not written")
+        if self._next != self._stop:
+            raise AssertionError(f"{self.path}: {self._stop - self._next} tensors were not written")
         self.publish()
+
+
+def create_sized(path: str, entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None,
+                 data_phase: int | None = None) -> None:
+    """Create ``PATH.partial`` holding the header of :func:`layout` at its final size (the data a hole), for
+    :class:`SafetensorsPart` s to fill; :func:`publish_sized` renames it once they all have."""
+    head, expected = layout(entries, metadata, data_phase)
+    with open(path + ".partial", "wb") as f:
+        f.write(head)
+        f.truncate(len(head) + sum(e[3] for e in expected))
+
+
+def publish_sized(path: str) -> None:
+    """fsync ``PATH.partial`` (the data every part wrote) and rename it to ``PATH``."""
+    fd = os.open(path + ".partial", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    pause_point("partial")
+    os.replace(path + ".partial", path)
+    pause_point("file")
+
+
+class SafetensorsPart(SafetensorsWriter):
+    """Writes tensors ``start..stop`` of the safetensors file that :func:`create_sized` made (with the same
+    arguments), at their final offsets; other processes write its other tensors. :meth:`finish` only closes: the
+    creator publishes the file (:func:`publish_sized`), or deletes it on failure, so :meth:`abort` only closes."""
+
+    def __init__(self, path: str, entries: list[tuple[str, str, tuple[int, ...]]], start: int, stop: int,
+                 metadata: dict[str, str] | None = None, data_phase: int | None = None):
+        head, self._expected = layout(entries, metadata, data_phase)
+        self.path, self.partial = path, path + ".partial"
+        self._file = open(self.partial, "r+b")  # no truncation: the file is shared
+        at = len(head) + sum(e[3] for e in self._expected[:start])
+        self._file.seek(at)
+        self._written_back = at
+        self._next, self._stop = start, stop
+        self.data_bytes = sum(e[3] for e in self._expected)
+
+    def publish(self) -> None:
+        self._file.close()
+
+    def abort(self) -> None:
+        try:
+            self._file.close()
+        except OSError:
+            pass
