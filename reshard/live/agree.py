@@ -3,9 +3,11 @@ transfer's board and every participant judges the same records, so all raise the
 
 A record is a small JSON object: ``rank``, ``backend`` (the group's), ``nccl`` (whether NCCL moves this rank's
 tensors), ``device`` (the transfer's device on this rank), ``gpu`` (the physical GPU NCCL binds: host, index,
-UUID, PCI address; None without CUDA) and ``problems`` (what this rank found wrong locally, one sentence each).
-:func:`verdict` is a pure function of the records; new rules (issue 42: a digest of each rank's plan) add a field
-to the record and a clause to the verdict.
+UUID, PCI address; None without NCCL or CUDA), ``problems`` (what this rank found wrong locally, one sentence
+each) and ``plan`` (its plan's digest, :mod:`reshard.live.compare`). Beside it each rank puts its plan's summary
+(:func:`publish`): read only when digests differ, to name the first difference (:func:`check_plans`). A rank not
+yet arrived is looked for (``AT``): one waiting in another transfer for this rank (it planned other ranks) is
+reported at once, one that never comes is named at the transfer's deadline. :func:`verdict` judges the rest.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import json
 import socket
 import time
 
-from reshard.live.watch import TransferError
+from reshard.live.watch import TransferError, started
 
 SHARED_FIX = "NCCL needs one GPU per rank: give each rank its own device (torch.cuda.set_device(local_rank)), " \
              "or use a gloo group"
@@ -129,31 +131,167 @@ def verdict(records: list[dict]) -> str | None:
     return "live.transfer: " + "; ".join(findings[:MAX_FINDINGS]) + more
 
 
-def _wait(watch, ready) -> None:
-    """Poll until ``ready()``, checking ``watch``'s board meanwhile; a failure posted when ``ready()`` already
-    holds is a rank that went on first (and judged the same records): not this step's failure."""
-    while not ready():
+AT = "reshard_live/at/"  # + rank: where that rank's latest transfer is ({"prefix", "participants", "call"})
+PEEK = 0.25  # seconds between looks at where the ranks not yet arrived are
+PEEK_RANKS = 8  # participants looked at each time
+NEVER_FIX = "call live.transfer with the same plan on every rank of its source_ranks and target_ranks"
+
+
+def _set(store, values: dict) -> None:
+    try:
+        store.multi_set(list(values), list(values.values()))
+    except (AttributeError, NotImplementedError):
+        for key, value in values.items():
+            store.set(key, value)
+
+
+def _get(store, keys: list[str]) -> list[bytes]:
+    try:
+        return store.multi_get(keys)
+    except (AttributeError, NotImplementedError):
+        return [store.get(k) for k in keys]
+
+
+def _who(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else _ranks(ranks)
+
+
+def _missing(watch, keys: list[str]) -> list[int]:
+    """The participants whose key of ``keys`` (one per participant, in order) is not on the board."""
+    return [r for r, k in zip(watch.participants, keys) if not watch._board(lambda k=k: watch.store.check([k]))]
+
+
+def _wait(watch, keys: list[str], late, peek=None) -> None:
+    """Poll until every one of ``keys`` is on the board, checking ``watch``'s board meanwhile (a failure posted
+    once the keys are all there is a rank that went on first: not this wait's), raising ``late()``'s message past
+    its deadline and calling ``peek()`` every ``PEEK`` seconds."""
+    store, pause, peeked = watch.store, 0.0002, time.monotonic()
+    while not watch._board(lambda: store.check(keys)):
         try:
-            watch.check()
+            watch.check(late)
         except TransferError:
-            if not ready():
-                raise
-            return
-        time.sleep(watch.POLL_STORE / 5)
+            if watch._board(lambda: store.check(keys)):
+                return
+            raise
+        if peek is not None and time.monotonic() - peeked >= PEEK:
+            peek()
+            peeked = time.monotonic()
+        time.sleep(pause)
+        pause = min(2 * pause, watch.POLL_STORE / 5)
 
 
-def agree(watch, record: dict) -> list[dict]:
-    """Publish ``record`` (this rank's) on ``watch``'s board and return every participant's, in participant order,
-    once every participant has read them all (so a rank that raises and exits leaves the store to nobody still
-    reading). Waits at most ``watch.timeout`` seconds without progress; raises :class:`TransferError` as
-    :meth:`Watch.check` does (another rank failed, the store is gone, a rank never came)."""
-    store, n = watch.store, len(watch.participants)
-    keys = [watch._key(f"agree/{r}") for r in watch.participants]
-    read = watch._key("agree/read")
-    watch.clear += keys + [read]
+def _elsewhere(watch, rank: int) -> dict | None:
+    """Where ``rank`` is when it is in another transfer than ``watch``'s, not over: its ``AT`` entry (whose
+    record is still on the board, with no ``done``, and which this rank has not started when a participant)."""
+    store, key = watch.store, AT + str(rank)
+    if not watch._board(lambda: store.check([key])):
+        return None
+    at = json.loads(watch._board(lambda: store.get(key)))
+    if at["prefix"] == watch.prefix or (watch.me in at["participants"] and started(at["participants"]) > at["call"]):
+        return None
+    live = watch._board(lambda: store.check([at["prefix"] + f"agree/{rank}"]))
+    return at if live and not watch._board(lambda: store.check([at["prefix"] + f"done/{rank}"])) else None
+
+
+def _never_joined(watch, keys: list[str]) -> str:
+    missing = _missing(watch, keys)
+    if not missing:
+        return _stopped(watch, keys)
+    at = _elsewhere(watch, missing[0])
+    where = f" ({_who(missing[:1])} is in another transfer, between ranks {at['participants']})" if at else ""
+    return f"live.transfer: {_who(missing)} never joined the transfer within {watch.timeout:g} s{where} " \
+           f"({NEVER_FIX})"
+
+
+def _stopped(watch, keys: list[str]) -> str:
+    missing = _missing(watch, keys)
+    who = _who(missing) if missing else "a rank"
+    return f"live.transfer: {who} stopped answering during the agreement within {watch.timeout:g} s: a peer hung " \
+           "or died (see its own error)"
+
+
+def _peeker(watch, keys: list[str]):
+    """A function raising when a participant not yet arrived is in another transfer that waits for a rank already
+    in this one (a plan naming other ranks, or another call between the same ones): they would wait for each
+    other until the timeout. Each call looks at up to ``PEEK_RANKS`` participants, in turn. The error names a
+    rank here and the one there, the same ones from every rank of both transfers in the usual case (ranks that
+    arrived early)."""
+    from reshard.live.compare import apart
+
+    store, ranks, cursor = watch.store, watch.participants, [0]
+
+    def arrived(rank: int) -> bool:
+        return watch._board(lambda: store.check([keys[ranks.index(rank)]]))
+
+    def peek() -> None:
+        window = [ranks[(cursor[0] + i) % len(ranks)] for i in range(min(PEEK_RANKS, len(ranks)))]
+        cursor[0] = (cursor[0] + len(window)) % len(ranks)
+        for rank in window:
+            at = None if rank == watch.me or arrived(rank) else _elsewhere(watch, rank)
+            here = next((r for r in at["participants"] if r in ranks and arrived(r)), None) if at else None
+            if here is None:
+                continue
+            ours, theirs = watch._key(f"summary/{here}"), at["prefix"] + f"summary/{rank}"
+            if watch._board(lambda: store.check([ours, theirs])):
+                a, b = (json.loads(v) for v in watch._board(lambda: _get(store, [ours, theirs])))
+                raise TransferError(apart({here: a, rank: b}, {here: watch.call + 1, rank: at["call"] + 1}))
+    return peek
+
+
+def publish(watch, summary: dict) -> None:
+    """Put this rank's plan summary (:func:`reshard.live.compare.summary`) on ``watch``'s board, and where this
+    rank is (``AT``), in one store operation; the summaries are cleared with the board."""
+    watch.clear += [watch._key(f"summary/{r}") for r in watch.participants]
+    at = {"prefix": watch.prefix, "participants": watch.participants, "call": watch.call}
+    watch._board(lambda: _set(watch.store, {watch._key(f"summary/{watch.me}"): json.dumps(summary),
+                                            AT + str(watch.me): json.dumps(at)}))
+
+
+def agree(watch, record: dict, name: str = "agree") -> list[dict]:
+    """Publish ``record`` (this rank's) on ``watch``'s board under ``name`` and return every participant's, in
+    participant order. Waits until ``watch``'s deadline (the transfer's): a rank missing then is named (for
+    ``"agree"``, the first exchange: "never joined"); raises :class:`TransferError` as :meth:`Watch.check`
+    does (another rank failed, the store is gone) and, in the first exchange, when a rank not yet arrived waits
+    in another transfer for this one (:func:`publish` first)."""
+    store = watch.store
+    keys = [watch._key(f"{name}/{r}") for r in watch.participants]
+    watch.clear += keys
     watch._board(lambda: store.set(keys[watch.participants.index(watch.me)], json.dumps(record)))
-    _wait(watch, lambda: watch._board(lambda: store.check(keys)))
-    records = [json.loads(watch._board(lambda k=k: store.get(k))) for k in keys]
-    watch._board(lambda: store.add(read, 1))
-    _wait(watch, lambda: watch._board(lambda: store.add(read, 0)) >= n)
-    return records
+    first = name == "agree"
+    _wait(watch, keys, lambda: (_never_joined if first else _stopped)(watch, keys),
+          _peeker(watch, keys) if first else None)
+    return [json.loads(v) for v in watch._board(lambda: _get(store, keys))]
+
+
+def release(watch) -> None:
+    """Say this rank has read every record and wait until every participant has (at most until the deadline), so
+    that a rank that raises next and exits (the store's host among them) leaves nobody reading."""
+    keys = [watch._key(f"read/{r}") for r in watch.participants]
+    watch.clear += keys
+    watch._board(lambda: watch.store.set(keys[watch.participants.index(watch.me)], "1"))
+    _wait(watch, keys, lambda: _stopped(watch, keys))
+
+
+def check_plans(watch, records: list[dict], tensors) -> None:
+    """Raise the same :class:`TransferError` on every participant when ``records`` (each with ``plan``: its
+    plan's digest) differ: it names two ranks and the first difference of their summaries (:func:`publish`),
+    of their tensor lists when that is where they differ (a second exchange, in which only those two ranks
+    publish ``tensors(section)``). Returns when every digest is the same."""
+    from reshard.live.compare import difference, message, pick, tensor_difference
+
+    picked = pick(records)
+    if picked is None:
+        return
+    a, b, others = picked
+    x, y = sorted((a, b))
+    sx, sy = (json.loads(v) for v in watch._board(
+        lambda: _get(watch.store, [watch._key(f"summary/{x}"), watch._key(f"summary/{y}")])))
+    found = difference(sx, sy, x, y)
+    text = found.text
+    if text is None:
+        lists = agree(watch, {"rank": watch.me, "tensors": tensors(found.section) if watch.me in (x, y) else None},
+                      "detail")
+        held = {r["rank"]: r["tensors"] for r in lists}
+        text = tensor_difference(found.section, held[x], held[y], x, y)
+    release(watch)
+    raise TransferError(message(a, b, text, found.fix, others))

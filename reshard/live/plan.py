@@ -73,6 +73,7 @@ class LivePlan:
     sources: list[dict[str, SourceTensor]]  # per source parallel rank: the tensors it passes in
     targets: list[list[LiveTensor]]  # per target parallel rank: the tensors it gets
     notes: list[str] = field(default_factory=list)
+    meaning: object = None  # the config's ModelConfig: what the ranks must agree the model is
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def op_elements(self, op: ReadOp, axis: int) -> int:
@@ -206,7 +207,7 @@ def plan(config, source: dict, target: dict, source_ranks, target_ranks) -> Live
     stored = [(i, t) for i, rank in enumerate(held) for t in rank if t.fill is None]
     index = CanonicalIndex(stored, {name: t.shape for name, t in model.tensors.items()})
     holders = _Holders(stored)
-    live = LivePlan(dict(source), dict(target), source_ranks, target_ranks, sources, [], notes)
+    live = LivePlan(dict(source), dict(target), source_ranks, target_ranks, sources, [], notes, model.meaning)
     load = [0] * len(held)
     for j, rank in enumerate(wanted):
         tensors = []

@@ -18,7 +18,9 @@ import time
 from reshard.errors import PlanError
 from reshard.io import dtypes
 from reshard.io.assemble import rope_rows
-from reshard.live.agree import agree, check_tensor, gpu_identity, resolve, tensor_problems, uses_nccl, verdict
+from reshard.live.agree import (agree, check_plans, check_tensor, gpu_identity, publish, release, resolve,
+                                tensor_problems, uses_nccl, verdict)
+from reshard.live.compare import section_tensors, summary
 from reshard.live.schedule import build
 from reshard.live.source import dtype_name
 from reshard.live.stats import Received, Stats
@@ -139,11 +141,12 @@ def _default_device(group):
     return "cuda" if "nccl" in backend and "gloo" not in backend else "cpu"
 
 
-def _agree_devices(watch, me: int, backend: str, device, into, local_tensors, chunks) -> torch.device | None:
-    """On a group with NCCL: judge this rank's record (its device, its GPU, its tensors on another device than
-    ``device``: ``into``'s, and ``local_tensors``' used by ``chunks`` when it is a dict) with every participant's
-    (:mod:`reshard.live.agree`), raising :class:`TransferError` on every rank alike. Returns the device NCCL needs
-    every tensor on (None: no rule: not NCCL, or ``device`` is not CUDA)."""
+def _agree(watch, me: int, backend: str, device, into, local_tensors, chunks, plan, summary) -> torch.device | None:
+    """The agreement step (:mod:`reshard.live.agree`), on every group: publish this rank's plan ``summary`` and
+    record, raise :class:`TransferError` on every rank alike when the participants' plans differ, or on a group
+    with NCCL when two ranks share one GPU or this rank's tensors (``into``'s, and ``local_tensors``' used by
+    ``chunks`` when it is a dict) are not on ``device``. Returns the device NCCL needs every tensor on (None: no
+    rule: not NCCL, or ``device`` is not CUDA)."""
     import torch
 
     where = resolve(device)
@@ -159,9 +162,13 @@ def _agree_devices(watch, me: int, backend: str, device, into, local_tensors, ch
                     held.append((f"local_tensors['{name}']", t.device))
         problems = tensor_problems(me, held, want)
     record = {"rank": me, "backend": backend, "nccl": nccl, "device": str(where),
-              "gpu": gpu_identity(where) if nccl else None, "problems": problems}
-    message = verdict(agree(watch, record))
+              "gpu": gpu_identity(where) if nccl else None, "problems": problems, "plan": summary["digest"]}
+    publish(watch, summary)
+    records = agree(watch, record)
+    check_plans(watch, records, lambda key: section_tensors(plan, key))
+    message = verdict(records)
     if message:
+        release(watch)
         raise TransferError(message)
     return want
 
@@ -179,10 +186,12 @@ def transfer(plan, local_tensors=None, group=None, dtype=None, into=None, timeou
     :class:`TransferError`; any error on any rank makes every participant raise. ``chunk_bytes``: the bound of
     one message. ``device``: where buffers and new tensors live (default ``cuda`` for NCCL, else ``cpu``).
 
-    On a group with NCCL the participants first agree through the group's store (:mod:`reshard.live.agree`):
-    before any byte moves, every one raises the same :class:`TransferError` when two ranks share one GPU, or when
-    a rank's ``into`` tensors or (a dict's) source tensors are not on ``device`` (a lazy mapping's source tensors:
-    on first use, failing the transfer). Gloo groups skip this step."""
+    The participants first agree through the group's store (:mod:`reshard.live.agree`): before any byte moves,
+    every one raises the same :class:`TransferError` when their plans differ (config meaning, layouts, degrees,
+    ranks, tensors, ``dtype``, ``chunk_bytes``: naming two ranks and the first difference), when a participant
+    never calls ``transfer`` within ``timeout``, and on a group with NCCL when two ranks share one GPU, or when a
+    rank's ``into`` tensors or (a dict's) source tensors are not on ``device`` (a lazy mapping's source tensors:
+    on first use, failing the transfer)."""
     import torch.distributed as dist
 
     started = time.perf_counter()
@@ -204,11 +213,8 @@ def transfer(plan, local_tensors=None, group=None, dtype=None, into=None, timeou
         sends, recvs = schedule.sends(me), schedule.receives(me)
         local_chunks = schedule.local.get(me, [])
         mine = [c for _, m in sends for c in m.chunks] + local_chunks
-        backend = str(dist.get_backend(group))
-        want = None
-        if "nccl" in backend.lower():
-            want = _agree_devices(watch, me, backend, device, into if dst is not None else None, local_tensors,
-                                  mine if src is not None else [])
+        want = _agree(watch, me, str(dist.get_backend(group)), device, into if dst is not None else None,
+                      local_tensors, mine if src is not None else [], plan, summary(plan, name, chunk_bytes, schedule))
         local = _Local(plan, src, local_tensors, mine, want) if src is not None else {}
         dests = _destinations(plan, dst, into, name, device, stats) if dst is not None else {}
         targets = plan.targets[dst] if dst is not None else []

@@ -2,8 +2,9 @@
 
 The status board is the process group's store (the rendezvous ``TCPStore``), under a prefix of its own per
 transfer call: ``failed`` (the first failure's message, set by the rank that raised), ``progress`` (a counter every
-rank bumps after each round it completes), ``done/<rank>``, and ``agree/<rank>`` under NCCL (each rank's record
-for :mod:`reshard.live.agree`, judged before any byte moves). A rank waiting for its messages, or at the end for
+rank bumps after each round it completes), ``done/<rank>``, and the agreement's keys (:mod:`reshard.live.agree`:
+each rank's record and plan summary, judged before any byte moves; ``reshard_live/at/<rank>``, outside the
+prefix, says which transfer a rank is in). A rank waiting for its messages, or at the end for
 the other ranks' ``done``, polls its own operations and the board: it raises as soon as ``failed`` is set, when
 its operations fail (a peer's socket closed: a dead process), when the store itself is gone, or when ``progress``
 has not moved for ``timeout`` seconds (a hung or killed peer). The ranks waiting are thus bounded by ``timeout``
@@ -18,6 +19,11 @@ import time
 from reshard.errors import ReshardError
 
 _CALLS: dict[tuple[int, ...], int] = {}  # participants -> transfers started, the same on every participant
+
+
+def started(participants) -> int:
+    """How many transfers between ``participants`` (process ranks) this process has started."""
+    return _CALLS.get(tuple(participants), 0)
 
 
 class TransferError(ReshardError):
@@ -44,6 +50,7 @@ class Watch:
         call = _CALLS.get(key, 0)
         _CALLS[key] = call + 1
         self.store, self.participants, self.me, self.timeout = store, participants, me, float(timeout)
+        self.call = call  # this transfer's index among the calls between ``participants``
         self.prefix = f"reshard_live/{label}{'-'.join(map(str, key))}/{call}/"
         self.seen = -1
         self.clear: list[str] = []  # more keys the last one out deletes (the agreement's records)
@@ -60,8 +67,9 @@ class Watch:
             raise TransferError(f"rank {self.me}: lost the process group's store ({type(exc).__name__}: {exc}): "
                                 "a rank died") from exc
 
-    def check(self) -> None:
-        """Raise if another rank failed; extend the deadline if any rank progressed; raise past the deadline."""
+    def check(self, late=None) -> None:
+        """Raise if another rank failed; extend the deadline if any rank progressed; raise past the deadline
+        (``late()``: the message then, else "no rank made progress")."""
         failed = self._key("failed")
         if self._board(lambda: self.store.check([failed])):
             message = self._board(lambda: self.store.get(failed)).decode()
@@ -71,6 +79,8 @@ class Watch:
         if count != self.seen:
             self.seen, self.deadline = count, now + self.timeout
         elif now > self.deadline:
+            if late is not None:
+                raise TransferError(late())
             raise TransferError(f"rank {self.me}: no rank made progress for {self.timeout:g} s: a peer hung or died")
 
     def progressed(self) -> None:
