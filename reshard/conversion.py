@@ -142,7 +142,7 @@ def processes_used(plan: Plan, files, workers: int) -> int:
         return 1
     from reshard.execute import partition
 
-    return max(1, len(partition(plan, files, workers)))
+    return max(1, len(partition(plan, files, workers, split_files=True)))
 
 
 def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
