@@ -220,7 +220,8 @@ def test_device_rules_on_a_faked_nccl_world(tmp_path):
     assert records[0] == records[1] == records[2]
     assert [(r["rank"], r["nccl"], r["gpu"]["uuid"]) for r in records[0]] == [
         (i, True, "GPU-" + UUID.format(i, i)) for i in range(3)]
-    assert all(results[r]["gloo"]["records"] is None for r in range(3))  # gloo: no agreement step
+    # gloo: the plan agreement runs too, with no GPU rules
+    assert [(r["rank"], r["nccl"], r["gpu"]) for r in results[0]["gloo"]["records"]] == [(i, False, None) for i in range(3)]
 
 
 # --- the worker ---------------------------------------------------------------------------------------------------
