@@ -1,5 +1,5 @@
 """Small test helpers shared by several test modules: the CLI run in this process, tiny transformers models,
-processes left behind."""
+processes left behind, a gloo world of worker scripts."""
 
 from __future__ import annotations
 
@@ -56,3 +56,47 @@ def perturbed_model(transformers, config):
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     return model
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_world(script: str, job_path, world: int, out, wait: float) -> tuple[list[dict], list[int]]:
+    """Run ``python SCRIPT JOB RANK WORLD PORT OUT`` for every rank (gloo on the loopback, one thread each) and
+    return (each rank's ``OUT/<rank>.json`` list of cases by name, or {} where it wrote none; return codes). Every
+    process is gone at the end: one still alive after ``wait`` seconds is killed with its process group (and the
+    test fails)."""
+    import json
+    import signal
+    import subprocess
+    import time
+
+    import pytest
+
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, script, str(job_path), str(r), str(world), str(port), str(out)],
+                              env=env, start_new_session=True) for r in range(world)]
+    deadline = time.monotonic() + wait
+    try:
+        for p in procs:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"worker processes still running after {wait} s")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    results = []
+    for r in range(world):
+        f = out / f"{r}.json"
+        results.append({c["name"]: c for c in json.loads(f.read_text())} if f.exists() else {})
+    return results, [p.returncode for p in procs]

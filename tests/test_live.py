@@ -9,26 +9,18 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
 
 from checkpoints import make_hf
+from helpers import run_world
 from live_worker import tiny_mixtral
 from reshard import live
 
 WORKER = os.path.join(os.path.dirname(__file__), "live_worker.py")
 MEGATRON_TP2_PP2 = {"layout": "megatron", "tp": 2, "pp": 2}
 VLLM_TP2 = {"layout": "vllm", "tp": 2}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(tmp_path, name: str, world: int, cases: list[dict], wait: float = 150.0, **job):
@@ -38,27 +30,7 @@ def launch(tmp_path, name: str, world: int, cases: list[dict], wait: float = 150
     out.mkdir()
     path = out / "job.json"
     path.write_text(json.dumps({"cases": cases, **job}))
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, WORKER, str(path), str(r), str(world), str(port), str(out)], env=env,
-                              start_new_session=True) for r in range(world)]
-    deadline = time.monotonic() + wait
-    try:
-        for p in procs:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"worker processes still running after {wait} s")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    results = []
-    for r in range(world):
-        f = out / f"{r}.json"
-        results.append({c["name"]: c for c in json.loads(f.read_text())} if f.exists() else {})
-    return results, [p.returncode for p in procs]
+    return run_world(WORKER, path, world, out, wait)
 
 
 def case(name, ckpt, source, target, source_ranks, target_ranks, **extra) -> dict:

@@ -14,7 +14,6 @@ import datetime
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +22,7 @@ import time
 import pytest
 
 from checkpoints import hf_config
+from helpers import free_port
 from reshard import live
 from reshard.live import agree as agreement
 from reshard.live.compare import (apart, config_items, difference, message, pick, section_tensors, spec_label,
@@ -174,12 +174,6 @@ def test_the_exchange_names_a_rank_that_never_comes_at_the_deadline():
 
 
 # --- gloo worlds --------------------------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def worlds(tmp_path, cases: dict, wait: float) -> dict:
     """Run every case of ``cases`` (name -> (world size, plan, per-rank changes, absent rank)) in a gloo world of

@@ -13,11 +13,8 @@ import contextlib
 import datetime
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
-import time
 import types
 from collections.abc import Mapping
 
@@ -25,6 +22,7 @@ import pytest
 import torch
 
 from checkpoints import hf_config, make_hf
+from helpers import run_world
 from reshard import live
 from reshard.live import agree as agreement
 from reshard.live.agree import gpu_identity, gpu_key, tensor_problems, uses_nccl, verdict
@@ -140,38 +138,12 @@ def test_a_lazy_source_tensor_is_checked_on_first_use():
 
 # --- the 3-process world ------------------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(tmp_path, world: int, job: dict, wait: float = 120.0) -> tuple[list[dict], list[int]]:
     """Run ``job`` on ``world`` processes of this file; (results per rank by case name, return codes). Every
     process is gone at the end: one still alive after ``wait`` seconds is killed with its process group."""
     path = tmp_path / "job.json"
     path.write_text(json.dumps(job))
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, __file__, str(path), str(r), str(world), str(port), str(tmp_path)],
-                              env=env, start_new_session=True) for r in range(world)]
-    deadline = time.monotonic() + wait
-    try:
-        for p in procs:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"worker processes still running after {wait} s")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    results = []
-    for r in range(world):
-        f = tmp_path / f"{r}.json"
-        results.append({c["name"]: c for c in json.loads(f.read_text())} if f.exists() else {})
-    return results, [p.returncode for p in procs]
+    return run_world(__file__, path, world, tmp_path, wait)
 
 
 CASES = [
