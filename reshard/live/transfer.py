@@ -78,6 +78,37 @@ def _flat_bytes(tensor):
     return tensor.reshape(-1).view(torch.uint8)
 
 
+def _degree_guess(plan, have: tuple[int, ...], want: tuple[int, ...]) -> str:
+    """``TP 1`` where the one dimension that differs is the plan's split at another TP degree, else ``""``."""
+    tp = int(plan.source.get("tp") or 1)
+    differ = [i for i, (h, w) in enumerate(zip(have, want)) if h != w]
+    if len(have) != len(want) or len(differ) != 1 or not have[differ[0]]:
+        return ""
+    guess = tp * want[differ[0]] / have[differ[0]]
+    return f"TP {int(guess)}" if guess >= 1 and guess == int(guess) and guess != tp else ""
+
+
+def mismatch(plan, rank: int, name: str, tensor, want) -> str:
+    """The one-line refusal of a source tensor unlike the plan's: a dtype to pass only where the dtypes differ;
+    a shape that differs read as shards made for another degree or layout than the plan's source."""
+    live_dtype = str(tensor.dtype).removeprefix("torch.")
+    planned_dtype = dtypes.torch_name(want.dtype)
+    head = f"live.transfer: '{name}' on rank {rank} is"
+    if tuple(tensor.shape) == want.shape:
+        return (f"{head} {live_dtype}; the plan expects {planned_dtype}: pass the live dtype as "
+                f"source={{..., 'dtype': '{live_dtype}'}} to live.plan")
+    spec = plan.source
+    degrees = {k: spec.get(k) or 1 for k in ("tp", "pp", "ep") if k != "ep" or (spec.get(k) or 1) > 1}
+    words = ", ".join(f"{k.upper()} {v}" for k, v in degrees.items())
+    guess = _degree_guess(plan, tuple(tensor.shape), want.shape)
+    dtype_too = f" (and {live_dtype}, not {planned_dtype})" if live_dtype != planned_dtype else ""
+    return (f"{head} {list(tensor.shape)}; the plan expects {list(want.shape)}{dtype_too}: these shards look "
+            f"made for {guess or 'another degree or layout'}, not the plan's source ({spec['layout']} at {words}); "
+            "pass live.plan the source layout and degrees the live model runs at, or give each rank its shards "
+            f"at {words} (reshard.load_rank(ckpt, to='{spec['layout']}', "
+            f"{', '.join(f'{k}={v}' for k, v in degrees.items())}, ...))")
+
+
 class _Local:
     """Source parallel rank ``index``'s tensors, looked up in the caller's mapping at each use (a mapping may
     build them on demand), each checked against the plan (and against device ``want`` unless None) on first use;
@@ -96,9 +127,7 @@ class _Local:
         if name not in self.checked:
             want = self.plan.sources[self.index][name]
             if tuple(tensor.shape) != want.shape or dtypes.from_torch(tensor.dtype) != want.dtype:
-                raise PlanError(f"live.transfer: '{name}' on rank {self.plan.source_ranks[self.index]} is "
-                                f"{list(tensor.shape)} {tensor.dtype}; the plan expects {list(want.shape)} "
-                                f"{dtypes.torch_name(want.dtype)} (pass the live dtype as source={{..., 'dtype': ...}})")
+                raise PlanError(mismatch(self.plan, self.plan.source_ranks[self.index], name, tensor, want))
             check_tensor(self.plan.source_ranks[self.index], f"local_tensors['{name}']", tensor, self.want)
             self.checked.add(name)
         return tensor
