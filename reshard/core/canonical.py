@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass, field
 
 from reshard.config_defaults import with_defaults
+from reshard.core.counts import check_kv_heads
 from reshard.core.model_config import ModelConfig
 from reshard.core.pieces import Piece, StoredTensor
 from reshard.errors import CheckpointError
@@ -126,6 +127,7 @@ def build_canonical(family: Family, config: dict, present_optional: set[str], ti
     """
     spelt, config = config, with_defaults(family, config)
     dims = family.resolve_dims(config)
+    check_kv_heads(family, dims, config)
     for sym in ("L", "V"):
         if sym not in dims:
             raise CheckpointError(f"mapping '{family.name}' must declare dims L (layers) and V (vocab)")

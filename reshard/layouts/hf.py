@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from reshard.core.canonical import (CanonicalModel, build_canonical, instance, match_template, stored_whole,
                                     template_layer)
+from reshard.core.counts import check_counts
 from reshard.core.pieces import StoredTensor
 from reshard.core.sharding import pack_members
 from reshard.core.model_config import ConfigLoss
@@ -138,6 +139,9 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
             raise CheckpointError(f"{path}: tensor '{name}' is not a weight of mapping '{family.name}'; "
                                   "pass --mapping FILE for this architecture")
         matched[name] = m
+    check_counts(family, config, {layer for _, layer in matched.values()},  # before anything per layer is built
+                 {n: files[where[n]].tensors[file_names.get(n, n)].shape for n in matched},
+                 os.path.join(path, "config.json"))
     present = {s.hf for spec, _ in matched.values() for s in family.weights
                if s.optional and s.hf_name == spec.hf_name}
     if fused:
