@@ -294,26 +294,9 @@ def verify(
 
 
 def _print_digest_report(report, a: str, b: str, as_json: bool) -> None:
-    from reshard.verification.digest import checked_lines
+    from reshard.verification.digest import format_report
 
-    if as_json:
-        print(json.dumps(report.to_dict(), indent=2))
-        return
-    print(f"A {report.layout_a} {a}\nB {report.layout_b} {b}")
-    for line in checked_lines(report):
-        print(f"  {line}")
-    print(f"  compared by {report.workers_reason}")
-    for d in report.config_differences:
-        print(f"  config {d['key']}: {d['a']} != {d['b']}")
-    for problem in report.replica_differences[:20]:
-        print(f"  {problem}")
-    bad = [t for t in report.tensors if not t.ok]
-    for t in bad[:20]:
-        extra = f" (max abs {t.max_abs:g}, max rel {t.max_rel:g})" if t.max_abs is not None else ""
-        print(f"  {t.status}: {t.name}{extra}")
-    if len(bad) > 20:
-        print(f"  ... and {len(bad) - 20} more (--json lists all)")
-    print("EQUAL" if report.equal else "DIFFERENT")
+    print(json.dumps(report.to_dict(), indent=2) if as_json else format_report(report))
 
 
 def _format_estimate(estimate: dict) -> str:

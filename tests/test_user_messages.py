@@ -3,11 +3,14 @@ different models, ``live.transfer`` given shards of another degree, and ``inspec
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 import reshard
 from checkpoints import make_hf
+from helpers import run_cli
 from reshard import live
 from reshard.errors import PlanError
 
@@ -15,6 +18,26 @@ from reshard.errors import PlanError
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory) -> str:
     return make_hf(tmp_path_factory.mktemp("llama") / "hf", hidden=64, heads=8, kv_heads=2, ffn=96, vocab=1000)
+
+
+# -- item 7: verify of two different models -----------------------------------------------------------------------
+
+def test_verify_of_different_models_leads_with_the_architecture_and_the_first_shape(llama, tmp_path, capsys):
+    other = make_hf(tmp_path / "mistral", arch="MistralForCausalLM", hidden=64, heads=8, kv_heads=2, ffn=96,
+                    vocab=1064)
+    code, out, _ = run_cli(capsys, "verify", llama, other)
+    lines = out.splitlines()
+    assert code == 1 and lines[-1] == "DIFFERENT", out
+    assert lines[2:4] == ["  architecture: LlamaForCausalLM in A, MistralForCausalLM in B",
+                          "  shapes differ: model.embed_tokens.weight: [1000, 64] in A, [1064, 64] in B (and 1 more)"]
+    assert "  different: lm_head.weight ([1000, 64] in A, [1064, 64] in B)" in lines, out
+    report = json.loads(run_cli(capsys, "verify", llama, other, "--json")[1])
+    assert (report["architecture_a"], report["architecture_b"]) == ("LlamaForCausalLM", "MistralForCausalLM")
+    shaped = {t["name"]: (t["shape_a"], t["shape_b"]) for t in report["tensors"] if "shape_a" in t}
+    assert shaped == {n: ([1000, 64], [1064, 64]) for n in ("model.embed_tokens.weight", "lm_head.weight")}
+    assert {"name", "status", "dtype_a", "sha256_a", "max_abs"} <= set(report["tensors"][0])  # the fields kept
+    code, out, _ = run_cli(capsys, "verify", llama, llama)
+    assert code == 0 and "architecture" not in out and "shapes differ" not in out, out
 
 
 # -- item 8: live.transfer given shards made for another degree --------------------------------------------------

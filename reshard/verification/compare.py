@@ -37,6 +37,8 @@ class TensorResult:
     sha256_b: str | None = None
     max_abs: float | None = None
     max_rel: float | None = None
+    shape_a: list[int] | None = None  # set where the shapes differ
+    shape_b: list[int] | None = None
 
     @property
     def ok(self) -> bool:

@@ -21,7 +21,7 @@ from reshard.layouts.base import Options, Source
 from reshard.verification.block_stream import BLOCK_BYTES, PairTask, replica_problem, replica_tasks
 from reshard.verification.compare import BlockComparison, TensorResult
 
-__all__ = ["TensorResult", "VerifyReport", "verify", "verify_dry_run", "verify_sources"]
+__all__ = ["TensorResult", "VerifyReport", "format_report", "verify", "verify_dry_run", "verify_sources"]
 
 
 @dataclass
@@ -36,6 +36,8 @@ class VerifyReport:
     replicas_checked: int = 0  # stored copies of replicated tensors compared with the copy read
     workers: int = 1  # processes that compared
     workers_reason: str = ""  # why that many (the automatic choice's limits, or "asked for")
+    architecture_a: str | None = None  # the class each config names (a difference alone is not one in meaning)
+    architecture_b: str | None = None
 
     @property
     def equal(self) -> bool:
@@ -46,7 +48,17 @@ class VerifyReport:
         d["equal"] = self.equal
         d["summary"] = {s: sum(t.status == s for t in self.tensors) for s in sorted({t.status for t in self.tensors})}
         d["checked"] = checked_lines(self)
+        for t in d["tensors"]:  # shapes only where they differ
+            for key in ("shape_a", "shape_b"):
+                if t[key] is None:
+                    del t[key]
         return d
+
+    def first_shape_difference(self) -> str | None:
+        """``model.embed_tokens.weight: [32000, 4096] in A, [32064, 4096] in B``, the first tensor whose shapes
+        differ; None where none does."""
+        t = next((t for t in self.tensors if t.shape_a is not None), None)
+        return None if t is None else f"{t.name}: {t.shape_a} in A, {t.shape_b} in B"
 
 
 def canonical_target(source: Source, index: CanonicalIndex, name: str) -> TargetTensor:
@@ -81,7 +93,9 @@ def plan_work(sa: Source, sb: Source, atol: float | None, rtol: float | None) ->
         if name not in sb.model.tensors:
             known[position] = TensorResult(name, "missing_in_b", sa.model.dtypes[name])
         elif sa.model.tensors[name].shape != sb.model.tensors[name].shape:
-            known[position] = TensorResult(name, "different", sa.model.dtypes[name], sb.model.dtypes[name])
+            known[position] = TensorResult(name, "different", sa.model.dtypes[name], sb.model.dtypes[name],
+                                           shape_a=list(sa.model.tensors[name].shape),
+                                           shape_b=list(sb.model.tensors[name].shape))
         else:
             ta, tb = canonical_target(sa, ia, name), canonical_target(sb, ib, name)
             tasks.append(PairTask(ta, tb, sa.files, sb.files, BlockComparison(name, ta.dtype, tb.dtype, atol, rtol)))
@@ -120,7 +134,8 @@ def verify_sources(sa: Source, sb: Source, a: str, b: str, *, atol: float | None
     """:func:`verify` of two opened sources."""
     from reshard.verification.digest_run import processes_for, run_tasks
 
-    report = VerifyReport(a, b, sa.layout, sb.layout)
+    report = VerifyReport(a, b, sa.layout, sb.layout, architecture_a=sa.model.meaning.architecture,
+                          architecture_b=sb.model.meaning.architecture)
     report.config_differences = config_differences(sa, sb)
     for source in (sa, sb):  # tower tensors a source does not hold (vLLM's LLaVA): reported missing on its side
         absent = set(absent_tensors(source))
@@ -201,6 +216,33 @@ def checked_lines(report: VerifyReport) -> list[str]:
         lines.append(f"{len(report.config_differences)} config setting"
                      f"{'s differ' if len(report.config_differences) > 1 else ' differs'}")
     return lines
+
+
+def format_report(report: VerifyReport) -> str:
+    """The report for people: the two checkpoints; what differs first (the architecture, the first shape); what
+    was checked; each config, replica and tensor difference (20 at most of each); EQUAL or DIFFERENT."""
+    lines = [f"A {report.layout_a} {report.a}", f"B {report.layout_b} {report.b}"]
+    if report.architecture_a != report.architecture_b:
+        lines.append(f"  architecture: {report.architecture_a} in A, {report.architecture_b} in B")
+    shaped = [t for t in report.tensors if t.shape_a is not None]
+    if shaped:
+        more = f" (and {len(shaped) - 1} more)" if len(shaped) > 1 else ""
+        lines.append(f"  shapes differ: {report.first_shape_difference()}{more}")
+    lines += [f"  {line}" for line in checked_lines(report)]
+    lines.append(f"  compared by {report.workers_reason}")
+    lines += [f"  config {d['key']}: {d['a']} != {d['b']}" for d in report.config_differences]
+    lines += [f"  {problem}" for problem in report.replica_differences[:20]]
+    bad = [t for t in report.tensors if not t.ok]
+    for t in bad[:20]:
+        if t.shape_a is not None:
+            extra = f" ({t.shape_a} in A, {t.shape_b} in B)"
+        else:
+            extra = f" (max abs {t.max_abs:g}, max rel {t.max_rel:g})" if t.max_abs is not None else ""
+        lines.append(f"  {_PHRASES.get(t.status, t.status.replace('_', ' '))}: {t.name}{extra}")
+    if len(bad) > 20:
+        lines.append(f"  ... and {len(bad) - 20} more (--json lists all)")
+    lines.append("EQUAL" if report.equal else "DIFFERENT")
+    return "\n".join(lines)
 
 
 def _width(dtype: str | None) -> int:
