@@ -48,7 +48,7 @@ class ConfigDefaults:
     def table(self, model_type) -> dict:
         return dict(dict(self.tables).get(model_type, ()))
 
-    def over(self, other: "ConfigDefaults") -> "ConfigDefaults":
+    def over(self, other: ConfigDefaults) -> ConfigDefaults:
         """These tables, then ``other``'s for the model types these do not state; these nested classes."""
         mine = {t for t, _ in self.tables}
         return ConfigDefaults(self.tables + tuple(t for t in other.tables if t[0] not in mine), self.nested)
@@ -71,8 +71,10 @@ def parse_table(entries, source: str, where: str) -> Table:
     return tuple(entries.items())
 
 
-def parse_vlm_defaults(table: dict, source: str) -> ConfigDefaults:
-    """A vision-language file's ``[config]``: the nested configs' classes and ``[config.defaults.MODEL_TYPE]``."""
+def vlm_defaults(data: dict, source: str) -> ConfigDefaults:
+    """A vision-language file's own ``[config]``: the nested configs' classes and ``[config.defaults.MODEL_TYPE]``
+    (its text family's tables come after them, :meth:`ConfigDefaults.over`)."""
+    table = data.get("config", {})
     tables = tuple((t, parse_table(e, source, f"[config.defaults.{t}]")) for t, e in table.get("defaults", {}).items())
     nested = []
     for section in SECTIONS:
@@ -135,16 +137,20 @@ def check_defaults(family) -> None:
                      f"[config.architectures.{name}.defaults]", family.name)
 
 
-def check_vlm_defaults(defaults: ConfigDefaults, text_family, vision_keys: set[str], top_keys: set[str],
-                       source: str, name: str) -> None:
-    """A vision-language file's tables: a nested text class's keys are its text family's, a vision class's its
-    vision dims' keys, the others' (the file's own config class) the keys it reads at the top."""
+def check_vlm_defaults(data: dict, text_family, source: str) -> None:
+    """A vision-language file's tables name only keys reshard reads: a nested text class's its text family's, a
+    vision class's its ``vision_config.*`` dims keys, the others' (the file's own class) its top-level dims keys
+    and the used-blocks key (LLaVA's ``vision_feature_layer``)."""
+    defaults = vlm_defaults(data, source)
+    keys = [entry["key"] for entry in data.get("dims", {}).values()]
+    keys = [k.removeprefix("count:") for key in keys for k in ([key] if isinstance(key, str) else key)]
+    valid = {"text_config": read_keys(text_family),
+             "vision_config": {k.split(".", 1)[1] for k in keys if k.startswith("vision_config.")},
+             None: {k for k in keys if "." not in k} | set(filter(None, [data.get("vision", {}).get("used_blocks")]))}
     kinds = {model_type: section for section, model_type, _ in defaults.nested}
-    text_keys = read_keys(text_family)
     for model_type, entries in defaults.tables:
-        kind = kinds.get(model_type)
-        valid = text_keys if kind == "text_config" else vision_keys if kind == "vision_config" else top_keys
-        _check_table(entries, valid, source, f"[config.defaults.{model_type}]", name)
+        _check_table(entries, valid[kinds.get(model_type)], source, f"[config.defaults.{model_type}]",
+                     data["family"]["name"])
 
 
 def _model_type(family, config: dict) -> str | None:
@@ -209,4 +215,4 @@ def with_defaults(family, config: dict, defaults: ConfigDefaults | None = None) 
 
 
 __all__ = ["ConfigDefaults", "NESTED", "check_defaults", "check_vlm_defaults", "family_defaults", "parse_table",
-           "parse_vlm_defaults", "read_keys", "with_defaults"]
+           "read_keys", "vlm_defaults", "with_defaults"]

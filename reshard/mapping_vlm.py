@@ -20,7 +20,7 @@ import functools
 import tomllib
 from dataclasses import dataclass
 
-from reshard.config_defaults import (NESTED, ConfigDefaults, check_vlm_defaults, family_defaults, parse_vlm_defaults,
+from reshard.config_defaults import (NESTED, ConfigDefaults, check_vlm_defaults, family_defaults, vlm_defaults,
                                      with_defaults)
 from reshard.errors import MappingError, PlanError
 from reshard.mapping import (DIM_KEYS, PACK_SLOTS, SPLIT_KINDS, Family,
@@ -251,22 +251,6 @@ def compose(data: dict, source: str, config: dict) -> Family:
         hf_ignore=tuple(hf_name(t) for t in text_family.hf_ignore), hf_optional_prefix="", multimodal=multimodal)
 
 
-def vlm_defaults(data: dict, source: str) -> ConfigDefaults:
-    """A VLM file's own ``[config]`` defaults and nested config classes (its text family's tables come after)."""
-    return parse_vlm_defaults(data.get("config", {}), source)
-
-
-def check_defaults_of(data: dict, source: str) -> None:
-    """A VLM file's defaults name only keys reshard reads: its text family's, its vision dims', and at the top the
-    used-blocks key and its other top-level dims keys."""
-    keys = [entry["key"] for entry in data.get("dims", {}).values()]
-    keys = [k.removeprefix("count:") for key in keys for k in ([key] if isinstance(key, str) else key)]
-    vision = {k.split(".", 1)[1] for k in keys if k.startswith("vision_config.")}
-    top = {k for k in keys if "." not in k} | set(filter(None, [data.get("vision", {}).get("used_blocks")]))
-    check_vlm_defaults(vlm_defaults(data, source), load_shipped(data["text"]["family"]), vision, top, source,
-                       data["family"]["name"])
-
-
 def _expand_templates(templates: list[str], blocks: int, deepstack: int) -> list[str]:
     """``_extra_state`` templates with ``{vblock}`` / ``{ds}`` expanded over every block / DeepStack merger."""
     out = []
@@ -368,7 +352,7 @@ def vlm_templates() -> tuple[_Template, ...]:
     for name in shipped_mapping_names(multimodal=True):
         data = extended(load(name), load)
         check_vlm_file(data, f"mappings/{name}.toml")
-        check_defaults_of(data, f"mappings/{name}.toml")
+        check_vlm_defaults(data, load_shipped(data["text"]["family"]), f"mappings/{name}.toml")
         out.append(_Template(name, data, f"mappings/{name}.toml", tuple(data["family"]["architectures"])))
     return tuple(out)
 

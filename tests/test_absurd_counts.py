@@ -36,9 +36,9 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     and transformers 5's fused form), a 4-layer DeepSeek-V3 with 8 routed experts, and the Llama in Megatron tp 2."""
     root = tmp_path_factory.mktemp("absurd")
     made = {"llama": Path(make_hf(root / "llama", layers=2, heads=8, kv_heads=2, hidden=64))}
-    config = transformers.MixtralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                                        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                                        vocab_size=64, max_position_embeddings=64)
+    config = transformers.MixtralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, vocab_size=64, max_position_embeddings=64)
     config.architectures = ["MixtralForCausalLM"]
     model = transformers.MixtralForCausalLM(config)
     model.save_pretrained(root / "mixtral")

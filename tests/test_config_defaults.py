@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -15,9 +16,12 @@ import torch
 
 import vlm_cases
 from helpers import run_cli
+from reshard.config_defaults import vlm_defaults, with_defaults
+from reshard.errors import MappingError
+from reshard.layouts.hf_config import read_meaning
+from reshard.mapping import load_shipped, parse_family, shipped_mapping_names, shipped_mapping_text
+from reshard.mapping_vlm import vlm_templates
 from sparse_checkpoints import _sparse_safetensors
-from reshard.mapping import load_shipped, shipped_mapping_names
-from reshard.mapping_vlm import vlm_defaults, vlm_templates
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e .[test]")
 
@@ -80,6 +84,38 @@ def test_every_stated_default_is_the_transformers_class_default(model_type):
     for key, value in table.items():
         others = cls(**{k: other_value(v) for k, v in table.items() if k != key})
         assert class_value(others, key) == value, f"{model_type}.{key} follows the other keys"
+
+
+def test_a_key_the_source_spells_wins_wherever_transformers_reads_it_from():
+    """Gemma 3's RoPE bases spelt in transformers 5's per-layer-type rope_parameters are the source's, not the
+    defaults; a key spelt null stays null; the keys left out read as transformers reads them."""
+    family = load_shipped("gemma3")
+    params = {"full_attention": {"rope_type": "default", "rope_theta": 5e5},
+              "sliding_attention": {"rope_type": "default", "rope_theta": 7.0}}
+    config = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 64,
+              "intermediate_size": 96, "num_hidden_layers": 6, "vocab_size": 300, "rope_parameters": params,
+              "sliding_window": None}
+    filled = with_defaults(family, config)
+    assert "rope_theta" not in filled and "rope_local_base_freq" not in filled and filled["sliding_window"] is None
+    theirs = transformers.Gemma3TextConfig(**{k: v for k, v in config.items() if k != "model_type"})
+    assert (filled["head_dim"], filled["num_attention_heads"], filled["query_pre_attn_scalar"]) == \
+        (theirs.head_dim, theirs.num_attention_heads, theirs.query_pre_attn_scalar)
+    meaning = read_meaning(config, family, "Gemma3ForCausalLM", family.resolve_dims(config), set(), True, "test")
+    assert (meaning.rope_theta, meaning.rope_local_theta, meaning.head_dim) == (5e5, 7.0, theirs.head_dim)
+
+
+def test_a_spelt_alternative_key_is_not_overridden_by_a_default():
+    """Qwen2-MoE's expert count may be spelt num_local_experts: num_experts' default is then not filled."""
+    family = load_shipped("qwen2_moe")
+    dims = family.resolve_dims({"model_type": "qwen2_moe", "num_local_experts": 4})
+    assert dims[family.moe["experts"]] == 4
+
+
+def test_a_default_for_a_key_the_family_does_not_read_is_refused():
+    text = shipped_mapping_text("llama").replace("[config.architectures.LlamaForCausalLM.defaults]\n",
+                                                 "[config.architectures.LlamaForCausalLM.defaults]\nrope_thetaa = 1.0\n")
+    with pytest.raises(MappingError, match=r"rope_thetaa is not a config key .* \(did you mean 'rope_theta'\?\)"):
+        parse_family(tomllib.loads(text), "llama-typo.toml")
 
 
 # ---- sparse configs as the Hub releases spell them ---------------------------------------------------------------
