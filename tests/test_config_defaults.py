@@ -20,7 +20,7 @@ from reshard.config_defaults import vlm_defaults, with_defaults
 from reshard.errors import MappingError
 from reshard.layouts.hf_config import read_meaning
 from reshard.mapping import load_shipped, parse_family, shipped_mapping_names, shipped_mapping_text
-from reshard.mapping_vlm import vlm_templates
+from reshard.mapping_vlm import family_for_architecture, flat_view, vlm_templates
 from sparse_checkpoints import _sparse_safetensors
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e .[test]")
@@ -293,6 +293,25 @@ RELEASES = {
                           "model_type": "clip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 24,
                           "patch_size": 14, "projection_dim": 768, "vocab_size": 32000}},
 }
+#: Two more releases whose text_config transformers fills (gemma-3-4b-it: no head counts; LLaVA-NeXT's Mistral: no
+#: hidden size, head or layer counts), read at the config level only.
+CONFIG_ONLY = {
+    "gemma-3-4b-it": {**RELEASES["gemma-3-12b-it"],
+                      "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                                      "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                                      "sliding_window": 1024}},
+    "llava-v1.6-mistral-7b-hf": {
+        "architectures": ["LlavaNextForConditionalGeneration"], "ignore_index": -100, "image_token_index": 32000,
+        "image_grid_pinpoints": [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]],
+        "model_type": "llava_next", "projector_hidden_act": "gelu", "torch_dtype": "float16",
+        "transformers_version": "4.39.0.dev0", "use_image_newline_parameter": True, "vision_feature_layer": -2,
+        "vision_feature_select_strategy": "default", "vocab_size": 32064,
+        "text_config": {"_name_or_path": "mistralai/Mistral-7B-Instruct-v0.2", "architectures": ["MistralForCausalLM"],
+                        "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mistral",
+                        "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0,
+                        "sliding_window": None, "torch_dtype": "bfloat16", "vocab_size": 32064},
+        "vision_config": RELEASES["llava-1.5-7b-hf"]["vision_config"]},
+}
 #: transformers 5's in-memory names -> the Hub's (the inverse of vlm_cases' Hub -> v5 rules for these towers).
 TO_HUB = [(r"^model\.language_model\.", "language_model.model."), (r"^lm_head\.", "language_model.lm_head."),
           (r"^model\.vision_tower\.(vision_model\.)?", "vision_tower.vision_model."),
@@ -323,6 +342,30 @@ def write_release(folder: Path, name: str) -> tuple[object, int]:
     return config, total
 
 
+def transformers_meaning(text) -> dict:
+    """What transformers' text config object ``text`` computes with, in ModelConfig's field names."""
+    params = text.rope_parameters
+    return {"hidden": text.hidden_size, "layers": text.num_hidden_layers, "heads": text.num_attention_heads,
+            "kv_heads": text.num_key_value_heads, "head_dim": text.head_dim, "ffn": text.intermediate_size,
+            "vocab": text.vocab_size, "max_positions": text.max_position_embeddings, "norm_eps": text.rms_norm_eps,
+            "rope_theta": (params.get("full_attention") or params)["rope_theta"],
+            "rope_local_theta": (params.get("sliding_attention") or {}).get("rope_theta"),
+            "query_scale": getattr(text, "query_pre_attn_scalar", None),
+            "sliding_window": getattr(text, "sliding_window", None)}
+
+
+@pytest.mark.parametrize("name", sorted(RELEASES) + sorted(CONFIG_ONLY))
+def test_a_release_config_means_what_transformers_reads(name):
+    """Each release's config.json, composed and read by reshard (no weights), has transformers' dims and RoPE."""
+    config_json = {**RELEASES, **CONFIG_ONLY}[name]
+    architecture = config_json["architectures"][0]
+    family = family_for_architecture(architecture, None, config_json)
+    flat = flat_view(config_json)
+    meaning = read_meaning(flat, family, architecture, family.resolve_dims(flat), set(), True, name).as_dict()
+    expected = transformers_meaning(transformers.AutoConfig.for_model(**config_json).text_config)
+    assert {k: meaning[k] for k in expected} == expected
+
+
 @pytest.mark.parametrize("name", sorted(RELEASES))
 def test_real_size_sparse_releases_inspect_and_plan_with_transformers_dims(tmp_path, capsys, name):
     """``inspect`` reports the dims, RoPE bases and head dim transformers reads from the release's sparse
@@ -333,14 +376,7 @@ def test_real_size_sparse_releases_inspect_and_plan_with_transformers_dims(tmp_p
     code, out, err = run_cli(capsys, "inspect", tmp_path / name, "--json")
     assert code == 0, err
     meaning = json.loads(out)["model_config"]
-    params = text.rope_parameters
-    expected = {"hidden": text.hidden_size, "layers": text.num_hidden_layers, "heads": text.num_attention_heads,
-                "kv_heads": text.num_key_value_heads, "head_dim": text.head_dim, "ffn": text.intermediate_size,
-                "vocab": text.vocab_size, "max_positions": text.max_position_embeddings, "norm_eps": text.rms_norm_eps,
-                "rope_theta": (params.get("full_attention") or params)["rope_theta"],
-                "rope_local_theta": (params.get("sliding_attention") or {}).get("rope_theta"),
-                "query_scale": getattr(text, "query_pre_attn_scalar", None),
-                "sliding_window": getattr(text, "sliding_window", None)}
+    expected = transformers_meaning(text)
     assert {k: meaning.get(k) for k in expected} == expected
     if name == "gemma-3-12b-it":
         assert meaning["head_dim"] == 256 != meaning["hidden"] // meaning["heads"]
