@@ -325,8 +325,9 @@ class _Template:
 
 def extended(data: dict, load) -> dict:
     """A VLM file with ``[family] extends = "NAME"``: NAME's tables, with this file's ``[text]``, ``[vision]``,
-    ``[dims]`` and ``[megatron]`` keys over them, its ``[hf]`` spelling rules before NAME's (first match wins) and
-    its ``[[tower]]`` weights after NAME's (LLaVA-NeXT: LLaVA plus ``image_newline``)."""
+    ``[dims]``, ``[megatron]`` and ``[config]`` keys (and ``[config.defaults.*]`` tables) over them, its ``[hf]``
+    spelling rules before NAME's (first match wins) and its ``[[tower]]`` weights after NAME's (LLaVA-NeXT: LLaVA
+    plus ``image_newline``)."""
     name = data["family"].get("extends")
     if name is None:
         return data
