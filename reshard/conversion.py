@@ -80,7 +80,7 @@ def _refuse_unread_options(source: Source, opts: Options) -> None:
     that do: ``--master-weights`` on a Hugging Face folder would otherwise be silently ignored."""
     from reshard.layouts.registry import layout_names
 
-    reads = get_layout(source.layout).reads_options
+    reads = get_layout(source.layout).reads_options | set(source.info.get("read_options", ()))
     for option, (flag, unset) in SOURCE_OPTIONS.items():
         if getattr(opts, option) != unset and option not in reads:
             users = [n for n in layout_names() if option in get_layout(n).reads_options]

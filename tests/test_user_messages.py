@@ -4,12 +4,14 @@ different models, ``live.transfer`` given shards of another degree, and ``inspec
 from __future__ import annotations
 
 import json
+import os
+import shutil
 
 import pytest
 import torch
 
 import reshard
-from checkpoints import make_hf
+from checkpoints import load_hf_tensors, make_hf
 from helpers import run_cli
 from reshard import live
 from reshard.errors import PlanError
@@ -18,6 +20,31 @@ from reshard.errors import PlanError
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory) -> str:
     return make_hf(tmp_path_factory.mktemp("llama") / "hf", hidden=64, heads=8, kv_heads=2, ffn=96, vocab=1000)
+
+
+# -- item 6: an HF folder without config.json ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["safetensors", "index", "bin"])
+def test_hf_weights_without_config_ask_for_one_and_read_with_config_option(llama, tmp_path, capsys, kind):
+    folder = tmp_path / "weights"
+    if kind == "bin":
+        folder.mkdir()
+        torch.save(load_hf_tensors(llama), folder / "pytorch_model.bin")
+    else:
+        sharded = make_hf(tmp_path / "sharded", hidden=64, heads=8, kv_heads=2, ffn=96, vocab=1000, shards=2)
+        shutil.copytree(llama if kind == "safetensors" else sharded, folder)
+        os.remove(folder / "config.json")
+    code, _, err = run_cli(capsys, "convert", folder, tmp_path / "out", "--to", "megatron")
+    assert code == 2 and err.count("\n") == 1 and len(err) < 200, err
+    assert "holds Hugging Face weights but no config.json" in err and "--config FILE" in err, err
+    config = os.path.join(llama, "config.json")
+    code, _, err = run_cli(capsys, "convert", folder, tmp_path / "out", "--to", "hf", "--config", config)
+    assert code == 0, err
+    written, original = load_hf_tensors(tmp_path / "out"), load_hf_tensors(llama)
+    assert sorted(written) == sorted(original) and all(torch.equal(written[n], original[n]) for n in original)
+    assert json.load(open(tmp_path / "out" / "config.json"))["vocab_size"] == 1000
+    code, _, err = run_cli(capsys, "convert", llama, tmp_path / "again", "--to", "hf", "--config", config)
+    assert code == 2 and "does not apply" in err, err  # a folder with its own config.json: still refused
 
 
 # -- item 7: verify of two different models -----------------------------------------------------------------------

@@ -84,13 +84,29 @@ def relabel_notes(config: dict, architecture: str) -> list[str]:
         if named and named != architecture else []
 
 
+def source_config(path: str, opts: Options) -> tuple[dict, list[str]]:
+    """(config, notes) of HF folder ``path``: its ``config.json``; ``--config`` where it saves none (noted where
+    given beside one); neither is a one-line refusal naming both fixes."""
+    own = os.path.join(path, "config.json")
+    if os.path.lexists(own):
+        return read_config(path), [f"--config {opts.config} not read: {path} has its own config.json"] \
+            if opts.config else []
+    if opts.config:
+        return read_json_object(opts.config, "--config"), [f"read the model config from --config {opts.config}"]
+    raise CheckpointError(f"{path} holds Hugging Face weights but no config.json: add the model's config.json "
+                          "to it, or pass --config FILE")
+
+
 def open_source(path: str, opts: Options) -> Source:
-    config = read_config(path)
+    config, config_notes = source_config(path, opts)
     paths = weight_files(path)
     if not paths:
         raise CheckpointError(f"{path} has config.json but no *.safetensors or pytorch_model*.bin weights")
     files = [TorchFile(p) if p.endswith(".bin") else SafetensorsFile(p) for p in paths]
     source = build_source(path, config, files, opts, side_files(path, config))
+    source.info["notes"][:0] = config_notes
+    if opts.config and not os.path.lexists(os.path.join(path, "config.json")):
+        source.info["read_options"] = ["config"]  # convert refuses --config on a folder with its own
     skipped = sorted(n for n in os.listdir(path) if n.endswith(".safetensors") and is_other_format(n)
                      and os.path.join(path, n) not in paths)
     if skipped:

@@ -197,6 +197,8 @@ def with_folders(paths: Collection[str]) -> frozenset[str]:
 def detect_in(names: Collection[str], where: str) -> Layout:
     """The layout of a listing (see :meth:`Layout.detect`): the most specific match; a tie is refused."""
     matches = [layout for name in layout_names() if (layout := get_layout(name)).detect(names)]
+    if not matches and hf_weights_only(names):  # opening it asks for a config.json or --config
+        return get_layout("hf")
     if not matches:
         known = "; ".join(f"{get_layout(n).name}: {get_layout(n).summary}" for n in layout_names())
         raise CheckpointError(f"{where} is not a checkpoint reshard knows (expected one of {known})")
@@ -206,6 +208,14 @@ def detect_in(names: Collection[str], where: str) -> Layout:
         raise CheckpointError(f"{where} looks like {' and '.join(m.name for m in best)} checkpoints at once: "
                               "remove the files of the one you do not mean, or pass that layout's own folder")
     return best[0]
+
+
+def hf_weights_only(names: Collection[str]) -> bool:
+    """Whether a listing is a Hugging Face folder but for its config.json: top-level model weights or an index
+    (not Mistral's consolidated files or a PEFT adapter) and no config.json."""
+    from reshard.io.hf_files import is_other_format, is_weight_file
+
+    return "config.json" not in names and any(is_weight_file(n) and not is_other_format(n) for n in names)
 
 
 def detect(path: str) -> Layout:
@@ -226,13 +236,14 @@ def detect(path: str) -> Layout:
         raise
 
 
-def _config_architecture(path: str, opts: Options) -> tuple[dict, str] | None:
-    """``(config, the architecture it names)`` of the HF config a layout reads for ``path``: ``--config``, else
-    ``config.json`` in ``path``, else in its parent (a DCP ``pytorch_model_fsdp_0/``); None where there is none
-    (the layout itself reports a missing or unreadable one)."""
+def _config_architecture(path: str, opts: Options, layout: str) -> tuple[dict, str] | None:
+    """``(config, the architecture it names)`` of the HF config ``layout`` reads for ``path``: ``--config``
+    (an hf folder's own config.json first), else ``config.json`` in ``path``, else in its parent (a DCP
+    ``pytorch_model_fsdp_0/``); None where there is none (the layout itself reports a missing or unreadable one)."""
     parent = os.path.dirname(os.path.abspath(path))
-    candidates = [opts.config] if opts.config else [os.path.join(path, "config.json"),
-                                                    os.path.join(parent, "config.json")]
+    own = os.path.join(path, "config.json")
+    candidates = [opts.config] if opts.config and not (layout == "hf" and os.path.isfile(own)) else \
+        [own, os.path.join(parent, "config.json")]
     for candidate in candidates:
         if not os.path.isfile(candidate):
             continue
@@ -271,7 +282,7 @@ def _open_fsdp_named(layout: Layout, path: str, opts: Options) -> Source | None:
     decides, as for any forced architecture)."""
     if layout.name not in HF_CONFIG_LAYOUTS:
         return None
-    found = _config_architecture(path, opts)
+    found = _config_architecture(path, opts, layout.name)
     base = found and fsdp_base_architecture(found[1], opts, found[0])
     if not base or opts.architecture not in (None, base, found[1]):
         return None
