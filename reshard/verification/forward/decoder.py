@@ -13,9 +13,10 @@ position embedding (``position = "learned"``, whole on every rank); then per lay
 Gemma 3), else identity; ``rope``: identity with learned positions. Gemma: norms apply ``1 + w`` in fp32
 (``norm_offset``), the embedding is times sqrt(hidden), sandwich norms wrap each block's output before the
 residual add (``x = x + norm(attention(...))``), scores are scaled by ``query_scale ** -0.5`` and soft-capped
-(``cap * tanh(s / cap)``, also the logits), sliding layers use ``rope_local_theta``. Column-parallel q/k/v (local heads, optional biases),
-rotate-half RoPE with ``rope_theta`` and ``rope_scaling`` (``linear``, ``llama3``), causal attention with GQA (local q head j reads
-local KV head ``j // (local q heads / local KV heads)``) and an optional sliding window; final norm;
+(``cap * tanh(s / cap)``, also the logits), sliding layers use ``rope_local_theta``. Column-parallel q/k/v
+(local heads, optional biases), rotate-half RoPE with ``rope_theta`` and ``rope_scaling`` (:mod:`.rope`; partial
+rotary: the first ``rope_dim`` dims of each head rotate, the rest pass), causal attention with GQA (local q head
+j reads local KV head ``j // (local q heads / local KV heads)``) and an optional sliding window; final norm;
 vocab-parallel head whose logits are all-gathered over the padded vocab. Row-parallel biases are added once,
 after the all-reduce. Everything is computed in ``compute_dtype`` (fp32 by default). Weights that the features
 need must be present and weights no feature uses must be absent (:func:`check_features`).
@@ -46,7 +47,7 @@ import torch.nn.functional as F
 
 from reshard.errors import ReshardError
 from reshard.verification.forward.rank_weights import DecoderConfig, LayerWeights, RankWeights
-from reshard.verification.forward.rope import mla_softmax_scale, rope_cos_sin, rotate_half, rotate_pairs
+from reshard.verification.forward.rope import apply_rope, mla_softmax_scale, rope_cos_sin, rotate_pairs
 
 
 class TPGroup:
@@ -177,8 +178,7 @@ def attention(x: torch.Tensor, w: LayerWeights, config: DecoderConfig, cos, sin,
     q, k = q.transpose(1, 2), k.transpose(1, 2)
     v = _linear(x, w.v, w.v_bias).view(b, s, -1, d).transpose(1, 2)
     if config.position == "rope":
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     local_q, local_kv = q.shape[1], k.shape[1]
     if local_q % local_kv:
         raise ReshardError(f"rank holds {local_q} query heads and {local_kv} KV heads: not a GQA grouping")

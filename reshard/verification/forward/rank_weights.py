@@ -28,12 +28,14 @@ from reshard.errors import CheckpointError, ReshardError
 from reshard.core.model_config import ModelConfig
 from reshard.mapping import WeightSpec
 
-#: RoPE scaling types and activations the decoder implements (rope.rope_inv_freq, ACTIVATION_FUNCTIONS); yarn
-#: for multi-head latent attention only (transformers' DeepSeek modelling, with its mscale on the softmax scale).
-ROPE_TYPES = ("default", "linear", "llama3")
-MLA_ROPE_TYPES = ROPE_TYPES + ("yarn",)
+#: RoPE scaling types and activations the decoder implements (rope.rope_inv_freq, ACTIVATION_FUNCTIONS): every
+#: type transformers' RoPE of a shipped family takes (its ROPE_INIT_FUNCTIONS less Gemma 4's ``proportional``).
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 ACTIVATION_NAMES = ("silu", "gelu", "gelu_tanh", "relu")
 ROUTER_SCORES = ("softmax", "sigmoid")
+#: transformers' Phi3Config default for its top-level ``original_max_position_embeddings`` (which its longrope
+#: uses whatever rope_parameters say, and which reshard's canonical config does not carry).
+PHI3_ORIGINAL_MAX_POSITIONS = 4096
 
 
 @dataclass
@@ -76,6 +78,7 @@ class DecoderConfig:
     kv_lora_rank: int = 0
     rope_head_dim: int = 0  # dr: the RoPE part of each q / k head, pairs (2i, 2i+1) rotated
     v_head_dim: int = 0  # dv
+    rotary_fraction: float = 1.0  # partial rotary: RoPE on the first int(head_dim * rotary_fraction) dims of a head
 
     @property
     def mla(self) -> bool:
@@ -84,20 +87,21 @@ class DecoderConfig:
 
     @property
     def rope_dim(self) -> int:
-        """The dims of a head that RoPE rotates."""
-        return self.rope_head_dim if self.mla else self.head_dim
+        """The dims of a head that RoPE rotates: latent attention's ``rope_head_dim``, else the first
+        ``int(head_dim * rotary_fraction)`` (transformers', megatron-core's and vLLM's rounding)."""
+        return self.rope_head_dim if self.mla else int(self.head_dim * self.rotary_fraction)
 
     @classmethod
     def from_meaning(cls, meaning: ModelConfig) -> "DecoderConfig":
         """From the canonical config; refuses (before any worker starts, as ``verify --forward`` builds it for
         both sides first) what the decoder does not implement."""
         lacking = []
-        rope_types = MLA_ROPE_TYPES if meaning.mla else ROPE_TYPES
-        if meaning.position == "rope" and meaning.rope_type not in rope_types:
-            lacking.append(f"rope_scaling type '{meaning.rope_type}' (it implements {', '.join(rope_types)}"
-                           + ("" if meaning.mla else "; yarn with multi-head latent attention only") + ")")
-        if meaning.position == "rope" and meaning.rotary_fraction != 1.0:
-            lacking.append(f"partial rotary ({meaning.rotary_fraction})")
+        scaling = rope_parameters(meaning) if meaning.position == "rope" else {}
+        kind = scaling.get("rope_type", "default")
+        if kind not in ROPE_TYPES:
+            lacking.append(f"rope_scaling type '{kind}' (it implements {', '.join(ROPE_TYPES)})")
+        else:
+            lacking += _rope_gaps(meaning, kind, scaling)
         if meaning.rope_interleaved and not meaning.mla:  # MLA's RoPE rotates interleaved pairs by definition
             lacking.append("interleaved RoPE")
         if meaning.experts and meaning.router_score not in ROUTER_SCORES:
@@ -113,7 +117,7 @@ class DecoderConfig:
                                "checkpoint with the digest check (reshard verify without --forward)")
         return cls(hidden=meaning.hidden, heads=meaning.heads, kv_heads=meaning.kv_heads, head_dim=meaning.head_dim,
                    layers=meaning.layers, vocab=meaning.vocab, eps=meaning.norm_eps, rope_theta=meaning.rope_theta,
-                   rope_scaling=meaning.scaling or None, sliding_window=meaning.sliding_window,
+                   rope_scaling=scaling or None, sliding_window=meaning.sliding_window,
                    window_layers=meaning.windowed_layers(), architecture=meaning.architecture, norm=meaning.norm,
                    mlp="gated" if meaning.gated_mlp else "plain", position=meaning.position,
                    activation=meaning.activation, qk_norm=meaning.qk_norm, norm_offset=meaning.norm_offset,
@@ -125,7 +129,54 @@ class DecoderConfig:
                    router_group_topk=meaning.router_group_topk, router_group_score=meaning.router_group_score,
                    router_scaling=meaning.router_scaling, max_positions=meaning.max_positions,
                    q_lora_rank=meaning.q_lora_rank, kv_lora_rank=meaning.kv_lora_rank,
-                   rope_head_dim=meaning.rope_head_dim, v_head_dim=meaning.v_head_dim)
+                   rope_head_dim=meaning.rope_head_dim, v_head_dim=meaning.v_head_dim,
+                   rotary_fraction=meaning.rotary_fraction if meaning.position == "rope" else 1.0)
+
+
+def rope_parameters(meaning: ModelConfig) -> dict:
+    """``meaning``'s RoPE scaling as transformers' config classes standardise it: Phi-3 reads ``su`` and ``yarn``
+    as ``longrope`` (Phi3Config); ``original_max_position_embeddings``, where llama3 / yarn / longrope scaling
+    leaves it out, is Phi-3's top-level key (reshard does not carry it: its Phi3Config default,
+    :data:`PHI3_ORIGINAL_MAX_POSITIONS`) or else ``max_position_embeddings``."""
+    scaling = meaning.scaling
+    if meaning.architecture == "Phi3ForCausalLM" and scaling.get("rope_type") in ("su", "yarn"):
+        scaling["rope_type"] = "longrope"
+    if scaling.get("rope_type") in ("llama3", "yarn", "longrope") and \
+            scaling.get("original_max_position_embeddings") is None:
+        original = PHI3_ORIGINAL_MAX_POSITIONS if meaning.architecture == "Phi3ForCausalLM" else meaning.max_positions
+        if original is not None:
+            scaling["original_max_position_embeddings"] = original
+    return scaling
+
+
+def _rope_gaps(meaning: ModelConfig, kind: str, scaling: dict) -> list[str]:
+    """What RoPE of type ``kind`` lacks to be computed: an even rotary dim; ``factor`` (linear, dynamic, llama3)
+    or ``max_position_embeddings`` in its place (yarn, longrope); ``max_position_embeddings`` (dynamic); the
+    original length (llama3, yarn, longrope); longrope's short and long factors, one per rotated pair."""
+    gaps = []
+    rotary = meaning.rope_head_dim if meaning.mla else int(meaning.head_dim * meaning.rotary_fraction)
+    if rotary <= 0 or rotary % 2:
+        gaps.append(f"a rotary dim of {rotary} (head dim {meaning.head_dim} x partial rotary "
+                    f"{meaning.rotary_fraction}: RoPE rotates pairs)")
+    if kind == "default":
+        return gaps
+    missing = []
+    if scaling.get("factor") is None and (kind in ("linear", "dynamic", "llama3") or meaning.max_positions is None):
+        missing.append("factor")
+    if kind == "dynamic" and meaning.max_positions is None:
+        missing.append("max_position_embeddings")
+    if kind in ("llama3", "yarn", "longrope") and scaling.get("original_max_position_embeddings") is None:
+        missing.append("original_max_position_embeddings")
+    if kind == "llama3":
+        missing += [k for k in ("low_freq_factor", "high_freq_factor") if scaling.get(k) is None]
+    if kind == "longrope":
+        for key in ("short_factor", "long_factor"):
+            factors = scaling.get(key)
+            if not isinstance(factors, tuple) or len(factors) != rotary // 2:
+                missing.append(f"{key} ({rotary // 2} numbers, one per rotated pair)")
+    if missing:
+        gaps.append(f"{kind} RoPE lacking {', '.join(missing)}")
+    return gaps
 
 
 def _group_score_known(score: str | None) -> bool:
