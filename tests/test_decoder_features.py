@@ -111,9 +111,9 @@ def test_what_the_decoder_lacks_is_refused_before_running():
                           ffn=96, vocab=10, activation="quick_gelu")
     with pytest.raises(ReshardError, match="does not implement activation 'quick_gelu'"):
         DecoderConfig.from_meaning(meaning)
-    yarn = meaning.replace(activation="silu", rope_scaling=(("factor", 4.0), ("rope_type", "yarn")))
-    with pytest.raises(ReshardError, match="does not implement rope_scaling type 'yarn'"):
-        DecoderConfig.from_meaning(yarn)
+    proportional = meaning.replace(activation="silu", rope_scaling=(("factor", 4.0), ("rope_type", "proportional")))
+    with pytest.raises(ReshardError, match="does not implement rope_scaling type 'proportional'"):
+        DecoderConfig.from_meaning(proportional)  # Gemma 4's; yarn and the rest: tests/test_forward_features.py
 
 
 def test_decoder_table_is_strict():
