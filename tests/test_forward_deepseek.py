@@ -21,13 +21,10 @@ from safetensors.torch import load_file
 import reshard
 from deepseek_checkpoints import logits as transformers_logits
 from deepseek_checkpoints import save_tiny
-from reshard.errors import ReshardError
-from reshard.core.model_config import ModelConfig, normalize_scaling
 from reshard.layouts.base import Options
 from reshard.verification.forward import forward_estimate, verify_forward
 from reshard.verification.forward.decoder import TPGroup, cast_weights, forward
 from reshard.verification.forward.job import open_rank_stream
-from reshard.verification.forward.rank_weights import DecoderConfig
 from reshard.verification.forward.streamed import forward_streamed
 from test_forward_streaming import WatchedStream
 
@@ -114,13 +111,6 @@ def test_the_selection_bias_decides_the_choice_only(tiny):
     with torch.no_grad():
         unbiased = forward(weights, torch.tensor([TOKENS]), TPGroup()).logits[0, :, :weights.config.vocab]
     assert (unbiased - expected).abs().max().item() > 1e-3
-
-
-def test_yarn_is_refused_without_latent_attention():
-    meaning = ModelConfig(architecture="LlamaForCausalLM", hidden=64, layers=2, heads=8, kv_heads=2, head_dim=8,
-                          ffn=96, vocab=128, rope_scaling=normalize_scaling(YARN))
-    with pytest.raises(ReshardError, match="yarn with multi-head latent attention only"):
-        DecoderConfig.from_meaning(meaning)
 
 
 # ------------------------------------------------------------------ verify --forward over conversions, 2 ranks
