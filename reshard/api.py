@@ -1,12 +1,17 @@
-"""The Python API: ``convert``, ``verify`` and ``inspect`` take the command line's options under the same names
-(dashes as underscores) and parse their values the same way (``max_shard_size="5GB"``, ``dtype="bf16"``). The
-CLI commands are thin printers over these functions, so the two cannot drift apart (``tests/test_api_parity.py``
-calls each function with every option of its command).
+"""The Python API: ``convert``, ``plan``, ``verify`` and ``inspect`` take the command line's options under the same
+names (dashes as underscores) and parse their values the same way (``max_shard_size="5GB"``, ``dtype="bf16"``).
+The CLI commands are thin printers over these functions, so the two cannot drift apart (``tests/test_api_parity.py``
+calls each function with every option of its command). Called from Python, their errors name options as
+keywords (``tp and pp must be 1 for to="hf"``); from the command line, as flags (:func:`python_terms`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 import re
+import typing
 from typing import Literal
 
 from reshard.errors import ReshardError
@@ -31,6 +36,83 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+_COMMAND_LINE = contextvars.ContextVar("reshard_command_line", default=False)
+
+
+@contextlib.contextmanager
+def command_line():
+    """While open (``reshard``'s commands run in it), the API's errors keep the command line's flags."""
+    token = _COMMAND_LINE.set(True)
+    try:
+        yield
+    finally:
+        _COMMAND_LINE.reset(token)
+
+
+_FLAG = re.compile(r"--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)(?: ([^\s-][^\s,;:)]*))?")
+_DTYPES = ("bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
+
+
+def python_terms(message: str, function) -> str:
+    """``message`` with ``function``'s options named as its keywords instead of flags: ``--tp 2`` -> ``tp=2``,
+    ``--to hf`` -> ``to="hf"``, ``--drop-mtp`` -> ``drop_mtp=True``, ``--config`` -> ``config``. Flags that are
+    not its options (torchrun's ``--nproc-per-node``) are left as they are."""
+    hints = typing.get_type_hints(function)
+
+    def keyword(m: re.Match) -> str:
+        name, token = m.group(1).replace("-", "_"), m.group(2)
+        if name not in hints:
+            return m.group(0)
+        kind = hints[name]
+        rest = "" if token is None else f" {token}"
+        if kind is bool:
+            return f"{name}=True{rest}"
+        value = _value(name, kind, token) if token is not None else None
+        return f"{name}" + rest if value is None else f"{name}={value}"
+
+    return _FLAG.sub(keyword, message)
+
+
+def _value(name: str, kind, token: str) -> str | None:
+    """``token`` spelt as a Python value of option ``name`` (of type ``kind``), or None when it is not one."""
+    if re.fullmatch(r"\d+(\.\d+)?", token) and any(t in (int, float) for t in (kind, *typing.get_args(kind))):
+        return token
+    choices: tuple = ()
+    for t in (kind, *typing.get_args(kind)):
+        if typing.get_origin(t) is Literal:
+            choices += typing.get_args(t)
+    if name == "to":
+        from reshard.layouts.registry import layout_names
+
+        choices = layout_names()
+    elif name in ("dtype", "compute_dtype"):
+        choices = _DTYPES
+    elif name == "allow_missing":
+        choices = ("vision",)
+    elif name == "allow_lossy_config":
+        from reshard.core.model_config import SEMANTIC_FIELDS, UNCARRIED_SETTINGS
+
+        choices = tuple(SEMANTIC_FIELDS) + tuple(UNCARRIED_SETTINGS)
+    if token not in choices:
+        return None
+    return f'["{token}"]' if name.startswith("allow_") else f'"{token}"'
+
+
+def _in_python_terms(function):
+    """``function``, its :class:`ReshardError` messages in :func:`python_terms` unless the command line called it."""
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except ReshardError as exc:
+            if not _COMMAND_LINE.get():
+                exc.args = (python_terms(str(exc), function),)
+            raise
+
+    return wrapper
+
+
+@_in_python_terms
 def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
             expert_parallel: bool = False, moe_grouped_gemm: bool = False, dtype: str | None = None,
             overwrite: bool = False, dry_run: bool = False, megatron_spec: Literal["te", "local"] | None = None,
@@ -84,6 +166,9 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
                          hf_spelling=hf_spelling, megatron_vision=megatron_vision, vllm_vision=vllm_vision,
                          allow_missing=tuple(allow_missing))
     result.layout = to
+    result.degrees = {"tp": tp, "pp": pp, **({"ep": ep} if ep != 1 else {}),
+                      **({"etp": etp} if etp is not None else {}),
+                      **({"expert_parallel": True} if expert_parallel else {})}
     if push_to and not dry_run:
         import os
 
@@ -97,6 +182,31 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
     return result
 
 
+@_in_python_terms
+def plan(src: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
+         expert_parallel: bool = False, moe_grouped_gemm: bool = False, dtype: str | None = None,
+         megatron_spec: Literal["te", "local"] | None = None, megatron_format: Literal["torch", "torch_dist"] = "torch",
+         max_shard_size: str | int | None = None, vocab_size: int | None = None,
+         make_vocab_size_divisible_by: int | None = None, architecture: str | None = None, mapping: str | None = None,
+         config: str | None = None, tag: str | None = None, master_weights: bool = False,
+         allow_replica_mismatch: bool = False, workers: int | None = None,
+         allow_lossy_config: tuple[str, ...] | list[str] = (), allow_cast_overflow: bool = False,
+         follow_symlinks: bool = False, keep_fp8: bool = False, drop_mtp: bool = False,
+         torchtitan_names: Literal["current", "v0.2"] = "current", hf_spelling: Literal["hub", "v5"] = "hub",
+         megatron_vision: Literal["hf", "native"] | None = None,
+         vllm_vision: Literal["weights", "data", "none"] = "weights", allow_missing: tuple[str, ...] | list[str] = ()):
+    """What ``convert(src, ..., to=..., ...)`` would write, read from headers alone (``reshard plan``): a
+    :class:`reshard.results.ConversionPlan` (``describe()``: the command's text; ``to_dict()``: its ``--json``).
+    Options as :func:`convert`'s, less those of writing."""
+    options = dict(locals())
+    del options["src"]
+    from reshard.results import ConversionPlan
+
+    result = convert.__wrapped__(src, "", dry_run=True, **options)
+    return ConversionPlan(result.plan, result.download)
+
+
+@_in_python_terms
 def verify(a: str, b: str, *, atol: float | None = None, rtol: float | None = None, vocab_size: int | None = None,
            architecture: str | None = None, mapping: str | None = None, config: str | None = None,
            tag: str | None = None, master_weights: bool = False, forward: bool = False,
@@ -104,11 +214,14 @@ def verify(a: str, b: str, *, atol: float | None = None, rtol: float | None = No
            batch: int | None = None, seed: int | None = None, prompt_ids: str | None = None,
            compute_dtype: str | None = None, timeout: float | None = None, workers: int | None = None,
            dry_run: bool = False, drop_mtp: bool = False, progress: bool = False):
-    """Compare checkpoints ``a`` and ``b`` as ``reshard verify`` does. The digest check (default) returns a
-    :class:`reshard.verification.digest.VerifyReport` (``.equal``); ``forward=True`` runs the forward check and
-    returns its report dict (``["ok"]``; ``nproc``, ``backend``, ``seq_len`` (16), ``batch`` (2), ``seed`` (0),
-    ``prompt_ids``, ``compute_dtype`` ("fp32"), ``timeout`` (300 s) apply to it only and are refused
-    without it). ``dry_run=True`` returns what each process would read and its peak-memory estimate;
+    """Compare checkpoints ``a`` and ``b`` as ``reshard verify`` does. Both checks return a report with ``.equal``,
+    ``.report`` (the dict ``--json`` prints) and ``.to_json()``: the digest check (default) a
+    :class:`reshard.verification.digest.VerifyReport`, ``forward=True`` a :class:`reshard.results.ForwardReport`
+    (also read as a dict: ``report["max_abs"]``). ``nproc``, ``backend``, ``seq_len`` (16), ``batch`` (2),
+    ``seed`` (0), ``prompt_ids``, ``compute_dtype`` ("fp32"), ``timeout`` (300 s) apply to the forward check
+    only and are refused without it; its workers start from reshard's own entry point, so a script calling it
+    needs no ``if __name__ == "__main__":``. ``progress``: a byte bar (digest) or the layers run (forward) on
+    stderr, when it is a terminal. ``dry_run=True`` returns what each process would read and its peak-memory estimate;
     ``drop_mtp`` (digest check): compare the main models, leaving multi-token-prediction layers out. ``workers``
     (digest check): processes that compare; None (the default) chooses from the cores, the memory and the bytes,
     and the report's ``workers`` and ``workers_reason`` say what ran."""
@@ -142,9 +255,10 @@ def verify(a: str, b: str, *, atol: float | None = None, rtol: float | None = No
         return forward_estimate(a, b, atol=atol, rtol=rtol, **options)
     from reshard.verification.forward import verify_forward
 
-    return verify_forward(a, b, atol=atol, rtol=rtol, **options)
+    return verify_forward(a, b, atol=atol, rtol=rtol, progress=progress, **options)
 
 
+@_in_python_terms
 def inspect(path: str, *, vocab_size: int | None = None, architecture: str | None = None,
             mapping: str | None = None, config: str | None = None, tag: str | None = None,
             master_weights: bool = False) -> dict:

@@ -78,35 +78,21 @@ TargetOpt = typer.Option(..., "--to", help="Target layout.", callback=_target_la
 
 
 def _describe_plan(plan, out=None) -> None:
-    out = out or sys.stdout
-    print(f"plan: {plan.source_layout} -> {plan.target_layout}, {len(plan.files)} files, "
-          f"{plan.nbytes / 2**20:.1f} MiB to write", file=out)
-    for f in plan.files:
-        print(f"  {f.path}  {len(f.tensors)} tensors  {f.nbytes / 2**20:.2f} MiB", file=out)
-    print("bytes read per source file:", file=out)
-    for path, n in plan.read_bytes.items():
-        print(f"  {os.path.relpath(path, plan.source_root)}  {n / 2**20:.2f} MiB", file=out)
-    if plan.checks:
-        print(f"replica checks: {len(plan.checks)}", file=out)
-    for note in plan.notes:
-        print(f"note: {note}", file=out)
+    from reshard.results import describe_plan
+
+    print(describe_plan(plan), file=out or sys.stdout)
 
 
 def _describe_download(download: dict, out=None) -> None:
-    out = out or sys.stdout
-    print(f"bytes to download: {download['bytes']} ({download['bytes'] / 2**20:.1f} MiB, {download['files']} files "
-          "not in the cache); this plan read headers only", file=out)
+    from reshard.results import download_line
+
+    print(download_line(download), file=out or sys.stdout)
 
 
 def _plan_json(plan) -> dict:
-    return {
-        "source_layout": plan.source_layout, "target_layout": plan.target_layout, "bytes": plan.nbytes,
-        "files": [{"path": f.path, "bytes": f.nbytes,
-                   "tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "reads": len(t.reads)}
-                               for t in f.tensors]} for f in plan.files],
-        "bytes_read_per_source": {os.path.relpath(p, plan.source_root): n for p, n in plan.read_bytes.items()},
-        "replica_checks": len(plan.checks), "notes": plan.notes,
-    }
+    from reshard.results import plan_json
+
+    return plan_json(plan)
 
 
 @app.command()
@@ -145,7 +131,8 @@ def convert(
                                                 help="Take rank 0's copy when replicated tensors differ."),
     as_json: bool = JsonOpt,
     workers: Optional[int] = typer.Option(None, "--workers", help="Processes that write target files (same output "
-                                          "bytes); default: 2 for 256 MiB or more in 2+ files on 2+ cores, else 1."),
+                                          "bytes); default: chosen from the cores, the memory and the bytes, as "
+                                          "the Python API's workers=None (the output line says what ran)."),
     push_to: Optional[str] = typer.Option(None, "--push-to", help="Upload the output to this Hub repo (ORG/NAME)."),
     revision: Optional[str] = typer.Option(None, "--revision", help="Branch for --push-to (created when missing)."),
     allow_lossy_config: Optional[list[str]] = typer.Option(None, "--allow-lossy-config", metavar="FIELD",
@@ -282,10 +269,11 @@ def verify(
         print(json.dumps(result, indent=2) if as_json else _format_estimate(result))
         return
     if forward:
-        from reshard.verification.forward import format_report
+        from reshard.distributed import world_size_from_env
 
-        print(json.dumps(result, indent=2) if as_json else format_report(result))
-        if not result["ok"]:
+        if world_size_from_env() <= 1 or os.environ.get("RANK") == "0":  # under torchrun: rank 0 reports
+            print(result.to_json() if as_json else result.describe())
+        if not result.equal:
             raise typer.Exit(1)
         return
     _print_digest_report(result, a, b, as_json)
@@ -528,11 +516,14 @@ def _usage_error(exc) -> None:
 def main() -> None:
     import signal
 
+    from reshard.api import command_line as api_command_line
+
     signal.signal(signal.SIGTERM, _terminated)
     if any(arg in ("--help", "-h") for arg in sys.argv[1:]):
         _refresh_layout_help()
     try:
-        code = app(standalone_mode=False)  # click returns an Exit's code instead of raising it here
+        with api_command_line():  # the API's errors keep the flags' spelling
+            code = app(standalone_mode=False)  # click returns an Exit's code instead of raising it here
         if code == 130:  # typer turns Ctrl-C (and our SIGTERM handler) into exit code 130
             _error_line("interrupted; no output was published")
         if isinstance(code, int) and code:

@@ -25,6 +25,9 @@ from reshard.staging import check_destination, staged_output
 
 @dataclass
 class ConvertResult:
+    """What a conversion did (or, ``written`` False, would do): its ``plan``, the ``output`` folder, ``notes``;
+    its ``repr`` is one line (the plan lists every tensor: ``describe_plan`` for that)."""
+
     plan: Plan
     output: str | None
     written: bool
@@ -34,6 +37,14 @@ class ConvertResult:
     pushed: object | None = None  # reshard.hub.push.Pushed, after ``push_to``
     workers: int | None = None  # processes that wrote the files (None: nothing written)
     workers_reason: str | None = None  # why that many (the automatic choice's limits, or "asked for")
+    degrees: dict | None = None  # the target degrees asked for ({"tp": 2, "pp": 1, ...}: the Python API sets it)
+
+    def __repr__(self) -> str:
+        degrees = "".join(f", {k}={v}" for k, v in (self.degrees or {}).items())
+        done = f"output={self.output!r}" if self.written else "written=False"
+        return (f"ConvertResult({done}, layout={self.layout or self.plan.target_layout!r}{degrees}, "
+                f"files={len(self.plan.files)}, bytes={self.plan.nbytes}, workers={self.workers}"
+                + (f", notes={len(self.notes)}" if self.notes else "") + ")")
 
 
 def output_dtype(source: Source, opts: Options) -> str:

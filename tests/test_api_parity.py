@@ -1,7 +1,7 @@
 """The Python API takes every option of the command line under the same name (dashes as underscores) and value
 (``"5MB"``, ``"bf16"``, ``"local"``), and gives the same result: the same dry-run plan, or the same refusal.
 ``plan`` has exactly ``convert``'s options but those that only make sense when writing. Help at 80 columns
-reads ``SRC DST``."""
+reads ``SRC DST``. A refusal names the options as flags on the command line, as keywords from Python."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import typer
 import reshard
 from checkpoints import make_hf
 from helpers import run_cli, tiny_transformers_model
+from reshard.api import convert, python_terms, verify
 from reshard.cli import app
 from reshard.errors import ReshardError
 
@@ -131,8 +132,8 @@ def test_convert_from_python_gives_the_cli_s_result(sources, tmp_path, capsys, s
     try:
         result = reshard.convert(sources[source], out, dry_run=True, **kwargs)
     except ReshardError as exc:
-        assert code == 2 and stderr.strip() == f"error: {exc}", (stderr, exc)
-        assert REFUSED.get(tuple(args)) is not None and REFUSED[tuple(args)] in str(exc), exc
+        assert code == 2 and str(exc) == python_terms(stderr.strip().removeprefix("error: "), convert), (stderr, exc)
+        assert REFUSED.get(tuple(args)) is not None and REFUSED[tuple(args)] in stderr, stderr
         return
     assert tuple(args) not in REFUSED
     assert code == 0, stderr
@@ -154,7 +155,8 @@ def test_verify_from_python_takes_the_cli_s_options(sources, tmp_path, capsys):
         code, _, stderr = run_cli(capsys, "verify", src, out, flag, str(value))
         with pytest.raises(ReshardError) as exc:
             reshard.verify(src, out, **{name: value})
-        assert code == 2 and stderr.strip() == f"error: {exc.value}" and "--forward" in stderr
+        assert code == 2 and str(exc.value) == python_terms(stderr.strip().removeprefix("error: "), verify)
+        assert "--forward" in stderr and "forward=True" in str(exc.value)
     code, _, stderr = run_cli(capsys, "verify", src, out, "--forward", "--workers", "2")
     assert code == 2 and "--nproc" in stderr
 

@@ -293,6 +293,8 @@ def test_verify_forward_runs_the_text_decoder_at_tp2(hub, tmp_path, capsys, fami
     out = convert(capsys, src, tmp_path / "megatron", "--to", "megatron", "--tp", 2)
     code, stdout, err = run_cli(capsys, "verify", src, out, "--forward", "--nproc", 2)
     assert code == 0 and "FORWARD EQUAL" in stdout, err[-1000:]
+    assert "note: the vision tower (" in stdout and "tensors) was not run: the forward check runs the language " \
+        "model" in stdout, stdout  # what the verdict does not cover
 
 
 def test_load_rank_and_live_plans_know_the_towers(hub, tmp_path, capsys):

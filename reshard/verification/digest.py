@@ -18,6 +18,7 @@ from reshard.core.model_config import differences
 from reshard.core.plan import CanonicalIndex, TargetTensor
 from reshard.hub import open_source
 from reshard.layouts.base import Options, Source
+from reshard.results import Report
 from reshard.verification.block_stream import BLOCK_BYTES, PairTask, replica_problem, replica_tasks
 from reshard.verification.compare import BlockComparison, TensorResult
 
@@ -25,7 +26,10 @@ __all__ = ["TensorResult", "VerifyReport", "format_report", "verify", "verify_dr
 
 
 @dataclass
-class VerifyReport:
+class VerifyReport(Report):
+    """The digest check's report: ``.equal``, ``.report`` / ``to_dict()`` (what ``--json`` prints),
+    ``.to_json()``, ``describe()`` (what the command prints)."""
+
     a: str
     b: str
     layout_a: str
@@ -53,6 +57,14 @@ class VerifyReport:
                 if t[key] is None:
                     del t[key]
         return d
+
+    def describe(self) -> str:
+        return format_report(self)
+
+    def __repr__(self) -> str:
+        bad = sum(not t.ok for t in self.tensors)
+        return (f"VerifyReport(equal={self.equal}, a={self.a!r}, b={self.b!r}, tensors={len(self.tensors)}, "
+                f"differing={bad}, config_differences={len(self.config_differences)}, workers={self.workers})")
 
     def first_shape_difference(self) -> str | None:
         """``model.embed_tokens.weight: [32000, 4096] in A, [32064, 4096] in B``, the first tensor whose shapes

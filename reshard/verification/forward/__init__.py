@@ -2,39 +2,42 @@
 own shard files, layer by layer) and on A (sliced at B's degree where its layout allows, else from its own rank
 files), on the same token ids, and compare the logits.
 
-``verify_forward(a, b, ...)`` returns the report dict (``report["ok"]``; ``report["a"]["run"]`` says how A ran);
-see :mod:`.report` for tolerances. ``forward_estimate(a, b, ...)`` says, from headers alone, what each process
-will read and hold (``verify --forward --dry-run``).
+``verify_forward(a, b, ...)`` returns a :class:`~reshard.results.ForwardReport` (``.equal``, ``.report``, dict
+access: ``report["a"]["run"]`` says how A ran); see :mod:`.report` for tolerances. ``forward_estimate(a, b,
+...)`` says, from headers alone, what each process will read and hold (``verify --forward --dry-run``).
 """
 
 from __future__ import annotations
 
+from reshard.results import ForwardReport
 from reshard.verification.forward.estimate import forward_estimate
 from reshard.verification.forward.launch import launch
 from reshard.verification.forward.planning import plan_job, read_prompt_ids
 
-__all__ = ["verify_forward", "forward_estimate", "format_report", "read_prompt_ids"]
+__all__ = ["verify_forward", "forward_estimate", "format_report", "read_prompt_ids", "ForwardReport"]
 
 
 def verify_forward(a: str, b: str, *, nproc: int | None = None, backend: str | None = None, seq_len: int = 16,
                    batch: int = 2, seed: int = 0, prompt_ids: str | None = None, compute_dtype: str = "fp32",
                    atol: float | None = None, rtol: float | None = None, timeout: float = 300.0,
                    vocab_size: int | None = None, architecture: str | None = None,
-                   mapping: str | None = None, **reading) -> dict:
+                   mapping: str | None = None, progress: bool = False, **reading) -> ForwardReport:
     """Run the forward check of ``b`` (at ``nproc`` ranks, default its own degree) against ``a`` (sliced at the
-    same degree where its layout allows, else at its own: :mod:`.planning`)."""
+    same degree where its layout allows, else at its own: :mod:`.planning`). ``progress``: rank 0 rewrites a
+    line on stderr, when it is a terminal, as each layer of A and of B has run."""
     job, notes = plan_job(a, b, nproc=nproc, backend=backend, seq_len=seq_len, batch=batch, seed=seed,
                           prompt_ids=prompt_ids, compute_dtype=compute_dtype, atol=atol, rtol=rtol, timeout=timeout,
-                          vocab_size=vocab_size, architecture=architecture, mapping=mapping, **reading)
+                          vocab_size=vocab_size, architecture=architecture, mapping=mapping, progress=progress,
+                          **reading)
     result = launch(job)
     result["seed"] = None if prompt_ids else seed
     if notes:
         result.setdefault("notes", []).extend(notes)
-    return result
+    return ForwardReport(result)
 
 
-def format_report(r: dict) -> str:
-    """A few human-readable lines."""
+def format_report(r) -> str:
+    """A few human-readable lines (``r``: the report, or its dict); the first divergence is named once."""
     tol = r["tolerance"]
     lines = [f"A {r['a']['layout']} tp={r['a']['tp']} {r['a']['dtype']} {r['a']['path']}"
              + (f" (run {r['a']['run']})" if r["a"].get("run") else ""),
@@ -45,5 +48,10 @@ def format_report(r: dict) -> str:
              f"logits: max abs {r['max_abs']:.3g}, max rel {r['max_rel']:.3g}, argmax agreement "
              f"{r['argmax_agreement']:.4f}, KL(A||B) {r['kl_mean']:.3g}"]
     lines += [f"  {p}" for p in r["problems"]] + [f"  note: {n}" for n in r.get("notes", [])]
-    lines.append("FORWARD EQUAL" if r["ok"] else f"FORWARD DIFFERENT (first divergence: {r['first_divergence']})")
+    first = r["first_divergence"]
+    if r["ok"]:
+        lines.append("FORWARD EQUAL")
+    else:
+        lines.append("FORWARD DIFFERENT" + ("" if first is None or first in r["problems"] else
+                                            f" (first divergence: {first})"))
     return "\n".join(lines)

@@ -59,6 +59,8 @@ class ForwardJob:
     atol: float | None = None
     rtol: float | None = None
     timeout: float = 300.0
+    progress: bool = False  # rank 0 shows each layer run on stderr, when it is a terminal
+    tensors: dict[str, str] = field(default_factory=dict)  # step ("layer 2 attention") -> B's tensors in it
 
     @property
     def world(self) -> int:
@@ -105,8 +107,9 @@ def run_job(job: ForwardJob, rank: int, world: int) -> dict | None:
         if rank >= side.degree:
             continue
         with open_rank_stream(side.layout, side.path, rank, side.degree, job.opts) as stream, torch.no_grad():
+            shown = step_progress(f"forward: {label.upper()}", rank, side.degree) if job.progress else None
             out, stored = forward_streamed(stream, ids, groups[side.degree], compute, device, record=rank == 0,
-                                           progress=step_progress(f"forward: {label.upper()}", rank, side.degree))
+                                           progress=shown)
             info = {"world": side.degree, "padded_vocab": stream.padded_vocab, "dtype": stored,
                     "files_rank0": stream.files, "vocab": stream.config.vocab}
             findings["problems"] += [f"{label.upper()}: {p}" for p in stream.problems]
@@ -129,7 +132,7 @@ def run_job(job: ForwardJob, rank: int, world: int) -> dict | None:
     }
     problems = [p for f in every for p in f["problems"]]
     problems += report.copy_problems([c for f in every for c in f["copies"]])
-    result.update(report.compare(a, b, job.vocab, tol, problems))
+    result.update(report.compare(a, b, job.vocab, tol, problems, job.tensors))
     return result
 
 

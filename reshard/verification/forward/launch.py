@@ -5,14 +5,17 @@ group yet) the given world is used (``env://`` rendezvous); otherwise ``world`` 
 ``torch.multiprocessing``'s forkserver context (:func:`worker_context`), rendezvousing through a ``FileStore`` in a
 private temporary folder
 (a c10d ``TCPStore``, even for host 127.0.0.1, listens on every interface; gloo itself is kept on the loopback
-interface with ``GLOO_SOCKET_IFNAME=lo``). A worker that raises ends the run with its one-line error; a worker
-that dies or a run that outlives ``timeout`` seconds is killed and fails.
+interface with ``GLOO_SOCKET_IFNAME=lo``). Workers start from a fixed entry point, :func:`_worker`: the caller's
+main module is never imported in them (:func:`_fixed_entry`), so a script without ``if __name__ ==
+"__main__":`` is not run again. A worker that raises (unpickling its job included) ends the run with its one-line
+error; a worker that dies or a run that outlives ``timeout`` seconds is killed and fails.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue as queue_mod
 import shutil
 import tempfile
@@ -37,9 +40,13 @@ def _one_line(exc: BaseException) -> tuple[str, int]:
     return f"{type(exc).__name__}: {first}", 1
 
 
+#: The name of worker ``rank``'s process; :func:`_fixed_entry` knows the workers by it.
+WORKER_NAME = "reshard-forward-rank-{}"
+
+
 def worker_context():
     """The forkserver context (spawn where there is none), its server preloaded with this module (torch, the
-    decoder) and the main module.
+    decoder), never the caller's main module.
 
     A spawned worker imports torch and reshard afresh: 3-4 s each here, all ranks at once on few cores. The
     forkserver is started once per process (with the first check) from a fresh interpreter and imports them
@@ -47,19 +54,39 @@ def worker_context():
     or lock is copied in use (forking the caller itself could copy both). Each worker still gets the caller's
     current ``sys.path`` and working folder (multiprocessing's preparation data) and environment (:func:`_worker`).
     The server exits with the caller."""
-    import sys
-
     import torch.multiprocessing as mp
 
+    _fixed_entry()
     if "forkserver" not in mp.get_all_start_methods():  # Windows: spawn, every worker imports torch itself
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    preload = [__name__, "reshard.cli"]
-    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    if main_spec is not None and main_spec.name:  # run with -m: the workers import it again (as __mp_main__)
-        preload.append(main_spec.name)
-    ctx.set_forkserver_preload(preload)  # no effect once the server runs
+    ctx.set_forkserver_preload([__name__, "reshard.cli"])  # no effect once the server runs
     return ctx
+
+
+def _fixed_entry() -> None:
+    """Start the workers (processes named :data:`WORKER_NAME`) without the caller's main module.
+
+    multiprocessing's preparation data tells a forkserver or spawned child to import the parent's ``__main__``
+    (``init_main_from_path`` / ``init_main_from_name``) before it unpickles its target: a script calling
+    ``reshard.verify(..., forward=True)`` outside ``if __name__ == "__main__":`` would run again in every worker.
+    A worker's target is :func:`_worker` and its job plain reshard data, so it needs none: those two keys are left
+    out for the workers' processes, and every other process keeps multiprocessing's own data. Installed once."""
+    from multiprocessing import spawn
+
+    prepare = spawn.get_preparation_data
+    if getattr(prepare, "reshard_fixed_entry", False):
+        return
+
+    def get_preparation_data(name, *args, **kwargs):
+        data = prepare(name, *args, **kwargs)
+        if str(name).startswith(WORKER_NAME.format("")):
+            data.pop("init_main_from_path", None)
+            data.pop("init_main_from_name", None)
+        return data
+
+    get_preparation_data.reshard_fixed_entry = True
+    spawn.get_preparation_data = get_preparation_data
 
 
 def stop_worker_server() -> None:
@@ -98,9 +125,10 @@ def return_freed_memory() -> None:
         pass
 
 
-def _worker(rank: int, world: int, store_path: str, job: ForwardJob, results, env: dict) -> None:
-    """Entry point of a worker: report ("ok", rank, report) or ("error", rank, message, code). ``env``: the
-    caller's environment when the worker was started (the forkserver's own dates from its start)."""
+def _worker(rank: int, world: int, store_path: str, job: bytes, results, env: dict) -> None:
+    """Entry point of a worker: report ("ok", rank, report) or ("error", rank, message, code). ``job``: the
+    pickled :class:`ForwardJob`, unpickled here so that a failure to do so is reported like any other. ``env``:
+    the caller's environment when the worker was started (the forkserver's own dates from its start)."""
     os.environ.clear()
     os.environ.update(env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
@@ -108,6 +136,7 @@ def _worker(rank: int, world: int, store_path: str, job: ForwardJob, results, en
     torch.set_num_threads(1)
     return_freed_memory()
     try:
+        job = pickle.loads(job)
         dist.init_process_group(job.backend, store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=job.timeout))
         try:
@@ -128,8 +157,9 @@ def _start_workers(job: ForwardJob, world: int) -> dict:
     rendezvous = tempfile.mkdtemp(prefix="reshard-forward-")
     store_path = os.path.join(rendezvous, "store")
     env = dict(os.environ)
-    procs = [ctx.Process(target=_worker, args=(r, world, store_path, job, results, env), daemon=True)
-             for r in range(world)]
+    data = pickle.dumps(job)
+    procs = [ctx.Process(target=_worker, args=(r, world, store_path, data, results, env), daemon=True,
+                         name=WORKER_NAME.format(r)) for r in range(world)]
     deadline = time.monotonic() + job.timeout  # before any worker runs: a rank's own timeout ends after it
     done: dict[int, dict | None] = {}
     try:
@@ -158,8 +188,8 @@ def _start_workers(job: ForwardJob, world: int) -> dict:
             if dead:
                 time.sleep(0.5)  # a message may still be in flight
                 if results.empty():
-                    raise ReshardError(f"forward check worker rank {dead[0]} died (exit code "
-                                       f"{procs[dead[0]].exitcode}) without reporting", exit_code=1)
+                    raise ReshardError(f"forward check worker rank {dead[0]} {_death(procs[dead[0]].exitcode)} "
+                                       "before reporting; its own output, if any, is above", exit_code=1)
             if time.monotonic() > deadline:
                 waiting = [r for r in range(world) if r not in done]
                 raise ReshardError(f"forward check timed out after {job.timeout:g}s (rank(s) "
@@ -177,6 +207,19 @@ def _start_workers(job: ForwardJob, world: int) -> dict:
         results.close()
         shutil.rmtree(rendezvous, ignore_errors=True)
     return done[0]
+
+
+def _death(code: int) -> str:
+    """How a worker ended, in words: ``exited with code 1``, ``was killed by SIGKILL (out of memory?)``."""
+    import signal
+
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    return f"was killed by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")
 
 
 def _torchrun(job: ForwardJob) -> dict | None:

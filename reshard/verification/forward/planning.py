@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import torch
 
@@ -53,7 +54,7 @@ def plan_job(a: str, b: str, *, nproc: int | None = None, backend: str | None = 
              batch: int = 2, seed: int = 0, prompt_ids: str | None = None, compute_dtype: str = "fp32",
              atol: float | None = None, rtol: float | None = None, timeout: float = 300.0,
              vocab_size: int | None = None, architecture: str | None = None,
-             mapping: str | None = None, **reading) -> tuple[ForwardJob, list[str]]:
+             mapping: str | None = None, progress: bool = False, **reading) -> tuple[ForwardJob, list[str]]:
     """The job :func:`~reshard.verification.forward.verify_forward` runs, and its notes; refuses (before any
     tensor is read) what cannot be checked."""
     opts = Options(vocab_size=vocab_size, architecture=architecture, mapping=mapping, **reading)
@@ -65,6 +66,8 @@ def plan_job(a: str, b: str, *, nproc: int | None = None, backend: str | None = 
         config_a = DecoderConfig.from_meaning(meanings[0])  # refuses what it lacks
         config_b = DecoderConfig.from_meaning(meanings[1])
         ffn_b = meanings[1].ffn
+        tensors = block_tensors(sb)
+        unrun = not_run(sa, sb)
     for label, name in zip("AB", layouts):
         if get_layout(name).rank_loader is None:
             raise PlanError(f"{label} is a {name} checkpoint, which the forward verifier cannot read (it reads "
@@ -101,8 +104,8 @@ def plan_job(a: str, b: str, *, nproc: int | None = None, backend: str | None = 
     a_degree, a_run = a_side(layouts[0], degrees[0], meanings[0], config_a, nproc)
     job = ForwardJob(a=Side(a, layouts[0], a_degree, own_tp=degrees[0], run=a_run), b=Side(b, layouts[1], nproc),
                      input_ids=ids, vocab=vocab, opts=opts, compute_dtype=compute_dtype, backend=backend, atol=atol,
-                     rtol=rtol, timeout=timeout)
-    notes = [backend_note] if backend_note else []
+                     rtol=rtol, timeout=timeout, progress=progress, tensors=tensors)
+    notes = ([backend_note] if backend_note else []) + unrun
     tokens = len(ids[0])
     for label, config in (("A", config_a), ("B", config_b)):
         if config.window_layers and tokens <= config.sliding_window:
@@ -127,3 +130,84 @@ def a_side(layout: str, own_tp: int, meaning, config: DecoderConfig, nproc: int)
         return 1, f"whole in one process, one layer at a time: it cannot be sliced at tp={nproc} ({exc})"
     return nproc, (f"sliced at tp={nproc}: each process reads only its rows and columns of A's {layout} files, one "
                    "layer at a time")
+
+
+#: The decoder roles (:data:`reshard.mapping.LAYER_ROLES`) of a layer's attention block; the others are its MLP's.
+ATTENTION_ROLES = frozenset({"input_norm", "input_norm_bias", "q", "k", "v", "q_bias", "k_bias", "v_bias", "q_norm",
+                             "k_norm", "o", "o_bias", "attn_output_norm", "q_a", "q_a_norm", "q_b", "kv_a",
+                             "kv_a_norm", "kv_b"})
+_END_STEPS = {"embedding": "embedding", "position_embedding": "embedding", "final_norm": "head",
+              "final_norm_bias": "head", "lm_head": "head"}
+
+
+def step_of(tensor, model) -> str | None:
+    """The step of a run a canonical tensor takes part in (``embedding``, ``layer 2 attention``, ``layer 2 mlp``,
+    ``head``), None for one the decoder does not run (a vision tower, an MTP layer)."""
+    role = tensor.spec.role
+    if role is None or tensor.spec.tower:
+        return None
+    if tensor.layer is None:
+        return _END_STEPS.get(role)
+    if tensor.layer >= model.num_layers:
+        return None
+    return f"layer {tensor.layer} {'attention' if role in ATTENTION_ROLES else 'mlp'}"
+
+
+def block_tensors(source, most: int = 8) -> dict[str, str]:
+    """Step -> the tensors ``source`` (B) stores for it, by its own names, as a report names them: names that
+    differ only in a number (experts) collapsed into ``{0..63}``, at most ``most`` shown, and the first file
+    holding them when there are several files."""
+    model = source.model
+    found: dict[str, dict[str, int]] = {}  # step -> stored name -> the first file index holding it
+    for index, stored in source.stored:
+        for piece in stored.pieces:
+            tensor = model.tensors.get(piece.canonical) if piece.canonical else None
+            step = step_of(tensor, model) if tensor is not None else None
+            if step is not None:
+                found.setdefault(step, {}).setdefault(stored.name, index)
+    if model.tied and "head" in found and "embedding" in found:  # the head is the embedding table
+        found["head"] = {**found["head"], **found["embedding"]}
+    out = {}
+    for step, names in found.items():
+        shown = collapse(list(names))
+        text = ", ".join(shown[:most]) + (f" and {len(shown) - most} more" if len(shown) > most else "")
+        if len(source.files) > 1:
+            text += f" in {os.path.relpath(source.files[min(names.values())].path, source.root)}"
+        out[step] = text
+    return out
+
+
+def collapse(names: list[str]) -> list[str]:
+    """Names alike but for a number taking more than 3 values (an expert index), as one: ``experts.{0..7}.w1``;
+    in the order of first appearance."""
+    groups: dict[str, list[tuple[int, ...]]] = {}
+    for name in names:
+        groups.setdefault(re.sub(r"\d+", "#", name), []).append(tuple(int(n) for n in re.findall(r"\d+", name)))
+    out: dict[str, None] = {}
+    for template, numbers in groups.items():
+        parts = template.split("#")
+        wide = {i for i in range(len(parts) - 1) if len({n[i] for n in numbers}) > 3}
+        ranges: dict[tuple, list[int]] = {}  # the narrow numbers -> each wide position's (low, high)
+        for n in numbers:
+            key = tuple(None if i in wide else v for i, v in enumerate(n))
+            low_high = ranges.setdefault(key, [v for i in sorted(wide) for v in (n[i], n[i])])
+            for k, i in enumerate(sorted(wide)):
+                low_high[2 * k], low_high[2 * k + 1] = min(low_high[2 * k], n[i]), max(low_high[2 * k + 1], n[i])
+        for key, low_high in ranges.items():
+            spans = iter(f"{{{low_high[2 * k]}..{low_high[2 * k + 1]}}}" for k in range(len(wide)))
+            out.setdefault(parts[0] + "".join((next(spans) if v is None else str(v)) + part
+                                              for v, part in zip(key, parts[1:])))
+    return list(out)
+
+
+def not_run(sa, sb) -> list[str]:
+    """Notes for what the check leaves out: a vision tower, MTP layers (of B, else of A)."""
+    notes = []
+    tower = max(sum(1 for t in s.model.tensors.values() if t.spec.tower) for s in (sb, sa))
+    if tower:
+        notes.append(f"the vision tower ({tower} tensors) was not run: the forward check runs the language model")
+    mtp = max(len(s.model.mtp_layers) for s in (sb, sa))
+    if mtp:
+        notes.append(f"the {mtp} multi-token-prediction (MTP) layer{'s were' if mtp > 1 else ' was'} not run: the "
+                     "forward check runs the main model")
+    return notes

@@ -37,21 +37,11 @@ def tolerance(dtype_a: torch.dtype, dtype_b: torch.dtype, compute: torch.dtype, 
             "rtol": default_rtol if rtol is None else rtol, "min_argmax_agreement": argmax}
 
 
-BLOCK_TENSORS = {
-    "embedding": "embed_tokens (Megatron word_embeddings; learned positions)",
-    "attention": "input_layernorm, q/k/v_proj (q/k norms), o_proj (Megatron linear_qkv, linear_proj; vLLM qkv_proj, "
-                 "o_proj); latent attention: q_a_proj / q_b_proj or q_proj, kv_a_proj_with_mqa, kv_b_proj and their "
-                 "norms (Megatron linear_q_down/up_proj, linear_kv_down/up_proj; vLLM fused_qkv_a_proj)",
-    "mlp": "post_attention_layernorm, gate/up_proj, down_proj (Megatron linear_fc1, linear_fc2; "
-           "vLLM gate_up_proj, down_proj); on a MoE layer the router (its selection bias) and the routed and shared "
-           "experts (Megatron local_experts, shared_experts; vLLM w13 / w2)",
-    "head": "model.norm, lm_head (Megatron final_layernorm, output_layer)",
-}
-
-
-def describe_block(name: str) -> str:
-    kind = name.split()[-1] if name.startswith("layer ") else name
-    return f"{name} ({BLOCK_TENSORS.get(kind, kind)})"
+def describe_block(name: str, tensors: dict[str, str] | None = None) -> str:
+    """A step of the run (``layer 2 attention``, ``head``) and B's tensors in it (``tensors``: step -> their
+    names, from :func:`reshard.verification.forward.planning.block_tensors`), where known."""
+    held = (tensors or {}).get(name)
+    return f"{name} ({held})" if held else name
 
 
 def _padding_problem(label: str, logits: torch.Tensor, vocab: int, world: int) -> tuple[str | None, float]:
@@ -85,29 +75,30 @@ def copy_problems(copies: list[dict]) -> list[str]:
     return out
 
 
-def first_non_finite(label: str, run: dict) -> str | None:
+def first_non_finite(label: str, run: dict, tensors: dict[str, str] | None = None) -> str | None:
     """Where ``run``'s hidden state (after each block), else its logits, first hold a NaN or an infinity."""
     for name, state in run["states"]:
         if not torch.isfinite(state).all():
-            return f"{label}: non-finite values first appear after {describe_block(name)}"
+            return f"{label}: non-finite values first appear after {describe_block(name, tensors)}"
     if not torch.isfinite(run["logits"]).all():
-        return f"{label}: non-finite values first appear in the logits ({BLOCK_TENSORS['head']})"
+        return f"{label}: non-finite values first appear in the logits, after {describe_block('head', tensors)}"
     return None
 
 
-def compare(a: dict, b: dict, vocab: int, tol: dict, findings: list[str] = ()) -> dict:
+def compare(a: dict, b: dict, vocab: int, tol: dict, findings: list[str] = (),
+            tensors: dict[str, str] | None = None) -> dict:
     """``a``/``b``: {"logits", "states", "world"}; returns the comparison part of the report. ``findings``: what
     the ranks found while reading (non-finite weights, replicated copies that differ), each a problem. Non-finite
     values (weights, hidden states or logits) are reported as such, first: the comparisons that follow them
-    (padding, divergence) are not."""
+    (padding, divergence) are not. ``tensors``: B's tensors per step, named with a diverging step."""
     non_finite = [f for f in findings if "non-finite" in f]
-    non_finite += [m for m in (first_non_finite("A", a), first_non_finite("B", b)) if m]
+    non_finite += [m for m in (first_non_finite("A", a), first_non_finite("B", b, tensors)) if m]
     others = [f for f in findings if "non-finite" not in f]
     if non_finite:
         result = compare_finite(a, b, vocab, tol)
         result.update(problems=non_finite + others, first_divergence=non_finite[0], ok=False)
         return result
-    result = compare_finite(a, b, vocab, tol)
+    result = compare_finite(a, b, vocab, tol, tensors)
     if others:
         result["problems"] += others
         result["first_divergence"] = result["first_divergence"] or others[0]
@@ -115,8 +106,8 @@ def compare(a: dict, b: dict, vocab: int, tol: dict, findings: list[str] = ()) -
     return result
 
 
-def compare_finite(a: dict, b: dict, vocab: int, tol: dict) -> dict:
-    """The comparison of two runs whose values are finite."""
+def compare_finite(a: dict, b: dict, vocab: int, tol: dict, tensors: dict[str, str] | None = None) -> dict:
+    """The comparison of two runs whose values are finite (``tensors``: as :func:`compare`)."""
     la, lb = a["logits"].double(), b["logits"].double()
     ra, rb = la[..., :vocab], lb[..., :vocab]
     diff = (ra - rb).abs()
@@ -143,14 +134,14 @@ def compare_finite(a: dict, b: dict, vocab: int, tol: dict) -> dict:
         ok = _within(sa, sb, tol["atol"], tol["rtol"])
         blocks.append({"block": name, "max_abs": block_abs, "max_abs_a": sa.abs().max().item(), "ok": ok})
         if not ok and first is None:
-            first = describe_block(name)
+            first = describe_block(name, tensors)
     if not logits_ok and first is None:
-        first = describe_block("head")
+        first = describe_block("head", tensors)
     if first is None and pad_b:
-        first = "lm_head padding rows (Megatron output_layer, vLLM lm_head)"
+        first = "lm_head padding rows" + (f" ({tensors['head']})" if tensors and tensors.get("head") else "")
     if not logits_ok:
         problems.insert(0, f"logits differ beyond tolerance (max abs {max_abs:.3g}, argmax agreement "
-                           f"{argmax:.4f}); first divergence: {first}")
+                           f"{argmax:.4f})")
     return {
         "max_abs": max_abs, "max_rel": max_abs / scale if scale else 0.0, "max_abs_logit_a": scale,
         "argmax_agreement": argmax, "kl_mean": kl, "logits_within_tolerance": logits_ok,
