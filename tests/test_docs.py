@@ -114,3 +114,36 @@ def test_no_session_narrative(page):
 def test_every_doc_is_linked_from_the_readme():
     linked = {Path(t.partition("#")[0]).name for t in links(README.read_text()) if t.startswith("docs/")}
     assert {p.name for p in DOCS} <= linked
+
+
+def python_blocks(text: str) -> list[str]:
+    """The bodies of the fenced Python blocks, in order."""
+    return [body for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", text, flags=re.S | re.M) if lang == "python"]
+
+
+def test_the_readme_python_section_runs(tmp_path):
+    """The README's Python API block, run as a plain script (no ``__main__`` guard) on a tiny Llama folder named
+    as in the README, at tp=2 instead of 8 (8 forward processes on a small machine take long); it prints the plan,
+    a one-line result, and both checks pass."""
+    import os
+    import subprocess
+    import sys
+
+    import reshard
+    from checkpoints import make_hf
+
+    block = next(b for b in python_blocks(README.read_text()) if b.startswith("import reshard\n"))
+    assert "reshard.plan(" in block and ".equal" in block and "forward=True" in block
+    make_hf(tmp_path / "Llama-3-8B", coded=False, seed=3, hidden=64, layers=2, heads=8, ffn=96, vocab=1000, kv_heads=2)
+    script = tmp_path / "readme.py"
+    script.write_text(block.replace("tp=8", "tp=2").replace("rank=3", "rank=1"))
+    here = os.path.dirname(os.path.dirname(reshard.__file__))
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get(
+                              "PYTHONPATH")]))})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "plan: hf -> megatron, 2 files, 0.7 MiB to write", proc.stdout
+    assert any(line.startswith("ConvertResult(output='llama-tp8', layout='megatron', tp=2, pp=1, files=2")
+               for line in lines), proc.stdout
+    assert lines[-1] == "1024", proc.stdout  # the padded vocab: 1000 up to a multiple of 128 x tp
