@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import math
 import os
+import re
 import textwrap
 
 from reshard.hub import open_source
@@ -102,10 +103,15 @@ _SHOWN = {"architecture", "hidden", "layers", "heads", "kv_heads", "head_dim", "
           "v_head_dim", "router_score", "router_bias", "router_groups", "router_group_topk", "router_group_score",
           "router_scaling", "router_renormalize", "mtp_layers"}  # model_config fields with a row of their own
 _DEGREE_NAMES = {"tp": "TP", "pp": "PP", "ep": "EP", "etp": "expert TP"}
-_WIDTH = 100
+_WIDTH = 80  # every line of the table, the path aside
 _BASE_KEYS = {"path", "layout", "architecture", "family", "tp", "pp", "ep", "etp", "dtype", "dtypes", "parameters",
               "tensors", "layers", "hidden_size", "heads", "kv_heads", "vocab_size", "experts", "moe_layers", "vision",
               "tied_embeddings", "model_config", "bytes", "files_per_rank", "hub"}  # the keys every layout has
+
+
+def _n(count: int, word: str, plural: str | None = None) -> str:
+    """``1 file``, ``3 files``."""
+    return f"{count} {word if count == 1 else plural or word + 's'}"
 
 
 def _count(n: int) -> str:
@@ -145,14 +151,14 @@ def _parallelism(info: dict) -> str:
     saved = info.get("saved_degrees", split)
     if saved == split:
         return _degrees(split)
-    return f"saved at {_degrees(saved)}; its files hold whole tensors, readable at any degree"
+    return f"saved at {_degrees(saved)}; whole tensors, readable at any degree"
 
 
 def _dtypes(info: dict) -> str:
     counts = info.get("dtypes") or {}
     if len(counts) <= 1:
         return str(info.get("dtype") or "none")
-    return ", ".join(f"{d} ({n} tensors)" for d, n in sorted(counts.items(), key=lambda item: -item[1]))
+    return ", ".join(f"{d} ({_n(n, 'tensor')})" for d, n in sorted(counts.items(), key=lambda item: -item[1]))
 
 
 def _dense_ffn(info: dict, config: dict) -> str:
@@ -171,7 +177,7 @@ def _mla_rows(config: dict) -> list[tuple[str, str]]:
                                   f"{config['kv_lora_rank']}, q / k heads of {config['head_dim']} + RoPE "
                                   f"{config['rope_head_dim']}, v heads of {config['v_head_dim']}"))
     if config.get("mtp_layers"):
-        rows.append(("mtp", f"{config['mtp_layers']} multi-token-prediction layer(s) after the decoder"))
+        rows.append(("mtp", f"{_n(config['mtp_layers'], 'multi-token-prediction layer')} after the decoder"))
     return rows
 
 
@@ -202,11 +208,11 @@ def _rows(info: dict) -> list[tuple[str, str]]:
             ("model", f"{info['architecture']} ({info['family']} family)"),
             ("parallelism", _parallelism(info)),
             ("dtype", _dtypes(info)),
-            ("parameters", f"{_count(info['parameters'])} in {info['tensors']} tensors"),
-            ("size", f"{binary_size(info['bytes'])} in {files} file{'s' if files != 1 else ''}"),
-            ("shape", f"{info['layers']} layers, hidden {info['hidden_size']}, {info['heads']} heads"
+            ("parameters", f"{_count(info['parameters'])} in {_n(info['tensors'], 'tensor')}"),
+            ("size", f"{binary_size(info['bytes'])} in {_n(files, 'file')}"),
+            ("shape", f"{_n(info['layers'], 'layer')}, hidden {info['hidden_size']}, {_n(info['heads'], 'head')}"
                       + (f" of {head_dim}" if head_dim and not config.get("kv_lora_rank") else "")
-                      + ("" if config.get("kv_lora_rank") else f", {info['kv_heads']} KV heads")
+                      + ("" if config.get("kv_lora_rank") else f", {_n(info['kv_heads'], 'KV head')}")
                       + _dense_ffn(info, config)),
             *_mla_rows(config),
             ("vocab", f"{vocab}, embeddings {'tied' if info['tied_embeddings'] else 'untied'}")]
@@ -215,40 +221,61 @@ def _rows(info: dict) -> list[tuple[str, str]]:
         rows.append(("experts", f"{info['experts']} per MoE layer"
                      + (f", {config['experts_per_token']} per token" if config.get("experts_per_token") else "")
                      + (f", FFN {config['expert_ffn']}" if config.get("expert_ffn") else "")
-                     + f"; {info['moe_layers']} of {info['layers']} layers are MoE"
+                     + f"; {info['moe_layers']} of {_n(info['layers'], 'layer')} "
+                     + ("is" if info["moe_layers"] == 1 else "are") + " MoE"
                      + (f" ({_ranges(moe)})" if moe else "")))
         rows.append(("routing", _routing(config)))
     vision = info.get("vision")
     if vision:
-        rows.append(("vision", f"tower of {vision['blocks']} blocks"
+        rows.append(("vision", f"tower of {_n(vision['blocks'], 'block')}"
                      + (f" ({vision['used_blocks']} used)" if vision["used_blocks"] != vision["blocks"] else "")
-                     + f", hidden {vision['hidden']}, {vision['heads']} heads; {vision['tensors']} tensors"
+                     + f", hidden {vision['hidden']}, {_n(vision['heads'], 'head')}; {_n(vision['tensors'], 'tensor')}"
                      + (f", {vision['absent']} not in these files" if vision["absent"] else "")))
     settings = [key.replace("_", " ") + ("" if value is True else f" {_value(value)}")
                 for key, value in config.items() if key not in _SHOWN]
     if settings:
         rows.append(("settings", ", ".join(settings)))
-    layout = info["layout"]
-    details = [f"{key.removeprefix(layout + '_').replace('_', ' ')} {_value(value)}" for key, value in info.items()
-               if key not in _BASE_KEYS and key != "padded_vocab_size" and not key.startswith("saved_")]
+    details = _details(info)
     if details:
-        rows.append((layout, ", ".join(details)))
+        rows.append((info["layout"], ", ".join(details)))
     return rows
 
 
+def _details(info: dict) -> list[str]:
+    """The layout's own keys as ``key value`` phrases: its prefix dropped (``megatron_spec``: ``spec``), a dict
+    under the layout's name (DeepSpeed's) spread into its keys, empty values left out."""
+    layout = info["layout"]
+    items = []
+    for key, value in info.items():
+        if key in _BASE_KEYS or key == "padded_vocab_size" or key.startswith("saved_"):
+            continue
+        items += value.items() if key == layout and isinstance(value, dict) else [(key, value)]
+    return [f"{key.removeprefix(layout + '_').replace('_', ' ')} {_value(value)}" for key, value in items
+            if value not in (None, "", [], {}, ())]
+
+
+def _wrap(text: str, first: str, rest: str) -> list[str]:
+    """``text`` in lines of at most :data:`_WIDTH` columns, the first starting ``first``, the others ``rest``; a
+    bracketed list (``[2, 3, 3]``) is kept on one line."""
+    kept = re.sub(r"\[[^\]]*\]", lambda m: m.group().replace(" ", "\xa0"), text)
+    return [line.replace("\xa0", " ") for line in
+            textwrap.wrap(kept, _WIDTH, initial_indent=first, subsequent_indent=rest, break_on_hyphens=False)]
+
+
 def format_inspection(info: dict, every_file: bool = False) -> str:
-    """:func:`inspect`'s dict as a table for people: one labelled row per aspect, long rows wrapped, the files per
-    rank folded (``every_file``: every name)."""
+    """:func:`inspect`'s dict as a table for people, within 80 columns: one labelled row per aspect, long rows
+    wrapped, the files per rank folded (``every_file``: every name)."""
     rows = _rows(info)
     label = max(len(name) for name, _ in rows) + 2
     lines = [info["path"]]
     for name, text in rows:
-        lines += textwrap.wrap(text, _WIDTH, initial_indent="  " + name.ljust(label),
-                               subsequent_indent=" " * (label + 2), break_on_hyphens=False)
+        lines += _wrap(text, "  " + name.ljust(label), " " * (label + 2))
     if every_file:
         lines.append("  files per rank:")
-        lines += [f"    {rank}: {', '.join(names)}" for rank, names in info["files_per_rank"].items()]
+        files = [f"{rank}: {', '.join(names)}" for rank, names in info["files_per_rank"].items()]
     else:
         lines.append("  files per rank (every name: --files or --json):")
-        lines += [f"    {line}" for line in summarize_files(info["files_per_rank"])]
+        files = summarize_files(info["files_per_rank"])
+    for line in files:
+        lines += _wrap(line, "    ", "      ")
     return "\n".join(lines)

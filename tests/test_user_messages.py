@@ -90,3 +90,59 @@ def test_live_shards_of_another_degree_name_the_degree_not_a_dtype(llama):
     cast = {k: v.to(torch.bfloat16) for k, v in reshard.load_rank(llama, to="megatron", tp=2, rank=0).items()}
     message = _refusal(plan, cast)  # the right degree, another dtype: the dtype to pass, and no degree
     assert "source={..., 'dtype': 'bfloat16'}" in message and "degree" not in message, message
+
+
+# -- item 10: inspect within 80 columns, in finished sentences --------------------------------------------------
+
+@pytest.fixture(scope="module")
+def every_layout(tmp_path_factory, llama) -> dict[str, str]:
+    """A folder of each layout the fixtures make: hf (3 shards, and a 1-layer one), the written layouts converted
+    from it, a DeepSpeed ZeRO tag and an accelerate-style FSDP DCP folder (its HF config one level up)."""
+    import torch.distributed.checkpoint as dcp
+
+    from checkpoints import load_hf_tensors
+
+    base = tmp_path_factory.mktemp("every")
+    hf = make_hf(base / "hf", hidden=64, heads=8, kv_heads=2, ffn=96, vocab=1000, shards=3)
+    folders = {"hf": hf, "hf-1-layer": make_hf(base / "one", layers=1, kv_heads=1, vocab=1000)}
+    for to, degrees in (("megatron", dict(tp=2, pp=2)), ("torch_dist", dict(tp=2)), ("vllm", dict(tp=2)),
+                        ("trtllm", dict(tp=2)), ("meta", dict(tp=2)), ("torchtitan", {})):
+        folders[to] = str(base / to)
+        reshard.convert(hf, folders[to], to=to, progress=False, **degrees)
+    tensors = load_hf_tensors(hf)
+    (base / "ds" / "global_step1").mkdir(parents=True)
+    (base / "ds" / "latest").write_text("global_step1")
+    shutil.copy(os.path.join(hf, "config.json"), base / "ds")
+    torch.save({"module": tensors, "ds_version": "0.19.0"}, base / "ds" / "global_step1" / "mp_rank_00_model_states.pt")
+    folders["deepspeed"] = str(base / "ds")
+    (base / "dcp").mkdir()
+    shutil.copy(os.path.join(hf, "config.json"), base / "dcp")
+    with pytest.warns(UserWarning):  # torch.distributed is not initialised: a single-process save
+        dcp.save({"model": tensors}, checkpoint_id=str(base / "dcp" / "pytorch_model_fsdp_0"), no_dist=True)
+    folders["dcp"], folders["dcp-folder"] = str(base / "dcp"), str(base / "dcp" / "pytorch_model_fsdp_0")
+    return folders
+
+
+@pytest.mark.parametrize("kind", ["hf", "hf-1-layer", "megatron", "torch_dist", "vllm", "trtllm", "meta",
+                                  "torchtitan", "deepspeed", "dcp", "dcp-folder"])
+def test_inspect_fits_80_columns_in_finished_words(every_layout, capsys, kind):
+    import re
+
+    texts = [run_cli(capsys, "inspect", every_layout[kind], *flags) for flags in ((), ("--files",))]
+    for code, text, err in texts:
+        assert code == 0, err
+        lines = text.splitlines()
+        assert lines[0] == every_layout[kind] and len(lines) > 10, text
+        assert all(len(line) <= 80 for line in lines[1:]), [line for line in lines if len(line) > 80]
+        assert not re.search(r"\b1 (files|layers|tensors|heads|KV heads)\b", text), text
+        assert not re.search(r"\b(\w+) \1\b", text), text  # "deepspeed deepspeed"
+        assert not re.search(r"\b(skipped|checkpoint|step)(,|\s*$| \.)", text, re.M), text  # empty or "." values
+    text = texts[0][1]
+    layout = reshard.inspect(every_layout[kind])["layout"]
+    assert f"  layout       {layout}\n" in text
+    if kind == "hf-1-layer":
+        assert "1 layer, hidden 64" in text and "1 KV head," in text and "in 1 file\n" in text, text
+    if kind == "torchtitan":  # reshard's own output folder: its name is not a step
+        assert "step" not in text and "torchtitan   names current" in text, text
+    if kind == "deepspeed":
+        assert "  deepspeed    tag global_step1, stage ZeRO-0/1/2" in text, text

@@ -87,7 +87,7 @@ ROWS = ("layout", "model", "parallelism", "dtype", "parameters", "size", "shape"
 
 @pytest.mark.parametrize("kind, parallelism", [
     ("hf", "TP 1, PP 1"), ("megatron", "TP 2, PP 2"), ("vllm", "TP 2, PP 1"),
-    ("torch_dist", "saved at TP 2, PP 1; its files hold whole tensors, readable at any degree"),
+    ("torch_dist", "saved at TP 2, PP 1; whole tensors, readable at any degree"),
     ("moe", "TP 2, PP 1, EP 2, expert TP 2")])
 def test_inspect_prints_a_table_for_people(layouts, kind, parallelism, capsys):
     code, text, err = run_cli(capsys, "inspect", layouts[kind])

@@ -156,7 +156,8 @@ class DcpLayout(Layout):
         return open_source(root, opts)
 
     def describe(self, source: Source) -> dict:
-        out = {"checkpoint": os.path.relpath(source.info["folder"], source.root)}
+        folder = os.path.relpath(source.info["folder"], source.root)
+        out = {"checkpoint": folder} if folder != "." else {}  # "." : the folder named is the checkpoint
         if "keys" in source.info:
             out.update(keys=source.info["keys"], skipped=source.info["skipped"])
         return out

@@ -219,7 +219,9 @@ class TorchtitanLayout(Layout):
         finalize(out, plan, state)
 
     def describe(self, source: Source) -> dict:
-        return {"step": source.info["step"], "names": source.info["names"], "rope_order": source.info["rope_order"]}
+        step = source.info["step"]  # a folder's own name (reshard's output) is not a step
+        return {**({"step": step} if _STEP.match(step) else {}), "names": source.info["names"],
+                "rope_order": source.info["rope_order"]}
 
     def rank_label(self, source: Source, relpath: str) -> str:
         m = re.match(r"^__(\d+)_\d+\.distcp$", os.path.basename(relpath))
