@@ -68,7 +68,8 @@ ArchOpt = typer.Option(None, "--architecture", help="HF architecture for a sourc
                        "--allow-lossy-config architecture).")
 MappingOpt = typer.Option(None, "--mapping", help="A mapping TOML file for your own architecture family.")
 ConfigOpt = typer.Option(None, "--config", help="The model's config.json, for a source that saves none "
-                         "(torchtitan; DeepSpeed without a config.json beside 'latest').")
+                         "(torchtitan; DeepSpeed without a config.json beside 'latest'; an HF folder of weights "
+                         "without one).")
 TagOpt = typer.Option(None, "--tag", help="DeepSpeed: the checkpoint tag (folder) to read instead of the one "
                       "'latest' names.")
 MasterOpt = typer.Option(False, "--master-weights", help="DeepSpeed: read the fp32 master weights from the "
