@@ -55,8 +55,9 @@ _DTYPES = ("bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
 
 def python_terms(message: str, function) -> str:
     """``message`` with ``function``'s options named as its keywords instead of flags: ``--tp 2`` -> ``tp=2``,
-    ``--to hf`` -> ``to="hf"``, ``--drop-mtp`` -> ``drop_mtp=True``, ``--config`` -> ``config``. Flags that are
-    not its options (torchrun's ``--nproc-per-node``) are left as they are."""
+    ``--to hf`` -> ``to="hf"``, ``--config FILE`` -> ``config=FILE``, ``--drop-mtp`` -> ``drop_mtp=True``,
+    ``--config`` -> ``config``. Flags that are not its options (torchrun's ``--nproc-per-node``) are left as they
+    are."""
     hints = typing.get_type_hints(function)
 
     def keyword(m: re.Match) -> str:
@@ -75,6 +76,8 @@ def python_terms(message: str, function) -> str:
 
 def _value(name: str, kind, token: str) -> str | None:
     """``token`` spelt as a Python value of option ``name`` (of type ``kind``), or None when it is not one."""
+    if re.fullmatch(r"[A-Z][A-Z_]*", token):  # a placeholder: FILE, N
+        return token
     if re.fullmatch(r"\d+(\.\d+)?", token) and any(t in (int, float) for t in (kind, *typing.get_args(kind))):
         return token
     choices: tuple = ()

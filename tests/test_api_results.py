@@ -146,7 +146,8 @@ def test_python_terms_spell_only_the_function_s_options():
         'drop_mtp=True applies to to="hf", not to="vllm"'
     assert python_terms("use --nproc 2, or torchrun --nproc-per-node 2", reshard.verify) == \
         "use nproc=2, or torchrun --nproc-per-node 2"
-    assert python_terms("--config does not apply", reshard.convert) == "config does not apply"
+    assert python_terms("--config does not apply; pass --config FILE", reshard.convert) == \
+        "config does not apply; pass config=FILE"
 
 
 def test_the_automatic_worker_choice_is_the_api_s_default(models):

@@ -124,7 +124,7 @@ def test_megatron_lm_training_file_converts_bit_exact(model, tmp_path):
 def test_true_vocab_from_tokenizer_or_flag(model, tmp_path):
     config, hf = model
     src = write_megatron_lm_checkpoint(str(tmp_path / "meg"), config, hf, tp=2, with_vocab=False)
-    with pytest.raises(reshard.CheckpointError, match="--vocab-size"):
+    with pytest.raises(reshard.CheckpointError, match="vocab_size=N"):  # the keyword, from Python
         reshard.convert(src, str(tmp_path / "out"), to="hf")
     assert not (tmp_path / "out").exists()
     reshard.convert(src, str(tmp_path / "flag"), to="hf", vocab_size=1000)
