@@ -11,7 +11,7 @@ from cli_inprocess import run_main
 
 
 def stub_steps(monkeypatch) -> list[str]:
-    """Replace the demo's steps (run for real by the last test and tests/test_cli.py::test_demo) by one folder."""
+    """Replace the demo's steps (run for real by the last test and tests/test_gpu_node.py) by one folder."""
     made = []
 
     def steps(base, *_):

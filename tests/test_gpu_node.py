@@ -98,6 +98,14 @@ def test_one_gpu_forward_of_tp2_runs_on_gloo_with_the_note(monkeypatch, no_torch
     assert proc.returncode == 0, proc.stderr
     assert ", gloo, compute float32" in proc.stdout and "FORWARD EQUAL" in proc.stdout
     assert "note: backend gloo on CPU: this node runs 2 processes and has 1 GPU visible" in proc.stdout
+    header = proc.stdout.splitlines()[:4]  # both sides with their degrees, how A runs, no nested parentheses
+    assert header[0].startswith("A hf tp=1 pp=1 float32 ") and header[1].startswith("  A runs sliced at tp=2")
+    assert header[2].startswith("B megatron tp=2 pp=1 float32 ")
+    for line in proc.stdout.splitlines():
+        depth = 0
+        for c in line:
+            depth += {"(": 1, ")": -1}.get(c, 0)
+            assert depth <= 1, line
 
 
 def test_one_gpu_nccl_is_refused_before_any_process_starts(monkeypatch, no_torchrun, hf_and_tp2):

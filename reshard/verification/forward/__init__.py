@@ -39,12 +39,15 @@ def verify_forward(a: str, b: str, *, nproc: int | None = None, backend: str | N
 def format_report(r) -> str:
     """A few human-readable lines (``r``: the report, or its dict); the first divergence is named once."""
     tol = r["tolerance"]
-    lines = [f"A {r['a']['layout']} tp={r['a']['tp']} {r['a']['dtype']} {r['a']['path']}"
-             + (f" (run {r['a']['run']})" if r["a"].get("run") else ""),
-             f"B {r['b']['layout']} tp={r['b']['tp']} {r['b']['dtype']} {r['b']['path']}",
+    def side(label: str) -> list[str]:
+        s = r[label.lower()]
+        out = [f"{label} {s['layout']} tp={s['tp']} pp={s.get('pp', 1)} {s['dtype']} {s['path']}"]
+        return out + ([f"  {label} runs {s['run']}"] if s.get("run") else [])
+
+    argmax = f", argmax >= {tol['min_argmax_agreement']}" if tol["min_argmax_agreement"] else ""
+    lines = side("A") + side("B") + [
              f"{r['batch']}x{r['seq_len']} tokens, {r['backend']}, compute {r['compute_dtype']}, tolerance "
-             f"{tol['basis']} (atol {tol['atol']:g}, rtol {tol['rtol']:g}"
-             + (f", argmax >= {tol['min_argmax_agreement']}" if tol["min_argmax_agreement"] else "") + ")",
+             f"{tol['basis']}: atol {tol['atol']:g}, rtol {tol['rtol']:g}{argmax}",
              f"logits: max abs {r['max_abs']:.3g}, max rel {r['max_rel']:.3g}, argmax agreement "
              f"{r['argmax_agreement']:.4f}, KL(A||B) {r['kl_mean']:.3g}"]
     lines += [f"  {p}" for p in r["problems"]] + [f"  note: {n}" for n in r.get("notes", [])]

@@ -27,19 +27,21 @@ COMPUTE_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp64": torch
 @dataclass
 class Side:
     """One checkpoint of the check: run at ``degree`` ranks; ``own_tp``: its layout's own TP degree (the
-    report's ``tp``), when it differs; ``run``: how it is read, in words (the report's ``run``)."""
+    report's ``tp``), when it differs; ``pp``: its own pipeline degree (the ranks run every stage's layers in
+    turn); ``run``: how it is read, in words (the report's ``run``)."""
 
     path: str
     layout: str
     degree: int
     own_tp: int | None = None
     run: str = ""
+    pp: int = 1
 
     def describe(self, seen: dict) -> dict:
         """The report's entry for this side, from rank 0's ``seen`` (dtype, padded vocab, files)."""
         out = {"path": self.path, "layout": self.layout, "tp": self.degree if self.own_tp is None else self.own_tp,
                "dtype": _name(seen["dtype"]), "padded_vocab": seen["padded_vocab"], "rank0_files": seen["files_rank0"],
-               "run_tp": self.degree}
+               "pp": self.pp, "run_tp": self.degree}
         if self.run:
             out["run"] = self.run
         return out

@@ -61,6 +61,7 @@ def plan_job(a: str, b: str, *, nproc: int | None = None, backend: str | None = 
     with open_checkpoint(a, opts) as sa, open_checkpoint(b, opts) as sb:
         layouts = (sa.layout, sb.layout)
         degrees = (sa.degrees.get("tp", 1), sb.degrees.get("tp", 1))
+        stages = (sa.degrees.get("pp", 1), sb.degrees.get("pp", 1))
         vocabs = (sa.model.vocab_size, sb.model.vocab_size)
         meanings = (sa.model.meaning, sb.model.meaning)
         config_a = DecoderConfig.from_meaning(meanings[0])  # refuses what it lacks
@@ -102,7 +103,8 @@ def plan_job(a: str, b: str, *, nproc: int | None = None, backend: str | None = 
         gen = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, vocab, (batch, seq_len), generator=gen).tolist()
     a_degree, a_run = a_side(layouts[0], degrees[0], meanings[0], config_a, nproc)
-    job = ForwardJob(a=Side(a, layouts[0], a_degree, own_tp=degrees[0], run=a_run), b=Side(b, layouts[1], nproc),
+    job = ForwardJob(a=Side(a, layouts[0], a_degree, own_tp=degrees[0], run=a_run, pp=stages[0]),
+                     b=Side(b, layouts[1], nproc, pp=stages[1]),
                      input_ids=ids, vocab=vocab, opts=opts, compute_dtype=compute_dtype, backend=backend, atol=atol,
                      rtol=rtol, timeout=timeout, progress=progress, tensors=tensors)
     notes = ([backend_note] if backend_note else []) + unrun
