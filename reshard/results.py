@@ -50,7 +50,7 @@ class ForwardReport(Report, Mapping):
         return self._data
 
     def describe(self) -> str:
-        from reshard.verification.forward import format_report
+        from reshard.verification.forward.report import format_report
 
         return format_report(self._data)
 

@@ -135,7 +135,7 @@ def test_hf_reference_is_sliced_at_b_degree_and_says_so(tmp_path):
     assert r["ok"], r["problems"]
     assert (r["a"]["tp"], r["a"]["run_tp"], r["b"]["run_tp"]) == (1, 2, 2)  # tp: the layout's own degree
     assert r["a"]["run"].startswith("sliced at tp=2")
-    assert "sliced at tp=2" in format_report(r).splitlines()[0]
+    assert format_report(r).splitlines()[1].startswith("  A runs sliced at tp=2")
 
 
 def test_a_with_rank_files_runs_them_at_its_own_degree(tmp_path):

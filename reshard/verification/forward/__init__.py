@@ -13,6 +13,7 @@ from reshard.results import ForwardReport
 from reshard.verification.forward.estimate import forward_estimate
 from reshard.verification.forward.launch import launch
 from reshard.verification.forward.planning import plan_job, read_prompt_ids
+from reshard.verification.forward.report import format_report
 
 __all__ = ["verify_forward", "forward_estimate", "format_report", "read_prompt_ids", "ForwardReport"]
 
@@ -34,27 +35,3 @@ def verify_forward(a: str, b: str, *, nproc: int | None = None, backend: str | N
     if notes:
         result.setdefault("notes", []).extend(notes)
     return ForwardReport(result)
-
-
-def format_report(r) -> str:
-    """A few human-readable lines (``r``: the report, or its dict); the first divergence is named once."""
-    tol = r["tolerance"]
-    def side(label: str) -> list[str]:
-        s = r[label.lower()]
-        out = [f"{label} {s['layout']} tp={s['tp']} pp={s.get('pp', 1)} {s['dtype']} {s['path']}"]
-        return out + ([f"  {label} runs {s['run']}"] if s.get("run") else [])
-
-    argmax = f", argmax >= {tol['min_argmax_agreement']}" if tol["min_argmax_agreement"] else ""
-    lines = side("A") + side("B") + [
-             f"{r['batch']}x{r['seq_len']} tokens, {r['backend']}, compute {r['compute_dtype']}, tolerance "
-             f"{tol['basis']}: atol {tol['atol']:g}, rtol {tol['rtol']:g}{argmax}",
-             f"logits: max abs {r['max_abs']:.3g}, max rel {r['max_rel']:.3g}, argmax agreement "
-             f"{r['argmax_agreement']:.4f}, KL(A||B) {r['kl_mean']:.3g}"]
-    lines += [f"  {p}" for p in r["problems"]] + [f"  note: {n}" for n in r.get("notes", [])]
-    first = r["first_divergence"]
-    if r["ok"]:
-        lines.append("FORWARD EQUAL")
-    else:
-        lines.append("FORWARD DIFFERENT" + ("" if first is None or first in r["problems"] else
-                                            f" (first divergence: {first})"))
-    return "\n".join(lines)

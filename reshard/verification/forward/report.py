@@ -1,5 +1,6 @@
 """Compare two forward runs: logits (max abs / rel error, argmax agreement, KL), padded-vocab logits, and the
-hidden state after every sub-block, to name where B first diverges from A.
+hidden state after every sub-block, to name where B first diverges from A; and the report's text
+(:func:`format_report`).
 
 Logits at B's padded vocab ids must be exactly zero (a non-zero ``lm_head`` padding row fails, named); A is the
 reference and its padding is only reported (real Megatron checkpoints train their output layer's padding rows).
@@ -149,3 +150,27 @@ def compare_finite(a: dict, b: dict, vocab: int, tol: dict, tensors: dict[str, s
         "first_divergence": first if problems else None, "blocks": blocks, "problems": problems, "notes": notes,
         "ok": not problems,
     }
+
+
+def format_report(r) -> str:
+    """A few human-readable lines (``r``: the report, or its dict); the first divergence is named once."""
+    tol = r["tolerance"]
+    def side(label: str) -> list[str]:
+        s = r[label.lower()]
+        out = [f"{label} {s['layout']} tp={s['tp']} pp={s.get('pp', 1)} {s['dtype']} {s['path']}"]
+        return out + ([f"  {label} runs {s['run']}"] if s.get("run") else [])
+
+    argmax = f", argmax >= {tol['min_argmax_agreement']}" if tol["min_argmax_agreement"] else ""
+    lines = side("A") + side("B") + [
+             f"{r['batch']}x{r['seq_len']} tokens, {r['backend']}, compute {r['compute_dtype']}, tolerance "
+             f"{tol['basis']}: atol {tol['atol']:g}, rtol {tol['rtol']:g}{argmax}",
+             f"logits: max abs {r['max_abs']:.3g}, max rel {r['max_rel']:.3g}, argmax agreement "
+             f"{r['argmax_agreement']:.4f}, KL(A||B) {r['kl_mean']:.3g}"]
+    lines += [f"  {p}" for p in r["problems"]] + [f"  note: {n}" for n in r.get("notes", [])]
+    first = r["first_divergence"]
+    if r["ok"]:
+        lines.append("FORWARD EQUAL")
+    else:
+        lines.append("FORWARD DIFFERENT" + ("" if first is None or first in r["problems"] else
+                                            f" (first divergence: {first})"))
+    return "\n".join(lines)
