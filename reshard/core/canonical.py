@@ -7,12 +7,11 @@ import functools
 import re
 from dataclasses import dataclass, field
 
-from reshard.config_defaults import with_defaults
 from reshard.core.counts import check_kv_heads
 from reshard.core.model_config import ModelConfig
 from reshard.core.pieces import Piece, StoredTensor
 from reshard.errors import CheckpointError
-from reshard.mapping import Family, WeightSpec, config_condition
+from reshard.mapping import Family, WeightSpec, config_condition, with_defaults
 
 
 @dataclass(frozen=True)
@@ -123,7 +122,7 @@ def build_canonical(family: Family, config: dict, present_optional: set[str], ti
     with a ``when`` condition exist where ``config`` meets it. ``mtp``: the number of multi-token-prediction
     layers kept (default: what the config declares), laid out after the decoder layers; their ``copy_of``
     weights are HF-only copies, not canonical tensors. Everything is derived with the config class's defaults
-    (config_defaults.py); the model keeps ``config`` as the source spells it.
+    (mapping/defaults.py); the model keeps ``config`` as the source spells it.
     """
     spelt, config = config, with_defaults(family, config)
     dims = family.resolve_dims(config)

@@ -9,8 +9,8 @@ Pure index arithmetic: no I/O.
 
 from __future__ import annotations
 
-from reshard.config_defaults import with_defaults
 from reshard.errors import CheckpointError
+from reshard.mapping import with_defaults
 
 #: Weight roles whose stored rows hold one or more rows per head of the dims symbol named.
 HEAD_ROLES = (("q", "nh"), ("q_b", "nh"), ("kv_b", "nh"), ("k", "ng"))

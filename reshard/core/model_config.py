@@ -1,7 +1,7 @@
 """The canonical model config: what a checkpoint's settings mean for the computation, whatever their spelling.
 
 Every layout reads its own spelling into one :class:`ModelConfig` (config.json in transformers 4 or 5 spelling,
-a key it leaves out meaning its transformers config class's default (reshard/config_defaults.py); Megatron-LM args,
+a key it leaves out meaning its transformers config class's default (reshard/mapping/defaults.py); Megatron-LM args,
 ...) and writes it back in a target's spelling. A value a target cannot express is refused at
 plan time (:class:`ConfigLoss`), never dropped; ``verify`` compares these objects, so spellings do not matter and
 meaning does. Pure data: no I/O.

@@ -332,7 +332,7 @@ def planned_config(model: CanonicalModel, dtype: str, opts: Options, target: str
 
 
 def write_config(out: str, config: dict) -> None:
-    """Write ``config.json`` into ``out`` (a vision-language model's flat view nested back, mapping_vlm.py)."""
+    """Write ``config.json`` into ``out`` (a vision-language model's flat view nested back, mapping/vlm_config.py)."""
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(nested(config), f, indent=2, sort_keys=True)
         f.write("\n")

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import json
 
-from reshard.config_defaults import with_defaults
 from reshard.core.model_config import UNCARRIED_SETTINGS, ConfigLoss, ModelConfig, normalize_scaling
 from reshard.errors import CheckpointError, PlanError
 from reshard.layouts.hf_config_moe import read_moe, write_moe
-from reshard.mapping import ACTIVATIONS, BIAS_GROUPS, Family
+from reshard.mapping import ACTIVATIONS, BIAS_GROUPS, Family, with_defaults
 
 #: The decoder's activation names -> the hidden_act transformers spells them with.
 HIDDEN_ACT = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
@@ -128,7 +127,7 @@ def without_dropped_settings(config: dict, family: Family, allowed: tuple[str, .
 def read_meaning(config: dict, family: Family, architecture: str, dims: dict[str, int], present: set[str],
                  tied: bool, where: str) -> ModelConfig:
     """The meaning of an HF-style ``config`` whose weights include the optional templates ``present``, read with
-    its config class's defaults (config_defaults.py); a setting the family does not carry
+    its config class's defaults (mapping/defaults.py); a setting the family does not carry
     (:func:`uncarried_settings`) is refused."""
     config = with_defaults(family, config)
     uncarried = uncarried_settings(config, family)
