@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
-import re
 from dataclasses import dataclass, field
 
 from reshard.core.counts import check_kv_heads
 from reshard.core.model_config import ModelConfig
 from reshard.core.pieces import Piece, StoredTensor
+from reshard.core.templates import template_match
 from reshard.errors import CheckpointError
 from reshard.mapping import Family, WeightSpec, config_condition, with_defaults
 
@@ -160,27 +159,6 @@ def build_canonical(family: Family, config: dict, present_optional: set[str], ti
             add(spec, None)
     return CanonicalModel(family=family, config=dict(spelt), dims=dims, tensors=tensors, tied=tied,
                           sparse_layers=sparse, mtp_layers=mtp_layers)
-
-
-@functools.lru_cache(maxsize=None)
-def _template_pattern(template: str) -> tuple[re.Pattern, tuple[str, ...]]:
-    """A template's compiled pattern and the order of its placeholders (compiled once: every stored name of a
-    checkpoint is matched against every template)."""
-    parts = re.split(r"(\{layer\}|\{expert\})", template)
-    pattern = "".join("(\\d+)" if p in ("{layer}", "{expert}") else re.escape(p) for p in parts)
-    return re.compile(pattern), tuple(p for p in parts if p in ("{layer}", "{expert}"))
-
-
-def template_match(template: str, name: str) -> tuple[int | None, int | None] | None:
-    """(layer, expert) that ``name`` instantiates ``template`` at (None where it has no such placeholder), or None."""
-    if "{layer}" not in template:
-        return (None, None) if template == name else None
-    pattern, order = _template_pattern(template)
-    m = pattern.fullmatch(name)
-    if m is None:
-        return None
-    found = dict(zip(order, map(int, m.groups())))
-    return found.get("{layer}"), found.get("{expert}")
 
 
 def template_layer(template: str, name: str) -> int | None | bool:

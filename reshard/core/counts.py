@@ -9,6 +9,7 @@ Pure index arithmetic: no I/O.
 
 from __future__ import annotations
 
+from reshard.core.templates import template_match
 from reshard.errors import CheckpointError
 from reshard.mapping import with_defaults
 
@@ -65,7 +66,6 @@ def check_kv_heads(family, dims: dict[str, int], config: dict) -> None:
 def _experts_held(family, shapes: dict[str, tuple[int, ...]]) -> tuple[set[int], int]:
     """The routed-expert indices the stored per-expert names hold, and the most experts one of transformers 5's
     fused tensors stacks (``[E, ...]``)."""
-    from reshard.core.canonical import template_match
 
     held: set[int] = set()
     stacked = 0
