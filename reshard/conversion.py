@@ -193,6 +193,7 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
     if unknown_missing:
         raise PlanError(f"--allow-missing {unknown_missing[0]}: the only thing an output may be written without is "
                         "vision (tower tensors the source lacks)")
+    allow_lossy_config = tuple(f.strip() for a in allow_lossy_config for f in a.split(",") if f.strip())
     unknown = sorted(set(allow_lossy_config) - set(SEMANTIC_FIELDS) - set(UNCARRIED_SETTINGS))
     if unknown:
         raise PlanError(f"--allow-lossy-config {unknown[0]}: not a canonical config field (fields: "

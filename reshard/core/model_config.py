@@ -50,7 +50,8 @@ SEMANTIC_FIELDS = ("architecture", "hidden", "layers", "heads", "kv_heads", "hea
                    "rope_local_theta", "experts", "experts_per_token", "expert_ffn", "router_renormalize",
                    "moe_layers", "shared_expert_ffn", "shared_expert_gate", "router_score", "router_bias",
                    "router_groups", "router_group_topk", "router_group_score", "router_scaling", "q_lora_rank",
-                   "kv_lora_rank", "rope_head_dim", "v_head_dim", "mtp_layers")
+                   "kv_lora_rank", "rope_head_dim", "v_head_dim", "mtp_layers", "embedding_multiplier",
+                   "attention_multiplier", "residual_multiplier", "logits_scaling")
 
 #: config.json keys known to change what a model computes that reshard's canonical config has no field for
 #: (Granite's multipliers, Cohere's logit scale and q/k norm, MiniCPM's scales, Gemma's soft-capping and query
@@ -119,6 +120,10 @@ class ModelConfig:
     rope_head_dim: int = 0
     v_head_dim: int = 0
     mtp_layers: int = 0
+    embedding_multiplier: float = 1.0  # Granite: embedding times m_e, every residual branch times m_r, logits / s,
+    attention_multiplier: float | None = None  # the absolute softmax scale (else head_dim ** -0.5)
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
 
     @property
     def mla(self) -> bool:

@@ -17,6 +17,7 @@ from reshard.core.model_config import UNCARRIED_SETTINGS, ConfigLoss, ModelConfi
 from reshard.errors import CheckpointError, PlanError
 from reshard.layouts.hf_config_moe import read_moe, write_moe
 from reshard.mapping import ACTIVATIONS, BIAS_GROUPS, Family, with_defaults
+from reshard.mapping.schema import MULTIPLIER_KEYS
 
 #: The decoder's activation names -> the hidden_act transformers spells them with.
 HIDDEN_ACT = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
@@ -109,7 +110,7 @@ def uncarried_settings(config: dict, family: Family) -> list[tuple[str, object]]
     not carry (:data:`~reshard.core.model_config.UNCARRIED_SETTINGS`)."""
     spelt = family.config
     named = {getattr(spelt, f) for f in ("norm_eps", "activation", "max_positions", "attn_softcap", "final_softcap",
-                                         "query_scale", "rope_local_theta")}
+                                         "query_scale", "rope_local_theta", *MULTIPLIER_KEYS)}
     named.update(key for _, arch in spelt.architectures for key, _ in arch.requires)
     return [(key, config[key]) for key, neutral in UNCARRIED_SETTINGS.items()
             if key not in named and config.get(key) is not None and config[key] != neutral]
@@ -175,7 +176,26 @@ def read_meaning(config: dict, family: Family, architecture: str, dims: dict[str
         sandwich_norm=family.role_spec("attn_output_norm") is not None, attn_softcap=value(spelt.attn_softcap),
         final_softcap=value(spelt.final_softcap), query_scale=value(spelt.query_scale),
         rope_local_theta=_local_theta(config, family, theta, where) if position == "rope" else None,
-        mtp_layers=family.mtp_count(config), **mla, **read_moe(config, family, dims, present, where))
+        mtp_layers=family.mtp_count(config), **_read_multipliers(value, spelt), **mla,
+        **read_moe(config, family, dims, present, where))
+
+
+def _read_multipliers(value, spelt) -> dict:
+    """Granite's multipliers the family spells (:data:`~reshard.mapping.schema.MULTIPLIER_KEYS`), where set."""
+    found = {field: value(getattr(spelt, field)) for field in MULTIPLIER_KEYS}
+    return {field: v for field, v in found.items() if v is not None}
+
+
+def _write_multipliers(c: dict, meaning: ModelConfig, family: Family, loss: ConfigLoss) -> None:
+    """Granite's multipliers under the keys the family spells, or the loss of each set one it cannot spell."""
+    for field in MULTIPLIER_KEYS:
+        key, value = getattr(family.config, field), getattr(meaning, field)
+        neutral = None if field == "attention_multiplier" else 1.0
+        if key:
+            if value is not None:
+                c[key] = value
+        elif value != neutral:
+            loss.cannot(field, value, f"{meaning.architecture} has no {field}")
 
 
 #: ModelConfig's multi-head latent attention fields and the [mla] keys naming their dims symbols.
@@ -239,6 +259,7 @@ def write_config(meaning: ModelConfig, base: dict | None, family: Family, loss: 
                               ("sandwich_norm", meaning.sandwich_norm, family.role_spec("attn_output_norm") is not None)):
         if value != has:
             loss.cannot(field, value, f"{meaning.architecture} has {field} = {has!r}")
+    _write_multipliers(c, meaning, family, loss)
     for field in ("attn_softcap", "final_softcap", "query_scale"):
         key, value = getattr(family.config, field), getattr(meaning, field)
         if key:  # transformers types query_pre_attn_scalar as an int

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from reshard.core.model_config import ConfigLoss, ModelConfig
-from reshard.errors import CheckpointError
+from reshard.errors import CheckpointError, PlanError
 
 #: megatron-core's RotaryEmbedding._apply_scaling parameters other than the factor (not settable from args).
 LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -277,6 +277,26 @@ def _skip_period(windowed: tuple[int, ...], layers: int) -> int | None:
     return None
 
 
+GRANITE_MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "logits_scaling")
+
+
+def _granite_multipliers(m: ModelConfig, loss: ConfigLoss) -> None:
+    """Granite's embedding / residual / logit multipliers: megatron-core has none (families-2.md section 7); refused
+    with section 17's message unless all three are allowed lossy (then dropped, noted). Its attention_multiplier
+    is megatron-core's softmax_scale."""
+    m_e, m_r, s = (getattr(m, f) for f in GRANITE_MULTIPLIERS)
+    if (m_e, m_r, s) == (1.0, 1.0, 1.0):
+        return
+    if not set(GRANITE_MULTIPLIERS) <= set(loss.allowed):
+        raise PlanError(f"Granite scales the embedding (\u00d7{m_e}), every residual branch (\u00d7{m_r}) and the "
+                        f"logits (\u00f7{s}); megatron-core has no such multipliers, and folding them into tied or "
+                        "bf16 weights changes the model. Convert to hf or vllm, or pass --allow-lossy-config "
+                        "embedding_multiplier,residual_multiplier,logits_scaling.")
+    for field, value in zip(GRANITE_MULTIPLIERS, (m_e, m_r, s)):
+        if value != 1.0:
+            loss.cannot(field, value, "megatron-core has no such multiplier")
+
+
 def args_from_meaning(meaning: ModelConfig, loss: ConfigLoss) -> dict[str, Any]:
     """The args fields that spell ``meaning``; what args cannot spell goes to ``loss``."""
     m = meaning
@@ -294,6 +314,7 @@ def args_from_meaning(meaning: ModelConfig, loss: ConfigLoss) -> dict[str, Any]:
     )
     if m.norm not in ("rms", "layer"):
         loss.cannot("norm", m.norm, "Megatron-LM's args spell RMSNorm and LayerNorm")
+    _granite_multipliers(m, loss)
     values.update(_moe_args(m, loss))
     values.update(_mla_args(m), mtp_num_layers=m.mtp_layers or None)
     recorded = record_only_fields(m)
@@ -329,7 +350,8 @@ def args_from_meaning(meaning: ModelConfig, loss: ConfigLoss) -> dict[str, Any]:
         loss.cannot("rope_scaling", scaling, f"megatron-core's GPT model has no '{kind}' RoPE scaling")
     if "mrope_section" in scaling:  # Qwen-VL's multimodal RoPE (megatron-core's MultimodalRotaryEmbedding)
         values.update(position_embedding_type="mrope", mrope_section=list(scaling["mrope_section"]))
-    values.update(apply_layernorm_1p=m.norm_offset, softmax_scale=m.query_scale ** -0.5 if m.query_scale else None,
+    values.update(apply_layernorm_1p=m.norm_offset, softmax_scale=m.attention_multiplier if m.attention_multiplier
+                  else m.query_scale ** -0.5 if m.query_scale else None,
                   window_attn_skip_freq=None)
     if m.sliding_window:
         if m.sliding_layers is not None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from reshard.errors import MappingError
 from reshard.mapping.conditions import _parse_condition
+from reshard.mapping.schema import MULTIPLIER_KEYS
 
 #: Where a vision-language model's flat config view keeps the source's nested config.json (vlm_config.py).
 NESTED = "__reshard_nested_config__"
@@ -106,6 +107,7 @@ def read_keys(family, architecture=None) -> set[str]:
     keys = {k for key, _ in family.dims.values() for k in ((key,) if isinstance(key, str) else key)}
     keys |= {spelt.norm_eps, spelt.activation, spelt.max_positions}
     keys |= {k for k in (spelt.attn_softcap, spelt.final_softcap, spelt.query_scale, spelt.rope_local_theta) if k}
+    keys |= {k for k in (getattr(spelt, f) for f in MULTIPLIER_KEYS) if k}
     if family.decoder.position == "rope":
         keys |= set(ROPE_KEYS)
     for _, arch in spelt.architectures:

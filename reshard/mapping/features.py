@@ -59,6 +59,10 @@ class ConfigSpelling:
     final_softcap: str | None = None
     query_scale: str | None = None
     rope_local_theta: str | None = None
+    embedding_multiplier: str | None = None  # the config keys of Granite's multipliers (schema.MULTIPLIER_KEYS)
+    attention_multiplier: str | None = None
+    residual_multiplier: str | None = None
+    logits_scaling: str | None = None
     bias_groups: tuple[tuple[str, tuple[str, ...]], ...] = ()
     architectures: tuple[tuple[str, ArchitectureConfig], ...] = ()
 

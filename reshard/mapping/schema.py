@@ -67,9 +67,13 @@ DECODER_CHOICES = {"norm": ("rms", "layer"), "mlp": ("gated", "plain"), "positio
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
                "gelu_new": "gelu_tanh", "relu": "relu"}
 
+#: Granite's multipliers ([config] keys naming the config.json key of each; ModelConfig fields of the same name):
+#: embedding times ``embedding_multiplier``, every residual branch times ``residual_multiplier``, the logits divided
+#: by ``logits_scaling``, attention scores times ``attention_multiplier`` (the absolute softmax scale).
+MULTIPLIER_KEYS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")
 # How config.json spells the model's meaning, per architecture ([config] table; reshard/layouts/hf_config.py).
 CONFIG_KEYS = {"norm_eps", "activation", "max_positions", "attn_softcap", "final_softcap", "query_scale",
-               "rope_local_theta", "bias_groups", "architectures"}
+               "rope_local_theta", "bias_groups", "architectures", *MULTIPLIER_KEYS}
 ARCH_CONFIG_KEYS = {"model_type", "other_model_types", "biases", "window", "window_pattern", "rotary_fraction",
                     "requires", "defaults"}
 BIAS_GROUPS = ("qkv", "o", "mlp")

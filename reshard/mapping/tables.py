@@ -11,7 +11,8 @@ from reshard.mapping.defaults import parse_table
 from reshard.mapping.features import ArchitectureConfig, ConfigSpelling, DecoderFeatures
 from reshard.mapping.schema import (ACTIVATIONS, ARCH_CONFIG_KEYS, BIAS_GROUPS, CONFIG_KEYS, DECODER_CHOICES,
                                     DECODER_KEYS, DIM_KEYS, FAMILY_KEYS, GROUP_SCORES, GROUP_SWITCH_KEYS, HF_KEYS,
-                                    MEGATRON_KEYS, MEGATRON_SPECS, MLA_KEYS, MOE_KEYS, MTP_KEYS, ROUTER_SCORES,
+                                    MEGATRON_KEYS, MEGATRON_SPECS, MLA_KEYS, MOE_KEYS, MTP_KEYS, MULTIPLIER_KEYS,
+                                    ROUTER_SCORES,
                                     TOP_KEYS, VLLM_KEYS, WINDOW_SPELLINGS, _check_keys, _suggest)
 
 
@@ -125,7 +126,7 @@ def parse_config(table: dict, source: str, architectures: tuple[str, ...]) -> Co
                           activation=table.get("activation", "hidden_act"),
                           max_positions=table.get("max_positions", "max_position_embeddings"),
                           **{k: table.get(k) for k in ("attn_softcap", "final_softcap", "query_scale",
-                                                       "rope_local_theta")},
+                                                       "rope_local_theta", *MULTIPLIER_KEYS)},
                           bias_groups=tuple((g, tuple(w)) for g, w in groups.items()),
                           architectures=tuple(archs))
 

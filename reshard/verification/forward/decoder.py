@@ -13,7 +13,9 @@ position embedding (``position = "learned"``, whole on every rank); then per lay
 Gemma 3), else identity; ``rope``: identity with learned positions. Gemma: norms apply ``1 + w`` in fp32
 (``norm_offset``), the embedding is times sqrt(hidden), sandwich norms wrap each block's output before the
 residual add (``x = x + norm(attention(...))``), scores are scaled by ``query_scale ** -0.5`` and soft-capped
-(``cap * tanh(s / cap)``, also the logits), sliding layers use ``rope_local_theta``. Column-parallel q/k/v
+(``cap * tanh(s / cap)``, also the logits), sliding layers use ``rope_local_theta``. Granite: the embedding times
+``embedding_multiplier``, each block's output times ``residual_multiplier`` before the residual add, scores times
+``attention_multiplier`` (instead of ``head_dim ** -0.5``), the logits divided by ``logits_scaling``. Column-parallel q/k/v
 (local heads, optional biases), rotate-half RoPE with ``rope_theta`` and ``rope_scaling`` (:mod:`.rope`; partial
 rotary: the first ``rope_dim`` dims of each head rotate, the rest pass), causal attention with GQA (local q head
 j reads local KV head ``j // (local q heads / local KV heads)``) and an optional sliding window; final norm;
@@ -184,7 +186,8 @@ def attention(x: torch.Tensor, w: LayerWeights, config: DecoderConfig, cos, sin,
         raise ReshardError(f"rank holds {local_q} query heads and {local_kv} KV heads: not a GQA grouping")
     k = k.repeat_interleave(local_q // local_kv, dim=1)
     v = v.repeat_interleave(local_q // local_kv, dim=1)
-    scores = torch.matmul(q, k.transpose(2, 3)) * (config.query_scale or d) ** -0.5
+    scale = config.attention_multiplier or (config.query_scale or d) ** -0.5
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
     if config.attn_softcap:
         scores = torch.tanh(scores / config.attn_softcap) * config.attn_softcap
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
@@ -376,9 +379,16 @@ def embed_tokens(config: DecoderConfig, ids: torch.Tensor, table: torch.Tensor, 
     x = embed(ids, table, start, tp)
     if config.embedding_scaled:
         x = x * torch.tensor(config.hidden ** 0.5, dtype=x.dtype)
+    if config.embedding_multiplier != 1.0:
+        x = x * config.embedding_multiplier
     if positions is not None:
         x = x + positions[:ids.shape[1]]
     return x
+
+
+def _residual(config: DecoderConfig, h: torch.Tensor) -> torch.Tensor:
+    """A block's output as added to the residual stream (Granite: times ``residual_multiplier``)."""
+    return h * config.residual_multiplier if config.residual_multiplier != 1.0 else h
 
 
 def decoder_layer(config: DecoderConfig, i: int, layer: LayerWeights, x: torch.Tensor, inputs: LayerInputs,
@@ -388,11 +398,11 @@ def decoder_layer(config: DecoderConfig, i: int, layer: LayerWeights, x: torch.T
     cos, sin = inputs.local_rope if sliding else inputs.rope
     h = attention(norm(config, x, layer.input_norm, layer.input_norm_bias), layer, config, cos, sin,
                   inputs.windowed if sliding else inputs.full, tp)
-    x = x + (norm(config, h, layer.attn_output_norm, None) if config.sandwich_norm else h)
+    x = x + _residual(config, norm(config, h, layer.attn_output_norm, None) if config.sandwich_norm else h)
     if states is not None:
         states.append((f"layer {i} attention", x.detach().cpu()))
     h = mlp(norm(config, x, layer.post_norm, layer.post_norm_bias), layer, config, tp)
-    x = x + (norm(config, h, layer.mlp_output_norm, None) if config.sandwich_norm else h)
+    x = x + _residual(config, norm(config, h, layer.mlp_output_norm, None) if config.sandwich_norm else h)
     if states is not None:
         states.append((f"layer {i} mlp", x.detach().cpu()))
     return x
@@ -403,6 +413,8 @@ def final_logits(config: DecoderConfig, x: torch.Tensor, final_norm: torch.Tenso
     """Final norm, the vocab-parallel head gathered over the padded vocab, the final soft-cap; on the CPU."""
     x = norm(config, x, final_norm, final_norm_bias)
     logits = tp.gather_last_dim(_linear(x, head))
+    if config.logits_scaling != 1.0:
+        logits = logits / config.logits_scaling
     if config.final_softcap:
         logits = torch.tanh(logits / config.final_softcap) * config.final_softcap
     return logits.cpu()

@@ -79,6 +79,10 @@ class DecoderConfig:
     rope_head_dim: int = 0  # dr: the RoPE part of each q / k head, pairs (2i, 2i+1) rotated
     v_head_dim: int = 0  # dv
     rotary_fraction: float = 1.0  # partial rotary: RoPE on the first int(head_dim * rotary_fraction) dims of a head
+    embedding_multiplier: float = 1.0  # Granite: the embedding times this
+    attention_multiplier: float | None = None  # Granite: the absolute softmax scale (replaces query_scale's)
+    residual_multiplier: float = 1.0  # Granite: every block's output times this before the residual add
+    logits_scaling: float = 1.0  # Granite: the logits divided by this
 
     @property
     def mla(self) -> bool:
@@ -130,7 +134,10 @@ class DecoderConfig:
                    router_scaling=meaning.router_scaling, max_positions=meaning.max_positions,
                    q_lora_rank=meaning.q_lora_rank, kv_lora_rank=meaning.kv_lora_rank,
                    rope_head_dim=meaning.rope_head_dim, v_head_dim=meaning.v_head_dim,
-                   rotary_fraction=meaning.rotary_fraction if meaning.position == "rope" else 1.0)
+                   rotary_fraction=meaning.rotary_fraction if meaning.position == "rope" else 1.0,
+                   embedding_multiplier=meaning.embedding_multiplier,
+                   attention_multiplier=meaning.attention_multiplier,
+                   residual_multiplier=meaning.residual_multiplier, logits_scaling=meaning.logits_scaling)
 
 
 def rope_parameters(meaning: ModelConfig) -> dict:
