@@ -112,6 +112,7 @@ def uncarried_settings(config: dict, family: Family) -> list[tuple[str, object]]
     named = {getattr(spelt, f) for f in ("norm_eps", "activation", "max_positions", "attn_softcap", "final_softcap",
                                          "query_scale", "rope_local_theta", *MULTIPLIER_KEYS)}
     named.update(key for _, arch in spelt.architectures for key, _ in arch.requires)
+    named.update(family.condition_keys())  # a key switching weights on (GLM-4.5's use_qk_norm) is carried
     return [(key, config[key]) for key, neutral in UNCARRIED_SETTINGS.items()
             if key not in named and config.get(key) is not None and config[key] != neutral]
 
@@ -171,7 +172,7 @@ def read_meaning(config: dict, family: Family, architecture: str, dims: dict[str
         rope_theta=theta, rope_scaling=scaling, rotary_fraction=fraction, sliding_window=window,
         sliding_layers=windowed, qkv_bias=biases.get("qkv", False), o_bias=biases.get("o", False),
         mlp_bias=biases.get("mlp", False), tied=tied, position=position,
-        gated_mlp=family.decoder.mlp == "gated", qk_norm=family.role_spec("q_norm") is not None,
+        gated_mlp=family.decoder.mlp == "gated", qk_norm=family.has_role("q_norm", config),
         norm_offset=family.decoder.norm_offset, embedding_scaled=family.decoder.embedding_scaled,
         sandwich_norm=family.role_spec("attn_output_norm") is not None, attn_softcap=value(spelt.attn_softcap),
         final_softcap=value(spelt.final_softcap), query_scale=value(spelt.query_scale),
@@ -251,9 +252,11 @@ def write_config(meaning: ModelConfig, base: dict | None, family: Family, loss: 
             loss.cannot("activation", meaning.activation, "no transformers hidden_act spells it")
         c[act_key] = HIDDEN_ACT.get(meaning.activation, meaning.activation)
     features = family.decoder
+    if family.role_switch("q_norm"):  # GLM-4.5's use_qk_norm
+        c[family.role_switch("q_norm")] = meaning.qk_norm
     for field, value, has in (("norm", meaning.norm, features.norm), ("position", meaning.position, features.position),
                               ("gated_mlp", meaning.gated_mlp, features.mlp == "gated"),
-                              ("qk_norm", meaning.qk_norm, family.role_spec("q_norm") is not None),
+                              ("qk_norm", meaning.qk_norm, family.has_role("q_norm", c)),
                               ("norm_offset", meaning.norm_offset, features.norm_offset),
                               ("embedding_scaled", meaning.embedding_scaled, features.embedding_scaled),
                               ("sandwich_norm", meaning.sandwich_norm, family.role_spec("attn_output_norm") is not None)):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from reshard.errors import MappingError
-from reshard.mapping.conditions import config_condition, evaluate, lookup
+from reshard.mapping.conditions import _parse_condition, config_condition, evaluate, lookup
 from reshard.mapping.defaults import with_defaults
 from reshard.mapping.features import ConfigSpelling, DecoderFeatures
 from reshard.mapping.weight import WeightSpec
@@ -63,6 +63,21 @@ class Family:
 
     def role_spec(self, role: str) -> WeightSpec | None:
         return next((w for w in self.weights if w.role == role), None)
+
+    def has_role(self, role: str, config: dict | None = None) -> bool:
+        """Whether the model (of ``config``, for a weight with a ``when`` condition) has the weight ``role``:
+        GLM-4.5's q/k norms exist only where ``use_qk_norm`` is set."""
+        spec = self.role_spec(role)
+        return spec is not None and (spec.when is None or config is None or config_condition(spec.when, config))
+
+    def role_switch(self, role: str) -> str | None:
+        """The config key whose truth switches weight ``role`` on (its ``when = "KEY"``), else None."""
+        spec = self.role_spec(role)
+        return spec.when.strip() if spec is not None and spec.when and spec.when.strip().isidentifier() else None
+
+    def condition_keys(self) -> set[str]:
+        """The config keys the weights' ``when`` conditions read: settings this mapping carries."""
+        return {_parse_condition(w.when)[0] for w in self.weights if w.when}
 
     def dim_key(self, symbol: str, config: dict | None = None) -> str | None:
         """The config key of dimension ``symbol`` (of alternatives, the first ``config`` has); None if undeclared."""
