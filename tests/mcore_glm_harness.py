@@ -29,8 +29,13 @@ from mcore_cpu import prepare_cpu  # noqa: E402
 os.environ["TORCHDYNAMO_DISABLE"] = "1"
 torch = prepare_cpu()
 import torch.nn.functional as F  # noqa: E402
-
-from mcore_dist_harness import _cpu_shims, _die_with_parent, _reap_strays, read_common, spawn_and_join  # noqa: E402,E501
+from mcore_dist_harness import (  # noqa: E402
+    _cpu_shims,
+    _die_with_parent,
+    _reap_strays,
+    read_common,
+    spawn_and_join,
+)
 from mcore_mla_harness import forward, iteration_dir, padded_vocab  # noqa: E402
 
 #: Args a GLM run records that change the model (megatron-core's defaults would apply to a missing one).

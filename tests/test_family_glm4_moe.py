@@ -15,6 +15,7 @@ q/k/v biases, q/k norms, a dense first layer, sigmoid routing with a selection b
 - GLM-4.5's released spelling (transformers 4: top-level ``partial_rotary_factor`` / ``rope_theta``, ``use_qk_norm``
   false, no norms) converts both ways with ``qk_layernorm`` off in Megatron.
 
+- ``inspect``, ``plan``, ``load_rank`` (vllm and megatron ep ranks, the MTP layer's experts) and ``live.plan``.
 - megatron-core 0.16.1 loads reshard's torch_dist strictly (tp2 ep2 etp1; tp2 etp2 is slow) and computes
   transformers' logits within 1e-5.
 """
@@ -27,16 +28,16 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
-import reshard
 from deepseek_checkpoints import add_mtp_layer
 from helpers import run_cli
+from safetensors.torch import load_file, save_file
+from vllm_rules import load_rank as load_vllm_rank
+
+import reshard
 from reshard.layouts.base import Options
 from reshard.verification.forward import verify_forward
 from reshard.verification.forward.decoder import TPGroup, cast_weights, forward
 from reshard.verification.forward.sliced_rank import load_rank as load_hf_rank
-from vllm_rules import load_rank as load_vllm_rank
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e .[test]")
 
@@ -289,7 +290,8 @@ def released_spelling(folder) -> None:
     config = config_of(folder)
     params = config.pop("rope_parameters")
     config.update(rope_theta=params["rope_theta"], partial_rotary_factor=params["partial_rotary_factor"])
-    json.dump(config, open(os.path.join(folder, "config.json"), "w"))
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
 
 
 def test_glm45_release_shape_without_qk_norm(tmp_path, capsys):
@@ -299,7 +301,8 @@ def test_glm45_release_shape_without_qk_norm(tmp_path, capsys):
     released_spelling(src)
     assert not any("q_norm" in k for k in hf_state(src))
     convert(capsys, src, tmp_path / "m", "--to", "megatron", "--tp", "2")
-    args = vars(torch.load(tmp_path / "m" / "release" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)["args"])
+    rank_file = tmp_path / "m" / "release" / "mp_rank_00" / "model_optim_rng.pt"
+    args = vars(torch.load(rank_file, weights_only=False)["args"])
     assert (args["qk_layernorm"], args["rotary_percent"], args["add_qkv_bias"]) == (False, 0.5, True)
     convert(capsys, tmp_path / "m", tmp_path / "h", "--to", "hf")
     convert(capsys, src, tmp_path / "v", "--to", "vllm", "--tp", "2")
@@ -317,13 +320,27 @@ def test_glm45_release_shape_without_qk_norm(tmp_path, capsys):
     assert code == 0 and "FORWARD EQUAL" in text, text + err
 
 
-def test_inspect_and_plan_name_the_family(glm, capsys):
-    code, text, err = run_cli(capsys, "inspect", glm)
-    assert code == 0 and "Glm4MoeForCausalLM" in text + err, text + err
-    code, text, err = run_cli(capsys, "convert", glm, "/nonexistent/plan-only", "--to", "megatron", "--tp", "2",
-                              "--ep", "2", "--dry-run")
+def test_inspect_plan_load_rank_live_plan(glm, capsys):
+    code, out, err = run_cli(capsys, "inspect", glm, "--json")
     assert code == 0, err
-    assert not os.path.exists("/nonexistent/plan-only")
+    assert json.loads(out)["architecture"] == "Glm4MoeForCausalLM"
+    code, out, err = run_cli(capsys, "plan", glm, "--to", "megatron", "--tp", 2, "--ep", 2, "--json")
+    assert code == 0 and json.loads(out), err
+    hf = hf_state(glm)
+    rank = reshard.load_rank(glm, "vllm", tp=2, rank=1)
+    bias = "model.layers.1.mlp.experts.routed_experts.e_score_correction_bias"
+    assert rank[bias].dtype == torch.float32
+    assert torch.equal(rank[bias], hf["model.layers.1.mlp.gate.e_score_correction_bias"])
+    o = "model.layers.1.self_attn.o_proj.weight"
+    assert torch.equal(rank[o], hf[o][:, 32:])
+    rank = reshard.load_rank(glm, "megatron", tp=2, ep=2, rank=1, ep_rank=1)
+    assert torch.equal(rank["mtp.layers.0.transformer_layer.mlp.experts.local_experts.3.linear_fc2.weight"],
+                       hf[f"model.layers.{L}.mlp.experts.7.down_proj.weight"][:, 16:])
+    from reshard import live
+
+    plan = live.plan(glm, source={"layout": "megatron", "tp": 2, "ep": 2}, target={"layout": "vllm", "tp": 2},
+                     source_ranks=range(4), target_ranks=range(4, 6))
+    assert plan is not None
 
 
 @pytest.mark.parametrize("grid", [(2, 2, 1), pytest.param((2, 1, 2), marks=pytest.mark.slow)],
