@@ -152,3 +152,21 @@ def test_inspect_plan_load_rank(granite, capsys):
     rank = reshard.load_rank(str(granite.src), "vllm", tp=2, rank=1)
     assert torch.equal(rank["model.layers.1.mlp.down_proj.weight"],
                        granite.hf["model.layers.1.mlp.down_proj.weight"][:, 48:])
+
+
+def test_verify_forward_perturbed_layer0_fails(granite, capsys, tmp_path):
+    """One row of layer 0's down_proj scaled on vLLM rank 1: verify --forward exits 1 naming layer 0's MLP."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(granite.vllm(capsys), bad)
+    path = bad / "model-rank-1-part-0.safetensors"
+    tensors = load_file(str(path))
+    with safe_open(str(path), "pt") as f:
+        metadata = f.metadata()
+    tensors["model.layers.0.mlp.down_proj.weight"][3] *= 3.0
+    save_file(tensors, str(path), metadata=metadata)
+    code, r, err = verify_forward(capsys, granite.src, bad)
+    assert code == 1 and r is not None, err[-2000:]
+    assert not r["ok"] and r["first_divergence"].startswith("layer 0 mlp"), r["first_divergence"]

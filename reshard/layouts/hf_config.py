@@ -20,7 +20,7 @@ from reshard.mapping import ACTIVATIONS, BIAS_GROUPS, Family, with_defaults
 from reshard.mapping.schema import MULTIPLIER_KEYS
 
 #: The decoder's activation names -> the hidden_act transformers spells them with.
-HIDDEN_ACT = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
+HIDDEN_ACT = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu", "relu2": "relu2"}
 
 
 #: transformers 5's per-layer-type RoPE (Gemma 3): ``rope_parameters`` = {layer type: parameters}.
@@ -274,7 +274,8 @@ def write_config(meaning: ModelConfig, base: dict | None, family: Family, loss: 
         per_type = isinstance(params, dict) and bool(params) and set(params) <= set(LAYER_TYPES)
         if per_type:
             c["rope_parameters"] = dict(params.get("full_attention") or {})
-        _write_rope(c, meaning, spelling.rotary_fraction, loss)
+        _write_rope(c, meaning, spelling.rotary_fraction, loss,
+                    float(dict(spelling.defaults).get("partial_rotary_factor", 1.0)))
         _write_local_theta(c, meaning, family, loss, per_type)
     if meaning.residual_post_norm:
         loss.cannot("residual_post_norm", True, "transformers' decoders add the residual before the norm")
@@ -315,7 +316,11 @@ def _write_head_dim(c: dict, meaning: ModelConfig, family: Family, loss: ConfigL
         c[head_key] = meaning.head_dim
 
 
-def _write_rope(c: dict, meaning: ModelConfig, partial_ok: bool, loss: ConfigLoss) -> None:
+def _write_rope(c: dict, meaning: ModelConfig, partial_ok: bool, loss: ConfigLoss,
+                default_fraction: float = 1.0) -> None:
+    """RoPE in ``c``'s spelling; the rotary fraction written when not 1, or always where the architecture's
+    config class defaults to another (Nemotron's 0.5)."""
+    explicit = meaning.rotary_fraction != 1.0 or default_fraction != 1.0
     if meaning.rope_interleaved:
         loss.cannot("rope_interleaved", True, "transformers rotates halves; interleaved pairs would need the q/k "
                     "rows permuted, which reshard does not do yet")
@@ -325,7 +330,7 @@ def _write_rope(c: dict, meaning: ModelConfig, partial_ok: bool, loss: ConfigLos
     if "rope_parameters" in c:  # transformers 5 spelling
         params = {"rope_type": scaling.pop("rope_type", "default"), "rope_theta": meaning.rope_theta,
                   **{k: list(v) if isinstance(v, tuple) else v for k, v in scaling.items()}}
-        if meaning.rotary_fraction != 1.0:
+        if explicit:
             params["partial_rotary_factor"] = meaning.rotary_fraction
         c["rope_parameters"] = params
         for key in ("rope_theta", "rope_scaling", "partial_rotary_factor"):
@@ -338,7 +343,7 @@ def _write_rope(c: dict, meaning: ModelConfig, partial_ok: bool, loss: ConfigLos
         c["rope_scaling"] = {k: list(v) if isinstance(v, tuple) else v for k, v in scaling.items()}
     elif c.get("rope_scaling") is not None:
         c["rope_scaling"] = None
-    if meaning.rotary_fraction != 1.0:
+    if explicit:
         c["partial_rotary_factor"] = meaning.rotary_fraction
     else:
         c.pop("partial_rotary_factor", None)

@@ -29,7 +29,7 @@ UNCARRIED = {
     "activation_func_clamp_value": None,
     "no_rope_freq": None,  # layers without RoPE
     "qk_l2_norm": False,
-    "squared_relu": False,
+    "squared_relu": False,  # carried for an ungated MLP (Nemotron's relu2); with swiglu Megatron-LM asserts
     "quick_geglu": False,
     "moe_router_topk_limited_devices": None,  # device-limited routing (DeepSeek-V2's training-time option)
     "moe_router_fusion": False,
@@ -51,6 +51,8 @@ def meaning_from_args(args, vocab: int, architecture: str | None, where: str) ->
                 else f"normalization {get('normalization')}")
         raise CheckpointError(f"{where}: this Megatron checkpoint uses {what}, which no shipped mapping covers")
     for key, neutral in UNCARRIED.items():
+        if key == "squared_relu" and not get("swiglu", False):
+            continue
         value = get(key, neutral)
         if value is not None and value != neutral:
             raise CheckpointError(f"{where}: args set {key} = {value!r}, which changes what the model computes and "
@@ -87,7 +89,9 @@ def meaning_from_args(args, vocab: int, architecture: str | None, where: str) ->
     qkv_bias = bool(get("add_qkv_bias", False) or get("add_bias_linear", False))
     bias = bool(get("add_bias_linear", False))
     gated = bool(get("swiglu", False))
-    activation = "silu" if gated else "gelu_tanh" if get("bias_gelu_fusion", True) and bias else "gelu"
+    squared_relu = bool(get("squared_relu", False)) and not gated  # Nemotron's relu2 (ungated)
+    activation = ("silu" if gated else "relu2" if squared_relu
+                  else "gelu_tanh" if get("bias_gelu_fusion", True) and bias else "gelu")
     learned, qk_norm = position == "learned_absolute", bool(get("qk_layernorm", False)) and not mla
     if architecture is None and mla:
         architecture = ("DeepseekV3ForCausalLM" if get("moe_router_score_function", "softmax") == "sigmoid"
@@ -95,6 +99,8 @@ def meaning_from_args(args, vocab: int, architecture: str | None, where: str) ->
     if architecture is None and get("num_experts"):
         architecture = ("Qwen2MoeForCausalLM" if get("moe_shared_expert_intermediate_size")
                         else "Qwen3MoeForCausalLM" if qk_norm else "MixtralForCausalLM")
+    if architecture is None and squared_relu:
+        architecture = "NemotronForCausalLM"
     if architecture is None:
         architecture = ("GPT2LMHeadModel" if learned else "Qwen3ForCausalLM" if qk_norm
                         else "Starcoder2ForCausalLM" if not gated else "MistralForCausalLM" if window
@@ -324,6 +330,8 @@ def args_from_meaning(meaning: ModelConfig, loss: ConfigLoss) -> dict[str, Any]:
                     "Megatron-Bridge provider for this architecture; stock Megatron-LM would not apply it)")
     if m.gated_mlp and m.activation != "silu":
         values["swiglu"] = False  # no args spell a non-SiLU gated MLP: a stock load fails on fc1's shape, loudly
+    elif not m.gated_mlp and m.activation == "relu2":
+        values["squared_relu"] = True  # Nemotron: megatron-core's squared_relu, ungated
     elif not m.gated_mlp:
         if m.activation == "gelu_tanh" and not m.mlp_bias:
             loss.cannot("activation", m.activation, "megatron-core computes tanh GELU only in its fused bias_gelu, "

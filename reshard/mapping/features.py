@@ -16,8 +16,8 @@ class DecoderFeatures:
     ``norm``: ``rms`` (HF RMSNorm) or ``layer`` (LayerNorm); ``mlp``: ``gated`` (``down(act(gate(x)) * up(x))``)
     or ``plain`` (``down(act(up(x)))``); ``position``: ``rope`` (rotate-half) or ``learned`` (an absolute
     position embedding added to the token embedding); ``activation``: the HF ``hidden_act`` used when the config
-    has none; ``norm_offset``: norm weights are stored as w and applied as 1 + w (Gemma); ``embedding_scaled``: the
-    embedding is multiplied by sqrt(hidden) (Gemma).
+    has none; ``norm_offset``: norm weights are stored as w and applied as 1 + w (Gemma's RMSNorm, Nemotron's
+    LayerNorm1P); ``embedding_scaled``: the embedding is multiplied by sqrt(hidden) (Gemma).
     """
 
     norm: str = "rms"

@@ -65,7 +65,7 @@ DECODER_KEYS = {"norm", "mlp", "position", "activation", "norm_offset", "embeddi
 DECODER_CHOICES = {"norm": ("rms", "layer"), "mlp": ("gated", "plain"), "position": ("rope", "learned")}
 #: HF ``hidden_act`` values -> the decoder's activation (``gelu_tanh``: the tanh approximation of GELU).
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
-               "gelu_new": "gelu_tanh", "relu": "relu"}
+               "gelu_new": "gelu_tanh", "relu": "relu", "relu2": "relu2"}
 
 #: Granite's multipliers ([config] keys naming the config.json key of each; ModelConfig fields of the same name):
 #: embedding times ``embedding_multiplier``, every residual branch times ``residual_multiplier``, the logits divided

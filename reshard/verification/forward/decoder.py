@@ -9,19 +9,20 @@ position embedding (``position = "learned"``, whole on every rank); then per lay
     x = x + down(act(up(n2(x))))                   mlp = "plain"
 
 ``norm``: ``rms`` (HF order: ``weight * (x * rsqrt(mean(x^2) + eps))``) or ``layer`` (LayerNorm, optional bias);
-``act``: silu, gelu, gelu_tanh, relu; ``qn`` / ``kn``: an RMSNorm over each head's ``head_dim`` (``qk_norm``, Qwen3,
-Gemma 3), else identity; ``rope``: identity with learned positions. Gemma: norms apply ``1 + w`` in fp32
-(``norm_offset``), the embedding is times sqrt(hidden), sandwich norms wrap each block's output before the
-residual add (``x = x + norm(attention(...))``), scores are scaled by ``query_scale ** -0.5`` and soft-capped
-(``cap * tanh(s / cap)``, also the logits), sliding layers use ``rope_local_theta``. Granite: the embedding times
-``embedding_multiplier``, each block's output times ``residual_multiplier`` before the residual add, scores times
-``attention_multiplier`` (instead of ``head_dim ** -0.5``), the logits divided by ``logits_scaling``. Column-parallel q/k/v
-(local heads, optional biases), rotate-half RoPE with ``rope_theta`` and ``rope_scaling`` (:mod:`.rope`; partial
-rotary: the first ``rope_dim`` dims of each head rotate, the rest pass), causal attention with GQA (local q head
-j reads local KV head ``j // (local q heads / local KV heads)``) and an optional sliding window; final norm;
-vocab-parallel head whose logits are all-gathered over the padded vocab. Row-parallel biases are added once,
-after the all-reduce. Everything is computed in ``compute_dtype`` (fp32 by default). Weights that the features
-need must be present and weights no feature uses must be absent (:func:`check_features`).
+``act``: silu, gelu, gelu_tanh, relu, relu2 (relu squared); ``qn`` / ``kn``: an RMSNorm over each head's
+``head_dim`` (``qk_norm``, Qwen3, Gemma 3), else identity; ``rope``: identity with learned positions. Gemma: norms
+apply ``1 + w`` in fp32 (``norm_offset``; for a LayerNorm, Nemotron's LayerNorm1P, ``F.layer_norm`` with ``1 + w``),
+the embedding is times sqrt(hidden), sandwich norms wrap each block's output before the residual add (``x = x +
+norm(attention(...))``), scores are scaled by ``query_scale ** -0.5`` and soft-capped (``cap * tanh(s / cap)``, also
+the logits), sliding layers use ``rope_local_theta``. Granite: the embedding times ``embedding_multiplier``, each
+block's output times ``residual_multiplier`` before the residual add, scores times ``attention_multiplier`` (instead
+of ``head_dim ** -0.5``), the logits divided by ``logits_scaling``. Column-parallel q/k/v (local heads, optional
+biases), rotate-half RoPE with ``rope_theta`` and ``rope_scaling`` (:mod:`.rope`; partial rotary: the first
+``rope_dim`` dims of each head rotate, the rest pass), causal attention with GQA (local q head j reads local KV head
+``j // (local q heads / local KV heads)``) and an optional sliding window; final norm; vocab-parallel head whose
+logits are all-gathered over the padded vocab. Row-parallel biases are added once, after the all-reduce. Everything
+is computed in ``compute_dtype`` (fp32 by default). Weights that the features need must be present and weights no
+feature uses must be absent (:func:`check_features`).
 
 Multi-head latent attention (DeepSeek-V2 / V3, ``kv_lora_rank > 0``), computed naively as transformers does (not
 absorbed)::
@@ -90,15 +91,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = F
     return weight * h.to(dtype)
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
-    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+               offset: bool = False) -> torch.Tensor:
+    """LayerNorm; ``offset`` (Nemotron's LayerNorm1P): the weight applied as ``1 + w``."""
+    return F.layer_norm(x, (x.shape[-1],), weight + 1.0 if offset else weight, bias, eps)
 
 
 def norm(config: DecoderConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The family's norm (``config.norm``) of ``x``."""
     if config.norm == "rms":
         return rms_norm(x, weight, config.eps, config.norm_offset)
-    return layer_norm(x, weight, bias, config.eps)
+    return layer_norm(x, weight, bias, config.eps, config.norm_offset)
 
 
 ACTIVATION_FUNCTIONS = {
@@ -106,6 +109,7 @@ ACTIVATION_FUNCTIONS = {
     "gelu": F.gelu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
+    "relu2": lambda x: torch.square(F.relu(x)),  # transformers' ReLUSquaredActivation (Nemotron)
 }
 
 

@@ -31,7 +31,7 @@ from reshard.mapping import WeightSpec
 #: RoPE scaling types and activations the decoder implements (rope.rope_inv_freq, ACTIVATION_FUNCTIONS): every
 #: type transformers' RoPE of a shipped family takes (its ROPE_INIT_FUNCTIONS less Gemma 4's ``proportional``).
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
-ACTIVATION_NAMES = ("silu", "gelu", "gelu_tanh", "relu")
+ACTIVATION_NAMES = ("silu", "gelu", "gelu_tanh", "relu", "relu2")
 ROUTER_SCORES = ("softmax", "sigmoid")
 #: transformers' Phi3Config default for its top-level ``original_max_position_embeddings`` (which its longrope
 #: uses whatever rope_parameters say, and which reshard's canonical config does not carry).
@@ -57,9 +57,9 @@ class DecoderConfig:
     norm: str = "rms"  # rms | layer
     mlp: str = "gated"  # gated | plain
     position: str = "rope"  # rope | learned
-    activation: str = "silu"  # silu | gelu | gelu_tanh | relu
+    activation: str = "silu"  # silu | gelu | gelu_tanh | relu | relu2 (relu squared, Nemotron)
     qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE
-    norm_offset: bool = False  # norms apply 1 + w (Gemma)
+    norm_offset: bool = False  # norms apply 1 + w (Gemma's RMSNorm, Nemotron's LayerNorm1P)
     embedding_scaled: bool = False  # embedding times sqrt(hidden) (Gemma)
     sandwich_norm: bool = False  # norms on the attention and MLP outputs (Gemma 2 / 3)
     attn_softcap: float | None = None
