@@ -1,0 +1,135 @@
+"""Llama 4 text (``Llama4ForCausalLM``, ``model_type llama4_text``): the per-layer rules a Llama 4 mapping needs,
+read from its ``config.json`` (../shared/layouts/families-2.md section 3), the vLLM q/k row permutation (3.3) and
+the section 17 refusals. Building blocks: not yet wired to a mapping file (issue 44 item 5).
+
+- MoE layers: an explicit ``moe_layers`` list, else ``range(s - 1, L, s)`` for ``s = interleave_moe_layer_step``.
+- RoPE layers: ``no_rope_layers[i] == 1`` (1 = RoPE, 0 = NoPE), else every ``no_rope_layer_interval``-th layer
+  (1-based) is NoPE. The per-head weightless L2 q/k norm (``use_qk_norm``) and chunked attention act on RoPE layers
+  only; temperature tuning (``attn_temperature_tuning``) on NoPE layers only.
+- vLLM permutes q/k rows at load from interleaved (Meta, HF) to rotate-half order (``permute_qk_weight_for_rotary``:
+  per head ``view(n, d/2, 2, in).transpose(1, 2)``); its stored ``qkv_proj`` rows are the permuted ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from ..errors import PlanError
+
+
+def text_config(config: Mapping) -> Mapping:
+    """The text model's settings: ``text_config`` of a multimodal ``Llama4ForConditionalGeneration`` config (its
+    text tensors are prefixed ``language_model.``), else the config itself."""
+    nested = config.get("text_config")
+    return nested if isinstance(nested, Mapping) and "num_hidden_layers" in nested else config
+
+
+def _layers(config: Mapping) -> int:
+    return int(config["num_hidden_layers"])
+
+
+def moe_layers(config: Mapping) -> tuple[int, ...]:
+    """The layers whose feed-forward is the MoE (transformers' ``Llama4TextConfig``)."""
+    explicit = config.get("moe_layers")
+    if explicit is not None:
+        return tuple(int(i) for i in explicit)
+    step = int(config.get("interleave_moe_layer_step", 1) or 1)
+    return tuple(range(step - 1, _layers(config), step))
+
+
+def rope_layers(config: Mapping) -> tuple[bool, ...]:
+    """Per layer, True where RoPE is applied (False: a NoPE layer)."""
+    flags = config.get("no_rope_layers")
+    if flags:
+        if len(flags) != _layers(config):
+            raise PlanError(f"no_rope_layers has {len(flags)} entries for {_layers(config)} layers")
+        return tuple(bool(int(x)) for x in flags)
+    interval = int(config.get("no_rope_layer_interval", 4) or 4)
+    return tuple(bool((i + 1) % interval) for i in range(_layers(config)))
+
+
+def megatron_no_rope_freq(config: Mapping) -> list[int]:
+    """megatron-core's ``no_rope_freq`` as a list (1 = skip RoPE on that layer)."""
+    return [0 if rope else 1 for rope in rope_layers(config)]
+
+
+def megatron_moe_layer_freq(config: Mapping) -> list[int]:
+    """megatron-core's ``moe_layer_freq`` as a list: its int form means ``i % N == 0``, the opposite phase of
+    HF's ``(i + 1) % s == 0``, so it is never written as an int."""
+    sparse = set(moe_layers(config))
+    return [1 if i in sparse else 0 for i in range(_layers(config))]
+
+
+def chunked_layers(config: Mapping) -> tuple[bool, ...]:
+    """Per layer, True where attention is chunked (``layer_types`` when given, else the RoPE layers while
+    ``attention_chunk_size`` is set)."""
+    types = config.get("layer_types")
+    if types:
+        return tuple(t == "chunked_attention" for t in types)
+    if not config.get("attention_chunk_size"):
+        return tuple(False for _ in range(_layers(config)))
+    return rope_layers(config)
+
+
+def megatron_exact_length(config: Mapping) -> int | None:
+    """The longest sequence megatron-core 0.16.1 computes the same as transformers: below the attention chunk
+    (chunked layers) and below ``floor_scale`` (temperature tuning is the identity while ``pos + 1 < floor_scale``);
+    None when neither feature is active."""
+    limits = []
+    if any(chunked_layers(config)) and config.get("attention_chunk_size"):
+        limits.append(int(config["attention_chunk_size"]))
+    if config.get("attn_temperature_tuning") and not all(rope_layers(config)):
+        limits.append(int(config.get("floor_scale", 8192)) - 1)
+    return min(limits) if limits else None
+
+
+def check_megatron(config: Mapping, max_seq: int | None) -> None:
+    """Section 17: refuse a Megatron target unless ``max_seq`` (default ``max_position_embeddings``) is at most
+    what megatron-core computes the same."""
+    limit = megatron_exact_length(config)
+    if limit is None:
+        return
+    n = max_seq if max_seq is not None else config.get("max_position_embeddings")
+    if n is not None and int(n) <= limit:
+        return
+    chunk = config.get("attention_chunk_size")
+    floor = config.get("floor_scale", 8192)
+    raise PlanError(f"Llama 4 uses chunked attention (chunk {chunk}) and attention temperature tuning (floor "
+                    f"{floor}); megatron-core 0.16.1 has neither, so the converted model matches only on sequences "
+                    f"shorter than {limit + 1} tokens. Pass --max-seq {limit} to accept that.")
+
+
+def check_vllm(config: Mapping) -> None:
+    """Section 17: vLLM 0.32 places MoE layers by ``interleave_moe_layer_step`` only."""
+    explicit = config.get("moe_layers")
+    if explicit is None:
+        return
+    step = int(config.get("interleave_moe_layer_step", 1) or 1)
+    if tuple(int(i) for i in explicit) != tuple(range(step - 1, _layers(config), step)):
+        raise PlanError("vLLM 0.32 places Llama 4 MoE layers by interleave_moe_layer_step only and ignores "
+                        f"moe_layers={list(explicit)}.")
+
+
+def vllm_qk_permute(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """HF (interleaved-pair) q or k rows ``[n * d, ...]`` to vLLM's rotate-half order: row ``2i + j`` of a head
+    becomes row ``j * d/2 + i`` (vLLM's ``permute_qk_weight_for_rotary``)."""
+    rest = w.shape[1:]
+    return w.reshape(-1, head_dim // 2, 2, *rest).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def vllm_qk_unpermute(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The inverse of :func:`vllm_qk_permute` (reading vLLM back)."""
+    rest = w.shape[1:]
+    return w.reshape(-1, 2, head_dim // 2, *rest).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def layer_flags(config: Mapping) -> Sequence[dict]:
+    """Per layer: ``rope``, ``qk_norm``, ``chunk`` (size or None), ``temperature`` (bool), ``moe``."""
+    rope, chunked, sparse = rope_layers(config), chunked_layers(config), set(moe_layers(config))
+    chunk = config.get("attention_chunk_size")
+    return [{"rope": rope[i], "qk_norm": bool(config.get("use_qk_norm")) and rope[i],
+             "chunk": int(chunk) if chunked[i] and chunk else None,
+             "temperature": bool(config.get("attn_temperature_tuning")) and not rope[i], "moe": i in sparse}
+            for i in range(_layers(config))]
