@@ -130,16 +130,20 @@ def note(view: Mxfp4View, dtype: str) -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def _lut():
-    import torch
+def _pairs():
+    """Each byte's two fp32 values (low nibble first) as one uint64: one ``np.take`` decodes a whole block row."""
+    import numpy as np
 
-    return torch.tensor(LUT, dtype=torch.float32)
+    lut = np.array(LUT, np.float32)
+    codes = np.arange(256)
+    return np.ascontiguousarray(np.stack([lut[codes & 0x0F], lut[codes >> 4]], axis=1)).view(np.uint64).reshape(-1)
 
 
 def dequantize(blocks, scales, dtype=None, out=None):
     """``[.., R, G, 16]`` uint8 blocks and ``[.., R, G]`` uint8 scales -> ``[.., R, 32 G]`` (the release's
-    ``[out, in]`` order) in ``dtype`` (default bf16), or into ``out`` (any layout, e.g. a transposed view): fp32
-    products, ``CHUNK_ELEMENTS`` at a time, then one cast each."""
+    ``[out, in]`` order) in ``dtype`` (default bf16), or into ``out`` (contiguous, or one expert's transposed
+    ``[R, C]`` view): fp32 products, ``CHUNK_ELEMENTS`` at a time, then one cast each."""
+    import numpy as np
     import torch
 
     if tuple(scales.shape) != tuple(blocks.shape[:-1]):
@@ -148,23 +152,26 @@ def dequantize(blocks, scales, dtype=None, out=None):
     cols = g * 2 * nb
     if out is None:
         out = torch.empty((*prefix, cols), dtype=dtype or torch.bfloat16)
-    flat_b = blocks.reshape(-1, g, nb)
-    flat_s = scales.reshape(-1, g)
+    codes = blocks.reshape(-1, g * nb).contiguous().numpy()
+    exps = scales.reshape(-1, g).to(torch.int32) - 127
     flat_o = out.view(-1, cols) if out.is_contiguous() else None
-    rows = flat_b.shape[0]
+    rows = codes.shape[0]
     step = max(1, CHUNK_ELEMENTS // max(1, cols))
-    lut = _lut()
+    scratch = torch.empty((min(rows, step), cols), dtype=torch.float32)
+    table = _pairs()
     for a in range(0, rows, step):
         b = min(rows, a + step)
-        blk = flat_b[a:b].to(torch.uint8).long()
-        vals = torch.stack((lut[blk & 0x0F], lut[blk >> 4]), dim=-1).reshape(b - a, g, 2 * nb)
-        # x * 2^(s - 127) by torch.ldexp, as transformers does (scale 255 stays finite where 0.5 * 2^128 is)
-        torch.ldexp(vals, (flat_s[a:b].to(torch.int32) - 127).unsqueeze(-1), out=vals)
-        vals = vals.reshape(b - a, cols)
+        vals = scratch[:b - a]
+        np.take(table, codes[a:b], out=vals.numpy().view(np.uint64), mode="clip")  # every byte is in range
+        e = exps[a:b]
+        if int(e.max()) < 128:  # 2^e is a finite fp32: one exact multiply per value, as torch.ldexp computes
+            vals.view(b - a, g, 2 * nb).mul_(torch.ldexp(torch.ones(e.shape), e).unsqueeze(-1))
+        else:  # scale 255: torch.ldexp keeps 0.5 * 2^128 finite, as transformers' converter does
+            torch.ldexp(vals.view(b - a, g, 2 * nb), e.unsqueeze(-1), out=vals.view(b - a, g, 2 * nb))
         if flat_o is not None:
             flat_o[a:b].copy_(vals)
         else:
-            _rows_of(out, a, b).copy_(vals)
+            _rows_of(out, a, b).copy_(vals.to(out.dtype))
     return out
 
 
