@@ -84,6 +84,18 @@ def test_multimodal_text_config(active):
     assert R.text_config(text) is text
 
 
+def test_megatron_config_accepted_by_megatron_core(active):
+    """The keywords are section 3.2's table and megatron-core 0.16.1's TransformerConfig validates them."""
+    mc = pytest.importorskip("megatron.core.transformer.transformer_config")
+    kw, l2 = R.megatron_config(config_dict(active))
+    assert kw["no_rope_freq"] == [0, 0, 0, 1] and kw["moe_layer_freq"] == [0, 1, 0, 1]
+    assert kw["ffn_hidden_size"] == 96 and kw["moe_ffn_hidden_size"] == kw["moe_shared_expert_intermediate_size"] == 48
+    assert kw["rotary_interleaved"] and kw["moe_apply_probs_on_input"] and kw["moe_router_topk"] == 1
+    assert l2 == [True, True, True, False]
+    cfg = mc.TransformerConfig(**kw, use_cpu_initialization=True)
+    assert cfg.moe_layer_freq == [0, 1, 0, 1] and cfg.no_rope_freq == [0, 0, 0, 1]
+
+
 # ---- section 17 refusals --------------------------------------------------------------------------------------
 
 def test_megatron_refusal(active, short):

@@ -133,3 +133,24 @@ def layer_flags(config: Mapping) -> Sequence[dict]:
              "chunk": int(chunk) if chunked[i] and chunk else None,
              "temperature": bool(config.get("attn_temperature_tuning")) and not rope[i], "moe": i in sparse}
             for i in range(_layers(config))]
+
+
+def megatron_config(config: Mapping) -> tuple[dict, list[bool]]:
+    """megatron-core 0.16.1 ``TransformerConfig`` keywords for the Llama 4 text model (families-2.md section 3.2)
+    and, per layer, whether its spec puts ``L2Norm`` on q and k (megatron-core's ``qk_l2_norm`` switch covers every
+    layer, so the layer spec is built per layer: ``L2Norm`` on RoPE layers, ``IdentityOp`` on NoPE layers)."""
+    c = text_config(config)
+    nh = int(c["num_attention_heads"])
+    kw = {
+        "num_layers": _layers(c), "hidden_size": int(c["hidden_size"]), "num_attention_heads": nh,
+        "num_query_groups": int(c.get("num_key_value_heads") or nh),
+        "kv_channels": int(c.get("head_dim") or int(c["hidden_size"]) // nh),
+        "ffn_hidden_size": int(c["intermediate_size_mlp"]), "normalization": "RMSNorm",
+        "layernorm_epsilon": float(c.get("rms_norm_eps", 1e-5)), "gated_linear_unit": True,
+        "add_bias_linear": bool(c.get("attention_bias", False)), "rotary_interleaved": True,
+        "no_rope_freq": megatron_no_rope_freq(c), "moe_layer_freq": megatron_moe_layer_freq(c),
+        "num_moe_experts": int(c["num_local_experts"]), "moe_ffn_hidden_size": int(c["intermediate_size"]),
+        "moe_router_topk": int(c.get("num_experts_per_tok", 1)), "moe_router_score_function": "sigmoid",
+        "moe_apply_probs_on_input": True, "moe_shared_expert_intermediate_size": int(c["intermediate_size"]),
+    }
+    return kw, [flags["qk_norm"] for flags in layer_flags(c)]
