@@ -142,6 +142,19 @@ def _reap_strays(keep: set[int]) -> list[int]:
     return killed
 
 
+def init_expert_parallel(tp: int, ep: int, etp: int) -> None:
+    """megatron-core's model-parallel state at TP ``tp``, EP ``ep``, expert-TP ``etp`` (PP 1) on CPU: the MoE
+    module's missing Transformer Engine GEMM set to None, the inference RNG tracker instead of the CUDA seed."""
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+                                             expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True)
+
+
 def _cpu_shims() -> None:
     if torch.cuda.is_available():
         return

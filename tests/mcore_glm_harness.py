@@ -33,6 +33,7 @@ from mcore_dist_harness import (  # noqa: E402
     _cpu_shims,
     _die_with_parent,
     _reap_strays,
+    init_expert_parallel,
     read_common,
     spawn_and_join,
 )
@@ -129,15 +130,9 @@ def worker(local_rank: int, cli, init_method: str) -> None:
     _cpu_shims()
     dist.init_process_group(backend="gloo", init_method=init_method, rank=local_rank, world_size=cli.world)
     try:
-        from megatron.core import parallel_state, tensor_parallel
-        from megatron.core.transformer.moe import moe_utils
+        from megatron.core import parallel_state
 
-        if not hasattr(moe_utils, "te_general_gemm"):
-            moe_utils.te_general_gemm = None
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=cli.tp, pipeline_model_parallel_size=1,
-                                                 expert_model_parallel_size=cli.ep,
-                                                 expert_tensor_parallel_size=cli.etp)
-        tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True)
+        init_expert_parallel(cli.tp, cli.ep, cli.etp)
         input_ids = torch.load(cli.ids, map_location="cpu", weights_only=True).long()
         for ckpt, out in zip(cli.pairs[::2], cli.pairs[1::2]):
             load_one(cli, ckpt, out, input_ids)

@@ -62,7 +62,8 @@ os.environ["TORCHDYNAMO_DISABLE"] = "1"
 torch = prepare_cpu()
 import torch.nn.functional as F  # noqa: E402
 
-from mcore_dist_harness import _cpu_shims, _die_with_parent, _reap_strays, read_common, spawn_and_join  # noqa: E402,E501
+from mcore_dist_harness import (  # noqa: E402
+    _cpu_shims, _die_with_parent, _reap_strays, init_expert_parallel, read_common, spawn_and_join)
 
 ITERATION = 7
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -379,18 +380,11 @@ def worker(local_rank: int, cli, init_method: str) -> None:
     dist.init_process_group(backend="gloo", init_method=init_method, rank=local_rank, world_size=cli.world)
     try:
         import megatron.core.transformer.multi_latent_attention as mla
-        from megatron.core import parallel_state, tensor_parallel
-        from megatron.core.transformer.moe import moe_utils
-
-        if not hasattr(moe_utils, "te_general_gemm"):
-            moe_utils.te_general_gemm = None
+        from megatron.core import parallel_state
         # Without Transformer Engine its extension module still exports MagicMock placeholders, so MLA's
         # isinstance(linear_proj, TELinear) would raise: tell MLA there is no TE.
         mla.HAVE_TE = False
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=cli.tp, pipeline_model_parallel_size=1,
-                                                 expert_model_parallel_size=cli.ep,
-                                                 expert_tensor_parallel_size=cli.etp)
-        tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True)
+        init_expert_parallel(cli.tp, cli.ep, cli.etp)
         (run_save if cli.command == "save" else run_load)(cli)
         parallel_state.destroy_model_parallel()
     finally:

@@ -617,22 +617,16 @@ def run_dist_load(dist, cli: argparse.Namespace) -> None:
 def dist_worker(local_rank: int, cli: argparse.Namespace, init_method: str) -> None:
     import torch.distributed as dist
 
-    from mcore_dist_harness import _cpu_shims, _die_with_parent
+    from mcore_dist_harness import _cpu_shims, _die_with_parent, init_expert_parallel
 
     _die_with_parent()
     _cpu_shims()
     world = cli.tp * cli.ep if cli.etp == cli.tp else cli.tp
     dist.init_process_group(backend="gloo", init_method=init_method, rank=local_rank, world_size=world)
     try:
-        from megatron.core import parallel_state, tensor_parallel
-        from megatron.core.transformer.moe import moe_utils
+        from megatron.core import parallel_state
 
-        if not hasattr(moe_utils, "te_general_gemm"):
-            moe_utils.te_general_gemm = None
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=cli.tp, pipeline_model_parallel_size=1,
-                                                 expert_model_parallel_size=cli.ep,
-                                                 expert_tensor_parallel_size=cli.etp)
-        tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True)
+        init_expert_parallel(cli.tp, cli.ep, cli.etp)
         (run_dist_save if cli.command == "dist-save" else run_dist_load)(dist, cli)
         parallel_state.destroy_model_parallel()
     finally:
