@@ -357,6 +357,9 @@ def _write_local_theta(c: dict, meaning: ModelConfig, family: Family, loss: Conf
     if key is None:
         if meaning.rope_local_theta is not None:
             loss.cannot("rope_local_theta", meaning.rope_local_theta, f"{meaning.architecture} has one RoPE base")
+        elif per_type:  # OLMo 3: per-layer-type rope_parameters with one base, kept per type
+            c["rope_parameters"] = {"full_attention": c["rope_parameters"],
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": local}}
         return
     if per_type:
         c["rope_parameters"] = {"full_attention": c["rope_parameters"],

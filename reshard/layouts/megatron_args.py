@@ -303,6 +303,18 @@ def _granite_multipliers(m: ModelConfig, loss: ConfigLoss) -> None:
             loss.cannot(field, value, "megatron-core has no such multiplier")
 
 
+OLMO_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
+
+
+def _olmo_qk_norm(m: ModelConfig) -> None:
+    """OLMo 2 / 3's q/k RMSNorms span the whole projection; megatron-core's are per head (families-2.md section 6):
+    refused with section 17's message."""
+    if m.architecture in OLMO_ARCHITECTURES:
+        raise PlanError(f"OLMo 2/3 normalises q and k over the whole projection (q_norm [{m.heads * m.head_dim}] "
+                        "across all heads); megatron-core's q_layernorm/k_layernorm are per head, so Megatron cannot "
+                        "express it. Convert to hf or vllm.")
+
+
 def args_from_meaning(meaning: ModelConfig, loss: ConfigLoss) -> dict[str, Any]:
     """The args fields that spell ``meaning``; what args cannot spell goes to ``loss``."""
     m = meaning
@@ -320,6 +332,7 @@ def args_from_meaning(meaning: ModelConfig, loss: ConfigLoss) -> dict[str, Any]:
     )
     if m.norm not in ("rms", "layer"):
         loss.cannot("norm", m.norm, "Megatron-LM's args spell RMSNorm and LayerNorm")
+    _olmo_qk_norm(m)
     _granite_multipliers(m, loss)
     values.update(_moe_args(m, loss))
     values.update(_mla_args(m), mtp_num_layers=m.mtp_layers or None)

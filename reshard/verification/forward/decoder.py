@@ -16,13 +16,14 @@ the embedding is times sqrt(hidden), sandwich norms wrap each block's output bef
 norm(attention(...))``), scores are scaled by ``query_scale ** -0.5`` and soft-capped (``cap * tanh(s / cap)``, also
 the logits), sliding layers use ``rope_local_theta``. Granite: the embedding times ``embedding_multiplier``, each
 block's output times ``residual_multiplier`` before the residual add, scores times ``attention_multiplier`` (instead
-of ``head_dim ** -0.5``), the logits divided by ``logits_scaling``. Column-parallel q/k/v (local heads, optional
-biases), rotate-half RoPE with ``rope_theta`` and ``rope_scaling`` (:mod:`.rope`; partial rotary: the first
-``rope_dim`` dims of each head rotate, the rest pass), causal attention with GQA (local q head j reads local KV head
-``j // (local q heads / local KV heads)``) and an optional sliding window; final norm; vocab-parallel head whose
-logits are all-gathered over the padded vocab. Row-parallel biases are added once, after the all-reduce. Everything
-is computed in ``compute_dtype`` (fp32 by default). Weights that the features need must be present and weights no
-feature uses must be absent (:func:`check_features`).
+of ``head_dim ** -0.5``), the logits divided by ``logits_scaling``. OLMo 2 / 3: post-norm blocks (no
+pre-norms, only the output norms), q / k RMSNorm over the whole projection (sum of squares all-reduced over TP).
+Column-parallel q/k/v (local heads, optional biases), rotate-half RoPE with ``rope_theta`` and ``rope_scaling``
+(:mod:`.rope`; partial rotary: the first ``rope_dim`` dims of each head rotate, the rest pass), causal attention
+with GQA (local q head j reads local KV head ``j // (local q heads / local KV heads)``) and an optional sliding
+window; final norm; vocab-parallel head whose logits are all-gathered over the padded vocab. Row-parallel biases are
+added once, after the all-reduce. Everything is computed in ``compute_dtype`` (fp32 by default). Weights that the
+features need must be present and weights no feature uses must be absent (:func:`check_features`).
 
 Multi-head latent attention (DeepSeek-V2 / V3, ``kv_lora_rank > 0``), computed naively as transformers does (not
 absorbed)::
@@ -89,6 +90,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = F
     if offset:
         return (h * (1.0 + weight.float())).to(dtype)
     return weight * h.to(dtype)
+
+
+def projection_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, tp: TPGroup) -> torch.Tensor:
+    """OLMo 2 / 3's q / k RMSNorm over the whole projection (all heads together, before the head split), weight
+    multiplied in fp32 before the cast (``Olmo2RMSNorm``). ``weight`` is the whole ``[heads * head_dim]`` norm (vLLM
+    keeps it whole on every rank); a rank holding a block of the heads takes its slice of the weight and the sum of
+    squares is all-reduced over the group, so the mean is over the whole projection."""
+    dtype, width, total = x.dtype, x.shape[-1], weight.numel()
+    h = x.to(torch.float32)
+    if width == total:
+        return (weight.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))).to(dtype)
+    if tp.size * width != total:
+        raise ReshardError(f"a whole-projection q/k norm of {total} over {tp.size} ranks holding {width} each")
+    rank = dist.get_rank(group=tp.group)
+    square_sum = tp.all_reduce(h.pow(2).sum(-1, keepdim=True))
+    h = h * torch.rsqrt(square_sum / total + eps)
+    return (weight[rank * width:(rank + 1) * width].float() * h).to(dtype)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
@@ -176,9 +194,14 @@ def attention(x: torch.Tensor, w: LayerWeights, config: DecoderConfig, cos, sin,
         return mla_attention(x, w, config, cos, sin, mask, tp)
     b, s, _ = x.shape
     d = config.head_dim
-    q = _linear(x, w.q, w.q_bias).view(b, s, -1, d)
-    k = _linear(x, w.k, w.k_bias).view(b, s, -1, d)
-    if config.qk_norm:
+    q = _linear(x, w.q, w.q_bias)
+    k = _linear(x, w.k, w.k_bias)
+    whole = config.qk_norm and w.q_norm.numel() != d  # OLMo 2 / 3: q_norm [heads * d] over the whole projection
+    if whole:
+        q = projection_rms_norm(q, w.q_norm, config.eps, tp)
+        k = projection_rms_norm(k, w.k_norm, config.eps, tp)
+    q, k = q.view(b, s, -1, d), k.view(b, s, -1, d)
+    if config.qk_norm and not whole:
         q = rms_norm(q, w.q_norm, config.eps, config.norm_offset)
         k = rms_norm(k, w.k_norm, config.eps, config.norm_offset)
     q, k = q.transpose(1, 2), k.transpose(1, 2)
@@ -335,7 +358,9 @@ def check_layer(config: DecoderConfig, i: int, layer: LayerWeights) -> None:
         if foreign:
             raise ReshardError(f"layer {i}: the checkpoint holds latent-attention weight {foreign[0]}, but the config "
                                "has no kv_lora_rank")
-    needed = ("input_norm", "post_norm") + attention_roles + (() if layer.router is not None else ("up", "down"))
+    post_norm_block = config.sandwich_norm and layer.input_norm is None and layer.post_norm is None  # OLMo 2 / 3
+    needed = ((() if post_norm_block else ("input_norm", "post_norm")) + attention_roles
+              + (() if layer.router is not None else ("up", "down")))
     missing = [n for n in needed if getattr(layer, n) is None]
     if missing:
         raise ReshardError(f"layer {i}: the checkpoint has no {missing[0]} weight (a mapping without decoder roles?)")
@@ -395,17 +420,24 @@ def _residual(config: DecoderConfig, h: torch.Tensor) -> torch.Tensor:
     return h * config.residual_multiplier if config.residual_multiplier != 1.0 else h
 
 
+def _pre_norm(config: DecoderConfig, x: torch.Tensor, weight: torch.Tensor | None,
+              bias: torch.Tensor | None) -> torch.Tensor:
+    """A block's input norm; none (identity) in OLMo 2 / 3's post-norm blocks, which hold only output norms
+    (:func:`check_layer` allows a missing pre-norm only with sandwich norms)."""
+    return x if weight is None else norm(config, x, weight, bias)
+
+
 def decoder_layer(config: DecoderConfig, i: int, layer: LayerWeights, x: torch.Tensor, inputs: LayerInputs,
                   tp: TPGroup, states: list | None) -> torch.Tensor:
     """Layer ``i``'s attention and MLP blocks on ``x``; appends the hidden state after each to ``states``."""
     sliding = i in config.window_layers
     cos, sin = inputs.local_rope if sliding else inputs.rope
-    h = attention(norm(config, x, layer.input_norm, layer.input_norm_bias), layer, config, cos, sin,
+    h = attention(_pre_norm(config, x, layer.input_norm, layer.input_norm_bias), layer, config, cos, sin,
                   inputs.windowed if sliding else inputs.full, tp)
     x = x + _residual(config, norm(config, h, layer.attn_output_norm, None) if config.sandwich_norm else h)
     if states is not None:
         states.append((f"layer {i} attention", x.detach().cpu()))
-    h = mlp(norm(config, x, layer.post_norm, layer.post_norm_bias), layer, config, tp)
+    h = mlp(_pre_norm(config, x, layer.post_norm, layer.post_norm_bias), layer, config, tp)
     x = x + _residual(config, norm(config, h, layer.mlp_output_norm, None) if config.sandwich_norm else h)
     if states is not None:
         states.append((f"layer {i} mlp", x.detach().cpu()))
