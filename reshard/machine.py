@@ -5,7 +5,8 @@ lanes; a converting one mostly waits on the disk and the kernel's copies, so one
 only add competing read streams), the memory available now (a
 process is bounded at 512 MiB: one is allowed per GiB, leaving the rest to the page cache), and the bytes (a
 process that would get less than ``min_bytes`` costs more to start than it saves). The choice comes with a
-phrase saying why, which reports and ``--json`` carry.
+phrase naming the limits that bound it (only those: a report stays the same while the memory available drifts),
+which reports and ``--json`` carry.
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ def choose_workers(nbytes: int, min_bytes: int, cores_per_process: int = 1, core
     by_memory = by_cores if available is None else max(1, available // MEMORY_PER_PROCESS)
     by_bytes = max(1, nbytes // max(1, min_bytes))
     chosen = max(1, min(by_cores, by_memory, by_bytes))
-    limits = [f"{cores} core{'s' if cores != 1 else ''}"]
-    if available is not None:
-        limits.append(f"{available / 2**30:.0f} GiB available")
-    limits.append(f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB")
-    return chosen, f"{chosen} process{'es' if chosen > 1 else ''} chosen for {', '.join(limits)}"
+    size = f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"
+    limits = [(by_cores, f"{cores} core{'s' if cores != 1 else ''}"),
+              (by_memory if available is not None else None, f"{(available or 0) / 2**30:.0f} GiB available"),
+              (by_bytes, f"{size} to process")]
+    binding = [phrase for value, phrase in limits if value == chosen] or [limits[0][1]]  # the limits that bind
+    return chosen, f"{chosen} process{'es' if chosen > 1 else ''} chosen for {' and '.join(binding)}"
