@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from reshard.errors import CheckpointError
-from reshard.io.tensorfile import TensorFile
+from reshard.io.tensorfile import TensorFile, WrappedFile
 
 SCALE_SUFFIX = "_scale_inv"
 FP8 = "F8_E4M3"
@@ -156,26 +156,13 @@ def wrap(files: list[TensorFile], view: Fp8View) -> list[TensorFile]:
     return out
 
 
-class Fp8File(TensorFile):
+class Fp8File(WrappedFile):
     """A source file whose FP8 weights read as their dequantised values (:meth:`read`); its other tensors, and the
     locations of all (the fp8 bytes), are the file's own. The reads go through ``base`` (safetensors or torch)."""
 
     def __init__(self, base: TensorFile, quantized: dict[str, Quantized], files: list[TensorFile]):
-        super().__init__(base.path, base.tensors)
-        self.base, self.quantized, self.files = base, quantized, files
-        self.format = base.format
-
-    @property
-    def fd(self) -> int:
-        return self.base.fd
-
-    def close(self) -> None:
-        self.base.close()
-
-    def __getattr__(self, name):  # the base file's own attributes (safetensors metadata)
-        if name == "base":
-            raise AttributeError(name)
-        return getattr(self.base, name)
+        super().__init__(base, base.tensors)
+        self.quantized, self.files = quantized, files
 
     def read(self, name: str, axis: int = 0, start: int = 0, length: int | None = None,
              rows: tuple[int, int] | None = None, dtype: str | None = None, allow_overflow: bool = True):

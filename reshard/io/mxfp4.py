@@ -25,7 +25,7 @@ import functools
 from dataclasses import dataclass
 
 from reshard.errors import CheckpointError
-from reshard.io.tensorfile import TensorFile, TensorLocation
+from reshard.io.tensorfile import TensorFile, TensorLocation, WrappedFile
 
 BLOCKS_SUFFIX = "_blocks"
 SCALES_SUFFIX = "_scales"
@@ -193,7 +193,7 @@ def hf_form(blocks, scales, dtype=None):
     return out
 
 
-class Mxfp4File(TensorFile):
+class Mxfp4File(WrappedFile):
     """A source file whose MXFP4 tensors read under their own names (``<name>``, ``BF16`` ``[E, C, R]``) as their
     dequantised Hugging Face form, one expert at a time; its other tensors are the file's own. The ``_blocks`` /
     ``_scales`` may live in any of the source's ``files``."""
@@ -204,21 +204,8 @@ class Mxfp4File(TensorFile):
         tensors = {n: t for n, t in base.tensors.items()}
         for name, p in packed.items():
             tensors[name] = TensorLocation(dtype, p.shape, -1)
-        super().__init__(base.path, tensors)
-        self.base, self.packed, self.files, self.dtype = base, packed, files, dtype
-        self.format = base.format
-
-    @property
-    def fd(self) -> int:
-        return self.base.fd
-
-    def close(self) -> None:
-        self.base.close()
-
-    def __getattr__(self, name):  # the base file's own attributes (safetensors metadata)
-        if name == "base":
-            raise AttributeError(name)
-        return getattr(self.base, name)
+        super().__init__(base, tensors)
+        self.packed, self.files, self.dtype = packed, files, dtype
 
     def expert(self, name: str, index: int):
         """Expert ``index`` of MXFP4 tensor ``name`` in the HF form ``[C, R]``, dequantised."""

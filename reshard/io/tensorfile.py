@@ -170,3 +170,26 @@ class TensorFile:
         flat = self._read_rows(loc, 1, 0, span) if size else None
         full = torch.as_strided(flat, loc.shape, loc.strides)
         return full.narrow(axis, start, length).contiguous()
+
+
+class WrappedFile(TensorFile):
+    """A source file read through another (``base``: safetensors or torch) whose tensors some reads transform
+    (dequantised FP8, MXFP4): the descriptor, closing and every other attribute (safetensors metadata) are
+    ``base``'s."""
+
+    def __init__(self, base: TensorFile, tensors: dict[str, TensorLocation]):
+        super().__init__(base.path, tensors)
+        self.base = base
+        self.format = base.format
+
+    @property
+    def fd(self) -> int:
+        return self.base.fd
+
+    def close(self) -> None:
+        self.base.close()
+
+    def __getattr__(self, name):
+        if name == "base":  # not set yet (unpickling, a half-built object): no recursion
+            raise AttributeError(name)
+        return getattr(self.base, name)
