@@ -23,7 +23,7 @@ Column-parallel q/k/v (local heads, optional biases), rotate-half RoPE with ``ro
 with GQA (local q head j reads local KV head ``j // (local q heads / local KV heads)``) and an optional sliding
 window; final norm; vocab-parallel head whose logits are all-gathered over the padded vocab. Row-parallel biases are
 added once, after the all-reduce. Everything is computed in ``compute_dtype`` (fp32 by default). Weights that the
-features need must be present and weights no feature uses must be absent (:func:`check_features`).
+features need must be present and weights no feature uses must be absent (:func:`.layer_checks.check_features`).
 
 Multi-head latent attention (DeepSeek-V2 / V3, ``kv_lora_rank > 0``), computed naively as transformers does (not
 absorbed)::
@@ -50,6 +50,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from reshard.errors import ReshardError
+from reshard.verification.forward.layer_checks import ACTIVATION_FUNCTIONS, check_features
 from reshard.verification.forward.rank_weights import DecoderConfig, LayerWeights, RankWeights
 from reshard.verification.forward.rope import apply_rope, mla_softmax_scale, rope_cos_sin, rotate_pairs
 
@@ -120,15 +121,6 @@ def norm(config: DecoderConfig, x: torch.Tensor, weight: torch.Tensor, bias: tor
     if config.norm == "rms":
         return rms_norm(x, weight, config.eps, config.norm_offset)
     return layer_norm(x, weight, bias, config.eps, config.norm_offset)
-
-
-ACTIVATION_FUNCTIONS = {
-    "silu": F.silu,
-    "gelu": F.gelu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-    "relu2": lambda x: torch.square(F.relu(x)),  # transformers' ReLUSquaredActivation (Nemotron)
-}
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -325,65 +317,6 @@ def cast_weights(weights: RankWeights, dtype: torch.dtype, device) -> RankWeight
     return weights
 
 
-def check_ends(config: DecoderConfig, position_embedding: torch.Tensor | None,
-               final_norm_bias: torch.Tensor | None) -> None:
-    """Refuse a decoder the features do not describe, a position embedding exactly with learned positions and a
-    final-norm bias only with LayerNorm."""
-    if config.position not in ("rope", "learned") or config.norm not in ("rms", "layer") \
-            or config.mlp not in ("gated", "plain") or config.activation not in ACTIVATION_FUNCTIONS:
-        raise ReshardError(f"the forward verifier has no decoder for position={config.position}, norm={config.norm},"
-                           f" mlp={config.mlp}, activation={config.activation}")
-    if (position_embedding is None) != (config.position != "learned"):
-        raise ReshardError("learned positions need a position embedding" if config.position == "learned"
-                           else "the checkpoint holds a position embedding, but the model uses RoPE")
-    if config.norm == "rms" and final_norm_bias is not None:
-        raise ReshardError("the final RMSNorm has no bias, but the checkpoint holds one")
-
-
-def check_layer(config: DecoderConfig, i: int, layer: LayerWeights) -> None:
-    """Refuse layer ``i``'s weights where they do not fit the features: every projection present; a gated MLP
-    needs ``gate``, a plain one has none; only LayerNorm has norm biases; q/k norms exactly with ``qk_norm``;
-    sandwich norms exactly with ``sandwich_norm``."""
-    if config.mla:
-        attention_roles = ("kv_a", "kv_a_norm", "kv_b", "o") + (("q_a", "q_a_norm", "q_b") if config.q_lora_rank
-                                                                 else ("q",))
-        foreign = [n for n in ("k", "v") + (("q",) if config.q_lora_rank else ("q_a", "q_a_norm", "q_b"))
-                   if getattr(layer, n) is not None]
-        if foreign:
-            raise ReshardError(f"layer {i}: the checkpoint holds a {foreign[0]} weight, which latent attention "
-                               f"{'with' if config.q_lora_rank else 'without'} q LoRA does not use")
-    else:
-        attention_roles = ("q", "k", "v", "o")
-        foreign = [n for n in ("q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm", "kv_b") if getattr(layer, n) is not None]
-        if foreign:
-            raise ReshardError(f"layer {i}: the checkpoint holds latent-attention weight {foreign[0]}, but the config "
-                               "has no kv_lora_rank")
-    post_norm_block = config.sandwich_norm and layer.input_norm is None and layer.post_norm is None  # OLMo 2 / 3
-    needed = ((() if post_norm_block else ("input_norm", "post_norm")) + attention_roles
-              + (() if layer.router is not None else ("up", "down")))
-    missing = [n for n in needed if getattr(layer, n) is None]
-    if missing:
-        raise ReshardError(f"layer {i}: the checkpoint has no {missing[0]} weight (a mapping without decoder roles?)")
-    if layer.router is None and (layer.gate is None) != (config.mlp == "plain"):
-        raise ReshardError(f"layer {i}: a {config.mlp} MLP " + ("needs a gate projection" if layer.gate is None
-                           else "has no gate projection, but the checkpoint holds one"))
-    if config.norm == "rms" and (layer.input_norm_bias is not None or layer.post_norm_bias is not None):
-        raise ReshardError(f"layer {i}: RMSNorm has no bias, but the checkpoint holds norm biases")
-    if (layer.attn_output_norm is None or layer.mlp_output_norm is None) == config.sandwich_norm:
-        raise ReshardError(f"layer {i}: " + ("sandwich norms need attention- and MLP-output norm weights"
-                           if config.sandwich_norm else "the checkpoint holds output norms the config lacks"))
-    if (layer.q_norm is None or layer.k_norm is None) == config.qk_norm:
-        raise ReshardError(f"layer {i}: " + ("per-head q/k norms need q_norm and k_norm weights" if config.qk_norm
-                           else "the checkpoint holds q/k norms, but the config has none"))
-
-
-def check_features(weights: RankWeights) -> None:
-    """:func:`check_ends` and :func:`check_layer` of every layer."""
-    check_ends(weights.config, weights.position_embedding, weights.final_norm_bias)
-    for i, layer in enumerate(weights.layers):
-        check_layer(weights.config, i, layer)
-
-
 @dataclass
 class LayerInputs:
     """What every layer of one run shares: RoPE tables (global and sliding-window) and attention masks."""
@@ -423,7 +356,7 @@ def _residual(config: DecoderConfig, h: torch.Tensor) -> torch.Tensor:
 def _pre_norm(config: DecoderConfig, x: torch.Tensor, weight: torch.Tensor | None,
               bias: torch.Tensor | None) -> torch.Tensor:
     """A block's input norm; none (identity) in OLMo 2 / 3's post-norm blocks, which hold only output norms
-    (:func:`check_layer` allows a missing pre-norm only with sandwich norms)."""
+    (:func:`.layer_checks.check_layer` allows a missing pre-norm only with sandwich norms)."""
     return x if weight is None else norm(config, x, weight, bias)
 
 

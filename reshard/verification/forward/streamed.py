@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from reshard.verification.forward import decoder
+from reshard.verification.forward import decoder, layer_checks
 from reshard.verification.forward.rank_stream import RankStream
 from reshard.verification.forward.staging import stager_for
 
@@ -117,7 +117,7 @@ def _run(stream: RankStream, ids: torch.Tensor, tp: decoder.TPGroup, dtype: torc
             pending = reader.submit(read_step, stream, names[k + 1], dtype, device) if k + 1 < len(names) else None
             if step == "embedding":
                 table, positions = weights
-                decoder.check_ends(config, positions, None)
+                layer_checks.check_ends(config, positions, None)
                 x = decoder.embed_tokens(config, ids, table, stream.vocab_start, positions, tp)
                 if record:
                     states.append(("embedding", x.detach().cpu()))
@@ -125,11 +125,11 @@ def _run(stream: RankStream, ids: torch.Tensor, tp: decoder.TPGroup, dtype: torc
                 tied_table = table if stream.tied else None
             elif step == "head":
                 final_norm, final_norm_bias, lm_head = weights
-                decoder.check_ends(config, positions, final_norm_bias)
+                layer_checks.check_ends(config, positions, final_norm_bias)
                 head = tied_table if lm_head is None else lm_head
                 out.logits = decoder.final_logits(config, x, final_norm, final_norm_bias, head, tp)
             else:
-                decoder.check_layer(config, k - 1, weights)
+                layer_checks.check_layer(config, k - 1, weights)
                 x = decoder.decoder_layer(config, k - 1, weights, x, inputs, tp, states)
             del weights
             if step == "embedding":
