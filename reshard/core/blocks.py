@@ -99,7 +99,8 @@ def _stacked_blocks(tensor: TargetTensor, budget: int) -> list[TargetTensor]:
     count = tensor.shape[0]
     each = tensor.nbytes // count
     inner = tensor.axis - 1
-    if each <= budget or len(tensor.shape) < 2 or tensor.shape[1] < 2 or not _rows_cut(tensor.reads, inner):
+    if each <= budget or len(tensor.shape) < 2 or tensor.shape[1] < 2 or not _rows_cut(tensor.reads, inner) \
+            or tensor.pair_interleaved:  # pairs are reordered within a whole block
         return [block(tensor, e0, e1) for e0, e1 in row_spans(count, each, budget)]
     out = []
     for b in range(count):

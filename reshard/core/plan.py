@@ -54,6 +54,7 @@ class TargetTensor:
     reads: list[ReadOp]
     has_padding: bool = False
     fill: float | None = None  # every element is this constant (no reads)
+    pair_interleaved: int = 0  # rows reordered after assembly (StoredTensor.pair_interleaved; io/pair_rows.py)
 
     @property
     def nbytes(self) -> int:
@@ -201,4 +202,5 @@ def plan_tensor(index: CanonicalIndex, target: StoredTensor, dtype: str) -> Targ
         else:
             reads.extend(index.reads_for(piece.canonical, piece.start, piece.stop, offset, target.transposed,
                                          piece.block, target.interleaved))
-    return TargetTensor(target.name, target.shape, target.dtype or dtype, target.axis, reads, padded, target.fill)
+    return TargetTensor(target.name, target.shape, target.dtype or dtype, target.axis, reads, padded, target.fill,
+                        target.pair_interleaved)

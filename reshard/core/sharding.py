@@ -217,6 +217,8 @@ def rank_slice(name: str, spec: WeightSpec, members: list[CanonicalTensor], rank
         pieces = [Piece(m.name, 0, m.shape[m.axis]) for m in members]
     elif kind in ("column", "row"):
         pieces = even_pieces(first, rank, tp)
+    elif kind == "first_rank":  # whole on rank 0, zeros elsewhere (vLLM gpt-oss w2_bias)
+        pieces = [Piece(first.name, 0, first.shape[first.axis]) if rank == 0 else padding(first.shape[first.axis])]
     elif kind == "vocab":
         pieces = vocab_pieces(first, rank, tp, padded_vocab)
     elif kind == "qkv":

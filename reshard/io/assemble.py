@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from reshard.core.plan import ReadOp, TargetTensor
 from reshard.io import dtypes
-from reshard.io import casts
+from reshard.io import casts, pair_rows
 from reshard.io.fp8 import is_dequantized
 from reshard.io.tensorfile import TensorFile
 
@@ -22,6 +22,9 @@ def assemble(tensor: TargetTensor, files: list[TensorFile], allow_overflow: bool
     by the verifier; the executor's byte path is :mod:`reshard.io.gather`."""
     import torch
 
+    if tensor.pair_interleaved:  # slots alternating row by row (gpt-oss gate/up): built end to end, then reordered
+        return pair_rows.interleave(assemble(replace(tensor, pair_interleaved=0), files, allow_overflow), tensor.axis,
+                                    tensor.pair_interleaved)
     dtype = dtypes.to_torch(tensor.dtype)
     if tensor.fill is not None:
         return torch.full(tensor.shape, tensor.fill, dtype=dtype)

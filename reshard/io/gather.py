@@ -88,6 +88,8 @@ def direct(tensor: TargetTensor, files: list[TensorFile]) -> bool:
     block) stored contiguously, interleaved-RoPE ops along dim 0 in whole heads, no padding in a stacked target."""
     if tensor.fill is not None:
         return tensor.dtype in _NUMPY_FLOATS
+    if tensor.pair_interleaved:  # rows reordered across ops after assembly (torch)
+        return False
     for op in tensor.reads:
         part = resolve(op, tensor, files)
         if part is None or op.transposed or (op.dst_block is not None and tensor.has_padding):

@@ -207,6 +207,16 @@ class Mxfp4File(WrappedFile):
         super().__init__(base, tensors)
         self.packed, self.files, self.dtype = packed, files, dtype
 
+    def extents(self, name: str) -> list[tuple[int, int, int]]:
+        """Read-ahead extents: the ``_blocks`` and ``_scales`` bytes of an MXFP4 tensor, else the base's."""
+        from reshard.io.pair_rows import whole_extents
+
+        p = self.packed.get(name)
+        if p is None:
+            return whole_extents(self.base, name)
+        return [e for n, i in ((p.blocks, p.blocks_file), (p.scales, p.scales_file))
+                for e in whole_extents(self.files[i], n)]
+
     def expert(self, name: str, index: int):
         """Expert ``index`` of MXFP4 tensor ``name`` in the HF form ``[C, R]``, dequantised."""
         import torch
@@ -252,3 +262,14 @@ def wrap(files: list[TensorFile], view: Mxfp4View) -> list[TensorFile]:
         if mine:
             out[i] = Mxfp4File(f, mine, files)
     return out
+
+
+def source_view(where: str, config: dict, files: list[TensorFile], opts=None):
+    """An HF source as read (``reshard/layouts/hf.py``): ``(config, files, notes, stored names to skip)`` — for an
+    MXFP4 release the config without ``quantization_config``, the files wrapped (:func:`wrap`), the info line of
+    families-2.md section 17 and every ``_blocks`` / ``_scales`` name; otherwise the inputs unchanged."""
+    view = find_mxfp4(where, config, files)
+    if view is None:
+        return config, files, [], set()
+    config = {k: v for k, v in config.items() if k != "quantization_config"}
+    return config, wrap(files, view), [note(view, "bfloat16")], view.stored

@@ -18,8 +18,9 @@ from reshard.core.pieces import StoredTensor
 from reshard.core.sharding import pack_members
 from reshard.core.model_config import ConfigLoss
 from reshard.errors import CheckpointError, PlanError
-from reshard.io import dtypes, fp8
+from reshard.io import dtypes, fp8, mxfp4
 from reshard.io.hf_files import BIN_INDEX, INDEX, is_other_format, is_weight_file, weight_files
+from reshard.io.pair_rows import unpair_sources
 from reshard.io.partial import replace_with_text
 from reshard.io.regular import open_regular
 from reshard.io.safetensors_format import SafetensorsFile
@@ -118,11 +119,12 @@ def open_source(path: str, opts: Options) -> Source:
 def build_source(path: str, config: dict, files: list[TensorFile], opts: Options, side_files: list[str]) -> Source:
     """The canonical view of HF tensor files whose headers are already parsed (local files or remote headers)."""
     architecture = architecture_of(config, opts, os.path.join(path, "config.json"))
+    config, files, mx_notes, mx_stored = mxfp4.source_view(path, config, files, opts)  # gpt-oss's release
     quantized = fp8.find_fp8(path, config, files)  # refuses every quantized form but block FP8
     family = family_for_architecture(architecture, opts.mapping, config)
     if family.multimodal:
         config = flat_view(config)
-    notes = relabel_notes(config, architecture)
+    notes = relabel_notes(config, architecture) + mx_notes
     if opts.keep_fp8 and quantized is None:
         raise PlanError(f"--keep-fp8: {path} has no FP8 weights; drop --keep-fp8")
     if quantized is not None:
@@ -134,7 +136,7 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
     notes += dropped_settings
     paths = [f.path for f in files]
     where: dict[str, int] = {}
-    scales = quantized.scales if quantized else set()
+    scales = (quantized.scales if quantized else set()) | mx_stored
     for i, f in enumerate(files):
         for name in f.tensors:
             if name in scales:
@@ -160,7 +162,7 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
                  os.path.join(path, "config.json"))
     present = {s.hf for spec, _ in matched.values() for s in family.weights
                if s.optional and s.hf_name == spec.hf_name}
-    if fused:
+    if fused and not any(s.hf_fused_on_disk for s in family.weights):
         notes.append("read transformers 5's fused expert tensors (mlp.experts.gate_up_proj / down_proj); the HF "
                      "output writes them per expert, as save_pretrained does by default")
     output_spec = next((s for s in family.weights if s.tied_to), None)
@@ -212,6 +214,7 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
         info["fp8"] = quantized.describe(None if opts.keep_fp8 else "bfloat16")
         if opts.keep_fp8:
             fp8.add_scales(model, quantized, stored, {t.name: t.pieces[0].canonical for _, t in stored})
+    files, stored = unpair_sources(files, stored)  # gpt-oss's alternating gate/up read end to end
     return Source(layout=NAME, root=path, model=model, files=files, stored=stored,
                   degrees={"tp": 1, "pp": 1}, info=info, side_files=side_files)
 
@@ -269,7 +272,7 @@ def hf_tensors(model: CanonicalModel, fused: bool = False) -> list[StoredTensor]
     out = []
     for tensor in model.tensors.values():
         spec = tensor.spec
-        if fused and spec.hf_fused:
+        if (fused or spec.hf_fused_on_disk) and spec.hf_fused:
             stacked = _fused(model, tensor)
             if stacked is not None:
                 out.append(stacked)
@@ -293,9 +296,13 @@ def _fused(model: CanonicalModel, tensor) -> StoredTensor | None:
     blocks = [pack_members(model, spec, tensor.layer, lambda s: s.hf_fused, e) for e in range(model.num_experts)]
     if blocks[0] is None:
         return None
-    first = stored_whole(name, blocks[0])
-    pieces = tuple(replace(p, block=e) for e, members in enumerate(blocks) for p in stored_whole(name, members).pieces)
-    return StoredTensor(name, (len(blocks), *first.shape), first.axis + 1, pieces, stacked=True)
+    flip = spec.hf_fused_transposed  # each expert [in, out] (gpt-oss, Llama 4)
+    first = stored_whole(name, blocks[0], flip)
+    pieces = tuple(replace(p, block=e) for e, members in enumerate(blocks)
+                   for p in stored_whole(name, members, flip).pieces)
+    return StoredTensor(name, (len(blocks), *first.shape), first.axis + 1, pieces, stacked=True,
+                        transposed=first.transposed,
+                        pair_interleaved=first.shape[first.axis] if spec.hf_fused_interleaved else 0)
 
 
 def targets(model: CanonicalModel, opts: Options) -> list[TargetSpec]:

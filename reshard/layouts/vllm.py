@@ -30,6 +30,7 @@ from reshard.core.sharding import (check_vllm_degrees, pack_members, rank_slice,
                                    vllm_qkv_pieces)
 from reshard.errors import CheckpointError, PlanError
 from reshard.io import dtypes
+from reshard.io.pair_rows import unpair_sources
 from reshard.io.partial import replace_with_text
 from reshard.io.regular import open_regular
 from reshard.io.safetensors_format import SafetensorsFile
@@ -118,7 +119,8 @@ def rank_tensors(model: CanonicalModel, tp: int, rank: int, padded_vocab: int,
             first = blocks[0]
             out.append(StoredTensor(stored_name, (len(blocks), *first.shape), first.axis + 1,
                                     tuple(replace(p, block=j) for j, b in enumerate(blocks) for p in b.pieces),
-                                    stacked=True))
+                                    stacked=True, pair_interleaved=first.shape[first.axis] if spec.vllm_interleaved
+                                    else 0))  # gpt-oss w13: gate/up alternating within the rank's slice
             return
         members = pack_members(model, spec, layer, name_of)
         if members is None:
@@ -323,6 +325,7 @@ def open_source(path: str, opts: Options) -> Source:
             name = sorted(unexpected)[0]
             raise CheckpointError(f"{files[where[rank][name]].path}: unexpected tensor '{name}' for mapping "
                                   f"'{family.name}' (a config / weights mismatch?)")
+    files, stored = unpair_sources(files, stored)  # gpt-oss's alternating w13 read end to end
     info = {"config": config, "padded_vocab": padded, "recorded_tp": recorded, "notes": notes,
             "dropped": [f"vLLM attention scale scalars ({', '.join(sorted(dropped))})"] if dropped else []}
     return Source(layout=NAME, root=path, model=model, files=files, stored=stored, degrees={"tp": tp, "pp": 1},

@@ -11,6 +11,8 @@ import difflib
 from reshard.errors import MappingError
 
 SPLIT_KINDS = ("replicated", "column", "row", "vocab", "qkv", "gate_up")
+#: first_rank: whole on rank 0 and zeros on the others (vLLM gpt-oss w2_bias); read from rank 0.
+SPLIT_KINDS += ("first_rank",)
 PACK_SLOTS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
 #: Replicated weights may share one fused name in a layout (vLLM's ``fused_qkv_a_proj`` = ``[q_a; kv_a]``): each
 #: names its place with a free-form ``slot``; the pack is the members whole, in declaration order, on dim 0.
@@ -18,6 +20,7 @@ REPLICATED_PACK = "replicated"
 WEIGHT_KEYS = {
     "hf", "split", "slot", "shape", "optional", "tied_to", "stage", "role", "hf_stored", "hf_transposed", "layers",
     "hf_fused", "when", "split_megatron_local", "dtype", "copy_of",
+    "hf_fused_on_disk", "hf_fused_transposed", "hf_fused_interleaved", "vllm_interleaved",
     "megatron", "megatron_te", "megatron_local", "megatron_sparse", "megatron_grouped", "megatron_legacy_grouped",
     "vllm", "vllm_unfused", "trtllm", "meta",
 }
@@ -51,7 +54,8 @@ LAYER_ROLES = ("input_norm", "input_norm_bias", "q", "k", "v", "q_bias", "k_bias
                "o", "o_bias", "attn_output_norm", "post_norm", "post_norm_bias", "gate", "gate_bias", "up", "up_bias",
                "down", "down_bias", "mlp_output_norm", "router", "router_bias", "expert_gate", "expert_up",
                "expert_down", "shared_gate", "shared_up", "shared_down", "shared_expert_gate",
-               "q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm", "kv_b")
+               "q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm", "kv_b",
+               "sinks", "router_linear_bias", "expert_gate_bias", "expert_up_bias", "expert_down_bias")
 MODEL_ROLES = ("embedding", "position_embedding", "final_norm", "final_norm_bias", "lm_head")
 FAMILY_KEYS = {"name", "description", "architectures"}
 DIM_KEYS = {"key", "default"}

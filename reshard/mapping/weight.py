@@ -38,6 +38,13 @@ class WeightSpec:
     split_megatron_local: str | None = None  # its split in Megatron's local spec when that differs (MLA down-projs)
     dtype: str | None = None  # a dtype every layout stores it in, whatever --dtype says (a router's fp32 bias)
     copy_of: str | None = None  # an HF-only copy of this weight (MTP's embedding / head): not a canonical tensor
+    # Fused expert storage (families-2.md section 14.2 F): HF reads and writes only the hf_fused tensor (gpt-oss,
+    # Llama 4), each expert's block [in, out], a gate_up pack's slots alternating along out (row 2k + j = slot j's
+    # row k); vLLM's per-rank pack alternating the same way within the rank's slice (gpt-oss w13).
+    hf_fused_on_disk: bool = False
+    hf_fused_transposed: bool = False
+    hf_fused_interleaved: bool = False
+    vllm_interleaved: bool = False
 
     layers: str = "all"  # which layers hold it: all | sparse (MoE layers) | dense | mtp (MTP layers only)
     # Vision-language models (reshard/mapping/vlm.py): a tower or projector weight, the dims symbol of its qkv

@@ -117,6 +117,9 @@ def _megatron_names(w: dict, source: str, where: str) -> tuple[str | None, str |
     return te, local
 
 
+FUSED_FLAGS = ("hf_fused_on_disk", "hf_fused_transposed", "hf_fused_interleaved", "vllm_interleaved")
+
+
 def _weight_spec(w: dict, te: str | None, local: str | None) -> WeightSpec:
     return WeightSpec(
         hf=w["hf"], split=w["split"], shape=tuple(str(s) for s in w["shape"]), slot=w.get("slot"),
@@ -127,7 +130,7 @@ def _weight_spec(w: dict, te: str | None, local: str | None) -> WeightSpec:
         megatron_grouped=w.get("megatron_grouped"), megatron_legacy_grouped=w.get("megatron_legacy_grouped"),
         vllm=w.get("vllm"), trtllm=w.get("trtllm"), meta=w.get("meta"), vllm_unfused=w.get("vllm_unfused"),
         when=w.get("when"), split_megatron_local=w.get("split_megatron_local"), dtype=w.get("dtype"),
-        copy_of=w.get("copy_of"),
+        copy_of=w.get("copy_of"), **{k: bool(w.get(k, False)) for k in FUSED_FLAGS},
     )
 
 

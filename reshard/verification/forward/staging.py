@@ -215,6 +215,12 @@ def assemble_on(tensor, files: list, device) -> torch.Tensor:
     any other file) copied in, cast to the target dtype by the copy."""
     from reshard.io.assemble import read_op
 
+    if tensor.pair_interleaved:  # gpt-oss's alternating gate/up rows (reshard/io/pair_rows.py)
+        from dataclasses import replace
+
+        from reshard.io.pair_rows import interleave
+        return interleave(assemble_on(replace(tensor, pair_interleaved=0), files, device), tensor.axis,
+                          tensor.pair_interleaved)
     dtype = dtypes.to_torch(tensor.dtype)
     if tensor.fill is not None:
         return torch.full(tensor.shape, tensor.fill, dtype=dtype, device=device)

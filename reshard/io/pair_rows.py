@@ -1,0 +1,94 @@
+"""Pack slots stored alternating row by row (gpt-oss's fused gate / up: HF ``gate_up_proj [E, H, 2I]`` columns
+``2k`` = gate row k, ``2k + 1`` = up row k; vLLM's per-rank ``w13_weight [E, 2I/T, H]`` the same within the rank's
+slice; the biases likewise), families-2.md sections 2.1 / 2.4 and 14.2 F.
+
+Canonically the slots stay separate (``gate``, ``up``), laid end to end as every other gate_up pack (Megatron's
+``[gate; up]``). Along a tensor's axis, in units of ``u`` rows, the stored row ``2i + j`` of a unit is row
+``j * u/2 + i`` of the end-to-end order:
+
+- a target (:attr:`~reshard.core.pieces.StoredTensor.pair_interleaved`) is assembled end to end, then its rows are
+  reordered (:func:`interleave`), through torch (``reshard.io.gather.direct`` declines it);
+- a source tensor stored alternating is read through :class:`PairFile`, which presents it end to end (one
+  block = one expert at a time), so the planner's pieces stay contiguous (:func:`unpair_sources`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from reshard.core.pieces import StoredTensor
+from reshard.io.tensorfile import TensorFile, WrappedFile
+
+
+def interleave(data, axis: int, unit: int):
+    """End-to-end order -> alternating, along ``axis`` in units of ``unit`` rows."""
+    n = data.shape[axis]
+    return data.unflatten(axis, (n // unit, 2, unit // 2)).transpose(axis + 1, axis + 2).flatten(axis, axis + 2)
+
+
+def deinterleave(data, axis: int, unit: int):
+    """Alternating -> end-to-end order (the inverse of :func:`interleave`)."""
+    n = data.shape[axis]
+    return data.unflatten(axis, (n // unit, unit // 2, 2)).transpose(axis + 1, axis + 2).flatten(axis, axis + 2)
+
+
+class PairFile(WrappedFile):
+    """A source file whose alternating tensors (name -> (axis within a block of dim 0, unit)) read end to end; its
+    other tensors are the base file's own. Reads go through torch (``direct_bytes`` False), a block at a time."""
+
+    direct_bytes = False
+
+    def __init__(self, base: TensorFile, paired: dict[str, tuple[int, int]]):
+        super().__init__(base, dict(base.tensors))
+        self.paired = paired
+
+    def extents(self, name: str) -> list[tuple[int, int, int]]:
+        """Read-ahead extents of ``name``: the base file's bytes of it, whole."""
+        return whole_extents(self.base, name)
+
+    def read_block(self, name: str, index: int, axis: int = 0, start: int = 0, length: int | None = None,
+                   rows: tuple[int, int] | None = None):
+        if name not in self.paired:
+            return self.base.read_block(name, index, axis, start, length, rows)
+        inner, unit = self.paired[name]
+        data = deinterleave(self.base.read_block(name, index), inner, unit)
+        data = data[rows[0]:rows[1]] if rows else data
+        return data.narrow(axis, start, data.shape[axis] - start if length is None else length).contiguous()
+
+    def read(self, name: str, axis: int = 0, start: int = 0, length: int | None = None,
+             rows: tuple[int, int] | None = None):
+        if name not in self.paired:
+            return self.base.read(name, axis, start, length, rows)
+        import torch
+
+        shape = self.tensors[name].shape
+        if length is None:
+            length = shape[axis] - start
+        first, stop = (start, start + length) if axis == 0 else (rows or (0, shape[0]))
+        whole = torch.stack([self.read_block(name, e) for e in range(first, stop)])
+        return whole if axis == 0 else whole.narrow(axis, start, length).contiguous()
+
+
+def whole_extents(file: TensorFile, name: str) -> list[tuple[int, int, int]]:
+    """``(fd, offset, length)`` of tensor ``name`` of ``file``, whole (the base's own extents when it has no direct
+    bytes)."""
+    if not file.direct_bytes:
+        return file.extents(name)
+    loc = file.tensors[name]
+    return [(file.fd, loc.offset, loc.nbytes)]
+
+
+def unpair_sources(files: list[TensorFile], stored: list[tuple[int, StoredTensor]]):
+    """``(files, stored)`` with every alternating stored tensor (stacked, reordered along its axis) read through a
+    :class:`PairFile` and described end to end."""
+    paired: dict[int, dict[str, tuple[int, int]]] = {}
+    out = []
+    for index, tensor in stored:
+        if tensor.pair_interleaved:
+            if not tensor.stacked:
+                raise AssertionError(f"{tensor.name}: alternating rows are read per stacked block")
+            paired.setdefault(index, {})[tensor.name] = (tensor.axis - 1, tensor.pair_interleaved)
+            tensor = replace(tensor, pair_interleaved=0)
+        out.append((index, tensor))
+    files = [PairFile(f, paired[i]) if i in paired else f for i, f in enumerate(files)]
+    return files, out
