@@ -113,3 +113,20 @@ def families_fixture(transformers, families: dict, archs: dict):
             return made[name]
         return get
     return fixture
+
+
+def verify_perturbed_vllm(capsys, case: FamilyCase, tmp_path, name: str, index, rank: int = 1, folder=None):
+    """Copy ``case``'s vLLM tp2 output (or ``folder``), scale ``name[index]`` by 3 on vLLM rank ``rank``, and run
+    ``verify --forward`` against the source: (exit code, report or None, stderr)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(folder or case.vllm(capsys), bad)
+    path = bad / f"model-rank-{rank}-part-0.safetensors"
+    tensors = load_file(str(path))
+    with safe_open(str(path), "pt") as f:
+        metadata = f.metadata()
+    tensors[name][index] *= 3.0
+    save_file(tensors, str(path), metadata=metadata)
+    return verify_forward(capsys, case.src, bad)

@@ -16,6 +16,7 @@ import json
 from reshard.core.model_config import UNCARRIED_SETTINGS, ConfigLoss, ModelConfig, normalize_scaling
 from reshard.errors import CheckpointError, PlanError
 from reshard.layouts.hf_config_moe import read_moe, write_moe
+from reshard.layouts import phi3_rope
 from reshard.mapping import ACTIVATIONS, BIAS_GROUPS, Family, with_defaults
 from reshard.mapping.schema import MULTIPLIER_KEYS
 
@@ -146,6 +147,7 @@ def read_meaning(config: dict, family: Family, architecture: str, dims: dict[str
                                   f"{json.dumps(wanted)}); converting it would silently compute another function")
     position = family.decoder.position
     theta, scaling, fraction = _rope(config, where) if position == "rope" else (10000.0, None, 1.0)
+    scaling = phi3_rope.read(config, architecture, scaling)
     biases = {}
     for group, templates in family.config.bias_groups:
         found = [family.holds(t, present) for t in templates]
@@ -320,13 +322,14 @@ def _write_rope(c: dict, meaning: ModelConfig, partial_ok: bool, loss: ConfigLos
                 default_fraction: float = 1.0) -> None:
     """RoPE in ``c``'s spelling; the rotary fraction written when not 1, or always where the architecture's
     config class defaults to another (Nemotron's 0.5)."""
-    explicit = meaning.rotary_fraction != 1.0 or default_fraction != 1.0
+    explicit = meaning.rotary_fraction != 1.0 or default_fraction != 1.0 or "partial_rotary_factor" in c \
+        or "partial_rotary_factor" in (c.get("rope_parameters") or {})  # the source spells it
     if meaning.rope_interleaved:
         loss.cannot("rope_interleaved", True, "transformers rotates halves; interleaved pairs would need the q/k "
                     "rows permuted, which reshard does not do yet")
     if meaning.rotary_fraction != 1.0 and not partial_ok:
         loss.cannot("rotary_fraction", meaning.rotary_fraction, f"{meaning.architecture} rotates every head dim")
-    scaling = meaning.scaling
+    scaling = phi3_rope.written(c, meaning)
     if "rope_parameters" in c:  # transformers 5 spelling
         params = {"rope_type": scaling.pop("rope_type", "default"), "rope_theta": meaning.rope_theta,
                   **{k: list(v) if isinstance(v, tuple) else v for k, v in scaling.items()}}
@@ -337,7 +340,7 @@ def _write_rope(c: dict, meaning: ModelConfig, partial_ok: bool, loss: ConfigLos
             c.pop(key, None)
         return
     c["rope_theta"] = meaning.rope_theta
-    if scaling and normalize_scaling(c.get("rope_scaling")) == meaning.rope_scaling:
+    if scaling and normalize_scaling(c.get("rope_scaling")) == normalize_scaling(scaling):
         pass  # the source's own spelling of the same scaling (Qwen2.5-VL's {"type": "mrope", ...}) is kept
     elif scaling:
         c["rope_scaling"] = {k: list(v) if isinstance(v, tuple) else v for k, v in scaling.items()}
