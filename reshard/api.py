@@ -129,7 +129,7 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
             torchtitan_names: Literal["current", "v0.2"] = "current",
             hf_spelling: Literal["hub", "v5"] = "hub", megatron_vision: Literal["hf", "native"] | None = None,
             vllm_vision: Literal["weights", "data", "none"] = "weights",
-            allow_missing: tuple[str, ...] | list[str] = (), progress: bool = False):
+            allow_missing: tuple[str, ...] | list[str] = (), max_seq: int | None = None, progress: bool = False):
     """Convert ``src`` (a folder or ``hf://ORG/NAME[@REV]``) to layout ``to`` at the given degrees in ``dst``,
     streaming; returns a :class:`reshard.conversion.ConvertResult` (its ``plan``; ``download`` for a remote
     dry run). Options as ``reshard convert``: ``max_shard_size`` ``"5GB"`` or bytes; ``megatron_format``
@@ -142,7 +142,8 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
     ``"current"`` or ``"v0.2"``. Vision-language models: ``hf_spelling`` (``to="hf"``: ``"hub"`` or ``"v5"``),
     ``megatron_vision`` (``"hf"`` or ``"native"``; default: the family's), ``vllm_vision`` (``"weights"``,
     ``"data"``: the tower whole on every rank, or ``"none"``: language model only) and
-    ``allow_missing=("vision",)`` (write without the tower tensors the source lacks)."""
+    ``allow_missing=("vision",)`` (write without the tower tensors the source lacks). ``max_seq``: a Megatron
+    target of Llama 4 matches only on shorter sequences than its chunk / floor_scale: accept that up to this length."""
     from reshard.conversion import convert as run_convert
 
     if megatron_format not in ("torch", "torch_dist"):
@@ -167,7 +168,7 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
                          allow_cast_overflow=allow_cast_overflow, follow_symlinks=follow_symlinks,
                          keep_fp8=keep_fp8, drop_mtp=drop_mtp, torchtitan_names=torchtitan_names,
                          hf_spelling=hf_spelling, megatron_vision=megatron_vision, vllm_vision=vllm_vision,
-                         allow_missing=tuple(allow_missing))
+                         allow_missing=tuple(allow_missing), max_seq=max_seq)
     result.layout = to
     result.degrees = {"tp": tp, "pp": pp, **({"ep": ep} if ep != 1 else {}),
                       **({"etp": etp} if etp is not None else {}),
@@ -197,7 +198,8 @@ def plan(src: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int |
          follow_symlinks: bool = False, keep_fp8: bool = False, drop_mtp: bool = False,
          torchtitan_names: Literal["current", "v0.2"] = "current", hf_spelling: Literal["hub", "v5"] = "hub",
          megatron_vision: Literal["hf", "native"] | None = None,
-         vllm_vision: Literal["weights", "data", "none"] = "weights", allow_missing: tuple[str, ...] | list[str] = ()):
+         vllm_vision: Literal["weights", "data", "none"] = "weights", allow_missing: tuple[str, ...] | list[str] = (),
+         max_seq: int | None = None):
     """What ``convert(src, ..., to=..., ...)`` would write, read from headers alone (``reshard plan``): a
     :class:`reshard.results.ConversionPlan` (``describe()``: the command's text; ``to_dict()``: its ``--json``).
     Options as :func:`convert`'s, less those of writing."""

@@ -164,6 +164,9 @@ def convert(
     allow_missing: Optional[list[str]] = typer.Option(None, "--allow-missing", metavar="WHAT", help="vision: write "
                                                       "the output without the vision tensors the source lacks "
                                                       "(vLLM / megatron-core LLaVA build no unused CLIP layer)."),
+    max_seq: Optional[int] = typer.Option(None, "--max-seq", help="Megatron, Llama 4: accept an output that "
+                                          "matches only on sequences up to this many tokens (megatron-core has no "
+                                          "chunked attention or temperature tuning)."),
 ):
     """Convert SRC (a folder or hf://ORG/NAME[@REV]) to another layout and/or TP/PP degree, streaming."""
     from reshard import api
@@ -179,7 +182,8 @@ def convert(
                          allow_cast_overflow=allow_cast_overflow, follow_symlinks=follow_symlinks,
                          keep_fp8=keep_fp8, drop_mtp=drop_mtp, torchtitan_names=torchtitan_names,
                          hf_spelling=hf_spelling, megatron_vision=megatron_vision, vllm_vision=vllm_vision,
-                         allow_missing=tuple(allow_missing or ()), progress=not as_json and sys.stderr.isatty())
+                         allow_missing=tuple(allow_missing or ()), max_seq=max_seq,
+                         progress=not as_json and sys.stderr.isatty())
     if dry_run:
         if as_json:
             print(json.dumps({**_plan_json(result.plan), "download": result.download}, indent=2))

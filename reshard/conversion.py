@@ -166,7 +166,8 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
             follow_symlinks: bool = False, keep_fp8: bool = False, drop_mtp: bool = False,
             config: str | None = None, tag: str | None = None, master_weights: bool = False,
             torchtitan_names: str = "current", hf_spelling: str = "hub", megatron_vision: str | None = None,
-            vllm_vision: str = "weights", allow_missing: tuple[str, ...] = ()) -> ConvertResult:
+            vllm_vision: str = "weights", allow_missing: tuple[str, ...] = (),
+            max_seq: int | None = None) -> ConvertResult:
     """Convert checkpoint ``src`` to layout ``to`` at degrees ``tp`` x ``pp`` in folder ``dst`` (a Megatron
     Mixture of Experts also at expert-parallel ``ep`` and expert-tensor-parallel ``etp``, default ``tp``; a vLLM
     one with ``expert_parallel``: whole experts split over the ranks).
@@ -187,7 +188,8 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
     ``config`` (a config.json for a source that saves none), ``tag`` and ``master_weights`` (DeepSpeed) say how to
     read the source; ``torchtitan_names`` (``to="torchtitan"``): ``"current"`` or ``"v0.2"`` parameter names.
     Vision-language models: ``hf_spelling``, ``megatron_vision``, ``vllm_vision`` and ``allow_missing``
-    (reshard/layouts/vision.py, hf_spelling.py).
+    (reshard/layouts/vision.py, hf_spelling.py). ``max_seq``: the longest sequence a Megatron target must compute
+    as the source does (Llama 4's chunked attention / temperature tuning, families-2.md section 17).
     """
     unknown_missing = sorted(set(allow_missing) - {"vision"})
     if unknown_missing:
@@ -216,7 +218,8 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
                    allow_replica_mismatch=allow_replica_mismatch, allow_lossy_config=tuple(allow_lossy_config),
                    follow_symlinks=follow_symlinks, keep_fp8=keep_fp8, drop_mtp=drop_mtp, config=config, tag=tag,
                    master_weights=master_weights, torchtitan_names=torchtitan_names, hf_spelling=hf_spelling,
-                   megatron_vision=megatron_vision, vllm_vision=vllm_vision, allow_missing=tuple(allow_missing))
+                   megatron_vision=megatron_vision, vllm_vision=vllm_vision, allow_missing=tuple(allow_missing),
+                   max_seq=max_seq)
     world = None if dry_run or not distributed_run(distributed) else World.join()
     if world is not None:
         try:

@@ -13,6 +13,9 @@ class Piece:
     start: int
     stop: int
     block: int | None = None  # in a stacked tensor (vLLM's [E, ...] experts): the index along dim 0
+    # this piece's own RoPE row order, as StoredTensor.interleaved (which it overrides); negative: the stored rows
+    # are in rotate-half order of canonical interleaved heads (Llama 4's q / k inside vLLM's qkv_proj)
+    interleaved: int = 0
 
     @property
     def length(self) -> int:

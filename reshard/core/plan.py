@@ -144,7 +144,7 @@ class CanonicalIndex:
                     raise AssertionError(f"{piece.canonical} is split on two axes")
                 spans.setdefault(piece.canonical, []).append(
                     _Span(piece.start, piece.stop, source, tensor.name, offset, tensor.transposed, piece.block,
-                          tensor.interleaved))
+                          piece.interleaved or tensor.interleaved))
         self.primary: dict[str, list[_Span]] = {}
         self.checks: list[ReplicaCheck] = []
         for name, shape in shapes.items():
@@ -201,6 +201,6 @@ def plan_tensor(index: CanonicalIndex, target: StoredTensor, dtype: str) -> Targ
             padded = True
         else:
             reads.extend(index.reads_for(piece.canonical, piece.start, piece.stop, offset, target.transposed,
-                                         piece.block, target.interleaved))
+                                         piece.block, piece.interleaved or target.interleaved))
     return TargetTensor(target.name, target.shape, target.dtype or dtype, target.axis, reads, padded, target.fill,
                         target.pair_interleaved)

@@ -66,6 +66,7 @@ class Options:
     megatron_vision: str | None = None  # Megatron vision tower: "hf" modules or "native" (default: the family's)
     vllm_vision: str = "weights"  # --to vllm: "weights" (the tower split as vLLM splits it) or "none" (text only)
     allow_missing: tuple[str, ...] = ()  # what a target may be written without: "vision" (unused CLIP blocks)
+    max_seq: int | None = None  # the longest sequence a Megatron target must compute the same (Llama 4's refusal)
 
 
 @dataclass

@@ -16,6 +16,7 @@ import json
 from reshard.core.model_config import UNCARRIED_SETTINGS, ConfigLoss, ModelConfig, normalize_scaling
 from reshard.errors import CheckpointError, PlanError
 from reshard.layouts.hf_config_moe import read_moe, write_moe
+from reshard.layouts import llama4_rules
 from reshard.layouts import phi3_rope
 from reshard.mapping import ACTIVATIONS, BIAS_GROUPS, Family, with_defaults
 from reshard.mapping.schema import MULTIPLIER_KEYS
@@ -114,6 +115,7 @@ def uncarried_settings(config: dict, family: Family) -> list[tuple[str, object]]
                                          "query_scale", "rope_local_theta", *MULTIPLIER_KEYS)}
     named.update(key for _, arch in spelt.architectures for key, _ in arch.requires)
     named.update(family.condition_keys())  # a key switching weights on (GLM-4.5's use_qk_norm) is carried
+    named.update(llama4_rules.CONFIG_KEYS if llama4_rules.is_llama4(family) else ())
     return [(key, config[key]) for key, neutral in UNCARRIED_SETTINGS.items()
             if key not in named and config.get(key) is not None and config[key] != neutral]
 
@@ -180,7 +182,7 @@ def read_meaning(config: dict, family: Family, architecture: str, dims: dict[str
         final_softcap=value(spelt.final_softcap), query_scale=value(spelt.query_scale),
         rope_local_theta=_local_theta(config, family, theta, where) if position == "rope" else None,
         mtp_layers=family.mtp_count(config), **_read_multipliers(value, spelt), **mla,
-        **read_moe(config, family, dims, present, where))
+        **read_moe(config, family, dims, present, where), **llama4_rules.meaning_fields(config, family))
 
 
 def _read_multipliers(value, spelt) -> dict:
@@ -324,7 +326,7 @@ def _write_rope(c: dict, meaning: ModelConfig, partial_ok: bool, loss: ConfigLos
     config class defaults to another (Nemotron's 0.5)."""
     explicit = meaning.rotary_fraction != 1.0 or default_fraction != 1.0 or "partial_rotary_factor" in c \
         or "partial_rotary_factor" in (c.get("rope_parameters") or {})  # the source spells it
-    if meaning.rope_interleaved:
+    if meaning.rope_interleaved and not meaning.llama4:  # Llama 4's HF rows are Meta's (interleaved) themselves
         loss.cannot("rope_interleaved", True, "transformers rotates halves; interleaved pairs would need the q/k "
                     "rows permuted, which reshard does not do yet")
     if meaning.rotary_fraction != 1.0 and not partial_ok:

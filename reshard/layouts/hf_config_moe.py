@@ -125,7 +125,9 @@ def write_moe(c: dict, meaning: ModelConfig, family: Family, loss: ConfigLoss) -
                                       family.role_spec("shared_expert_gate") is not None):
         loss.cannot("shared_expert_gate", meaning.shared_expert_gate, f"{meaning.architecture} fixes it")
     sparse = meaning.sparse_layers()
-    if "dense_layers" in moe:
+    if "sparse_list" in moe:  # Llama 4: the explicit list (its step rule kept as the source spells it)
+        c[moe["sparse_list"]] = list(sparse)
+    elif "dense_layers" in moe:
         c[moe["dense_layers"]] = [i for i in range(meaning.layers) if i not in sparse]
         if "sparse_step" in moe:
             c[moe["sparse_step"]] = 1

@@ -1,6 +1,8 @@
 """Llama 4 text (``Llama4ForCausalLM``, ``model_type llama4_text``): the per-layer rules a Llama 4 mapping needs,
 read from its ``config.json`` (../shared/layouts/families-2.md section 3), the vLLM q/k row permutation (3.3) and
-the section 17 refusals. Building blocks: not yet wired to a mapping file (issue 44 item 5).
+the section 17 refusals, and the hooks that wire them into reshard (mappings/llama4.toml's ``[decoder] variant =
+"llama4_rules"``): the canonical config's ``llama4`` field (:func:`meaning_fields`), vLLM's permuted q/k pieces
+(:func:`qk_rows_permuted`), the Megatron / vLLM target checks and Megatron's args.
 
 - MoE layers: an explicit ``moe_layers`` list, else ``range(s - 1, L, s)`` for ``s = interleave_moe_layer_step``.
 - RoPE layers: ``no_rope_layers[i] == 1`` (1 = RoPE, 0 = NoPE), else every ``no_rope_layer_interval``-th layer
@@ -13,10 +15,14 @@ the section 17 refusals. Building blocks: not yet wired to a mapping file (issue
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-
-import torch
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from ..errors import PlanError
+from ..mapping.schema import VARIANT_KEYS
+
+if TYPE_CHECKING:
+    import torch
 
 
 def text_config(config: Mapping) -> Mapping:
@@ -154,3 +160,72 @@ def megatron_config(config: Mapping) -> tuple[dict, list[bool]]:
         "moe_apply_probs_on_input": True, "moe_shared_expert_intermediate_size": int(c["intermediate_size"]),
     }
     return kw, [flags["qk_norm"] for flags in layer_flags(c)]
+
+
+# ---- wiring (mappings/llama4.toml: [decoder] variant = "llama4_rules") ---------------------------------------------
+
+#: The config.json keys the ``llama4`` meaning is read from (carried: a family naming them keeps them).
+CONFIG_KEYS = VARIANT_KEYS["llama4_rules"]
+
+
+def is_llama4(family) -> bool:
+    return getattr(family.decoder, "variant", None) == "llama4_rules"
+
+
+def meaning_fields(config: Mapping, family) -> dict[str, Any]:
+    """The canonical config's Llama 4 fields of an HF-style ``config`` (its defaults filled): ``rope_interleaved``
+    and ``llama4`` = sorted items of the per-layer rules; empty for another family."""
+    if not is_llama4(family):
+        return {}
+    flags = layer_flags(config)
+    chunk = config.get("attention_chunk_size")
+    items = {"nope_layers": tuple(i for i, f in enumerate(flags) if not f["rope"]),
+             "qk_l2_norm": bool(config.get("use_qk_norm")),
+             "chunk": int(chunk) if chunk else None,
+             "chunked_layers": tuple(i for i, f in enumerate(flags) if f["chunk"]),
+             "temperature": bool(config.get("attn_temperature_tuning")),
+             "floor_scale": float(config.get("floor_scale", 8192)), "attn_scale": float(config.get("attn_scale", 0.1))}
+    return {"rope_interleaved": True, "llama4": tuple(sorted(items.items()))}
+
+
+def config_of_meaning(meaning) -> dict:
+    """An HF-style config holding the rules of ``meaning.llama4`` (for :func:`layer_flags` and the checks)."""
+    rules = dict(meaning.llama4)
+    layers = meaning.layers
+    return {"num_hidden_layers": layers, "no_rope_layers": [int(i not in rules["nope_layers"]) for i in range(layers)],
+            "use_qk_norm": rules["qk_l2_norm"], "attention_chunk_size": rules["chunk"],
+            "layer_types": ["chunked_attention" if i in rules["chunked_layers"] else "full_attention"
+                            for i in range(layers)],
+            "attn_temperature_tuning": rules["temperature"], "floor_scale": rules["floor_scale"],
+            "attn_scale": rules["attn_scale"], "max_position_embeddings": meaning.max_positions}
+
+
+def qk_rows_permuted(model, stored):
+    """vLLM: ``stored`` with its Llama 4 q / k pieces (``vllm_qk_permute`` weights) marked as rotate-half rows of
+    the canonical interleaved heads (:attr:`~reshard.core.pieces.Piece.interleaved` = -head_dim)."""
+    specs = {p.canonical: model.tensors[p.canonical].spec for p in stored.pieces if p.canonical in model.tensors}
+    if not any(s.vllm_qk_permute for s in specs.values()):
+        return stored
+    d = model.meaning.head_dim if model.meaning is not None else model.dims["d"]
+    return replace(stored, pieces=tuple(replace(p, interleaved=-d) if p.canonical in specs and
+                                        specs[p.canonical].vllm_qk_permute else p for p in stored.pieces))
+
+
+def check_megatron_target(model, max_seq: int | None) -> None:
+    """Section 17's Megatron refusal for a Llama 4 model (no-op for other families)."""
+    if model.meaning is not None and model.meaning.llama4:
+        check_megatron(config_of_meaning(model.meaning), max_seq)
+
+
+def check_vllm_target(model) -> None:
+    """Section 17's vLLM refusal: an explicit ``moe_layers`` that is not ``range(s - 1, L, s)``."""
+    if model.meaning is not None and model.meaning.llama4:
+        check_vllm({**model.config, "num_hidden_layers": model.meaning.layers,
+                    "moe_layers": list(model.meaning.sparse_layers())})
+
+
+def megatron_args(meaning) -> dict[str, Any]:
+    """Megatron-LM args a Llama 4 model needs beyond the generic ones: the routing weight on the expert input.
+    (NoPE layers and the L2 q/k norm live in the args' ``hf_config`` record; megatron-core builds them from
+    :func:`megatron_config` with a per-layer spec.)"""
+    return {"moe_apply_probs_on_input": True} if meaning.llama4 else {}

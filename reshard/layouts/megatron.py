@@ -34,6 +34,7 @@ from reshard.layouts.megatron_folders import (  # noqa: F401  (_checkpoint_root,
     _RANK_DIR, _REMOTE_RANK_FILE, TRACKER, _checkpoint_root, _iteration_dir, _label,
     iteration_folder, iteration_folder_name, side_folders, true_vocab_size)
 from reshard.layouts.megatron_args import RECORD_ONLY, args_from_meaning, meaning_from_args
+from reshard.layouts import llama4_rules
 from reshard.layouts.vision import check_megatron_tower, megatron_vision, tower_views, unused_tower_tensor
 from reshard.mapping import Family, WeightSpec
 from reshard.mapping_vlm import family_for_architecture, flat_view, nested
@@ -468,7 +469,7 @@ def build_args(model: CanonicalModel, opts: Options, padded: int, divisor: int, 
     values = {}
     if base is not None:  # keep the run's own args; enum stand-ins cannot be written back without Megatron
         values = {k: v for k, v in vars(base).items() if not isinstance(v, MegatronEnum)}
-    values.update(args_from_meaning(model.meaning, loss))
+    values.update(args_from_meaning(model.meaning, loss), **llama4_rules.megatron_args(model.meaning))
     if model.num_experts:
         values["moe_grouped_gemm"] = opts.moe_grouped_gemm
     record = nested(write_hf_config(model.meaning, model.config, model.family, ConfigLoss("record")))
@@ -512,6 +513,7 @@ def output_args(source: Source, opts: Options, dtype: str) -> OutputArgs:
     check_split_dims(model, opts.tp, "megatron_local" if opts.megatron_spec == "local" else "megatron")
     check_megatron_tower(model, opts)
     check_expert_degrees(model, opts)
+    llama4_rules.check_megatron_target(model, opts.max_seq)
     divisor = opts.vocab_divisor or source.info.get("vocab_divisor") or 128
     padded = megatron_padded_vocab(model.vocab_size, opts.tp, divisor)
     iteration = source.info.get("iteration", "release")

@@ -184,7 +184,7 @@ def _query_scale(softmax_scale: float | None) -> float | None:
 
 #: Meaning Megatron-LM's args have no place for (Megatron-Bridge's model providers set it in code): written into
 #: the args' ``hf_config`` record and read back from it; stock Megatron-LM does not apply it.
-RECORD_ONLY = ("embedding_scaled", "sandwich_norm", "attn_softcap", "final_softcap", "rope_local_theta")
+RECORD_ONLY = ("embedding_scaled", "sandwich_norm", "attn_softcap", "final_softcap", "rope_local_theta", "llama4")
 
 
 def record_only_fields(meaning: ModelConfig) -> dict[str, Any]:

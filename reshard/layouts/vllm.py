@@ -26,6 +26,7 @@ from dataclasses import replace
 from reshard.version import __version__
 from reshard.core.canonical import CanonicalModel, build_canonical, stored_whole
 from reshard.core.pieces import StoredTensor
+from reshard.layouts.llama4_rules import check_vllm_target, qk_rows_permuted
 from reshard.core.sharding import (check_vllm_degrees, pack_members, rank_slice, vllm_padded_vocab,
                                    vllm_qkv_pieces)
 from reshard.errors import CheckpointError, PlanError
@@ -129,8 +130,8 @@ def rank_tensors(model: CanonicalModel, tp: int, rank: int, padded_vocab: int,
             out.append(stored_whole(stored_name, members, transposed=True))
             return
         whole = tower_whole and spec.tower
-        out.append(rank_slice(stored_name, spec, members, 0 if whole else rank, 1 if whole else tp, groups,
-                              padded_vocab, vllm_qkv_pieces))
+        out.append(qk_rows_permuted(model, rank_slice(stored_name, spec, members, 0 if whole else rank,
+                                                      1 if whole else tp, groups, padded_vocab, vllm_qkv_pieces)))
 
     for spec in family.weights:
         if spec.stage == "first":
@@ -340,6 +341,7 @@ def targets(model: CanonicalModel, opts: Options, dtype: str) -> tuple[list[Targ
         raise PlanError("vLLM sharded_state files hold tensor-parallel ranks only: --pp must be 1 for --to vllm")
     _check_names(model)
     check_vllm_degrees(model, opts.tp, opts.expert_parallel)
+    check_vllm_target(model)
     whole = opts.vllm_vision == "data"
     if not whole:
         check_tower_degrees(model, opts.tp, NAME)

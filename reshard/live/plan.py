@@ -251,7 +251,7 @@ class _Holders:
                 if piece.canonical is not None:
                     self.spans.setdefault(piece.canonical, []).append(
                         (piece.start, piece.stop, source, tensor.name, offset, tensor.transposed, piece.block,
-                         tensor.interleaved))
+                         piece.interleaved or tensor.interleaved))
 
     def choose(self, item, live: LivePlan, tensor: LiveTensor, j: int, load: list[int]):
         """(``op`` (reading canonical rows from ``first``) from the holder that sends it best: one on the

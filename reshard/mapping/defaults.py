@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from reshard.errors import MappingError
 from reshard.mapping.conditions import _parse_condition
-from reshard.mapping.schema import MULTIPLIER_KEYS
+from reshard.mapping.schema import MULTIPLIER_KEYS, VARIANT_KEYS
 
 #: Where a vision-language model's flat config view keeps the source's nested config.json (vlm_config.py).
 NESTED = "__reshard_nested_config__"
@@ -121,6 +121,7 @@ def read_keys(family, architecture=None) -> set[str]:
     if "group_switch" in moe:
         keys.add(moe["group_switch"]["key"])
     keys |= {_parse_condition(w.when)[0] for w in family.weights if w.when}
+    keys |= set(VARIANT_KEYS.get(family.decoder.variant, ())) | ({moe["sparse_list"]} if "sparse_list" in moe else set())
     return {k.removeprefix("count:") for k in keys}
 
 

@@ -37,6 +37,7 @@ class Family:
     mla: dict = field(default_factory=dict)  # the [mla] table (MLA_KEYS): dims symbols
     mtp: dict = field(default_factory=dict)  # the [mtp] table (MTP_KEYS)
     multimodal: object | None = None  # a composed vision-language family's vlm.Multimodal
+    layer_kinds: dict = field(default_factory=dict)  # the [layers] table (mapping/sections.py): mixer per layer
 
     def sparse_layers(self, config: dict, layers: int) -> tuple[int, ...]:
         """The layers whose MLP is a Mixture of Experts (none for a dense family): every ``sparse_step``-th
@@ -44,6 +45,8 @@ class Family:
         layers (DeepSeek's ``first_k_dense_replace``)."""
         if not self.moe:
             return ()
+        if "sparse_list" in self.moe and config.get(self.moe["sparse_list"]) is not None:  # Llama 4's moe_layers
+            return tuple(sorted(int(i) for i in config[self.moe["sparse_list"]]))
         step = int(config.get(self.moe["sparse_step"], 1) or 1) if "sparse_step" in self.moe else 1
         dense = set(config.get(self.moe["dense_layers"]) or ()) if "dense_layers" in self.moe else set()
         prefix = int(config.get(self.moe["dense_prefix"]) or 0) if "dense_prefix" in self.moe else 0

@@ -26,6 +26,8 @@ class DecoderFeatures:
     activation: str = "silu"
     norm_offset: bool = False
     embedding_scaled: bool = False
+    rope_order: str = "half"  # interleaved: HF's q/k rows rotate pairs (2i, 2i+1) (Llama 4)
+    variant: str | None = None  # llama4: the per-layer rules of reshard/layouts/llama4_rules.py
 
 
 @dataclass(frozen=True)

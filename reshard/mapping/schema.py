@@ -23,6 +23,7 @@ WEIGHT_KEYS = {
     "hf_fused_on_disk", "hf_fused_transposed", "hf_fused_interleaved", "vllm_interleaved",
     "megatron", "megatron_te", "megatron_local", "megatron_sparse", "megatron_grouped", "megatron_legacy_grouped",
     "vllm", "vllm_unfused", "trtllm", "meta",
+    "vllm_qk_permute",  # "interleaved_to_half": vLLM stores these q/k rows in rotate-half order (Llama 4)
 }
 TOP_KEYS = {"family", "dims", "hf", "moe", "mla", "mtp", "megatron", "vllm", "decoder", "config", "weight"}
 #: Mixture of Experts ([moe]): the dims symbol of the expert count and the config keys that say which layers are
@@ -36,7 +37,8 @@ TOP_KEYS = {"family", "dims", "hf", "moe", "mla", "mtp", "megatron", "vllm", "de
 #: the dims symbol of the number of shared experts, each ``expert_ffn`` wide (DeepSeek's ``n_shared_experts``),
 #: instead of a ``shared_ffn`` width.
 MOE_KEYS = {"experts", "expert_ffn", "shared_ffn", "shared_count", "top_k", "renormalize", "sparse_step",
-            "dense_layers", "dense_prefix", "score", "groups", "group_topk", "group_score", "group_switch", "scaling"}
+            "dense_layers", "dense_prefix", "score", "groups", "group_topk", "group_score", "group_switch", "scaling",
+            "sparse_list", "apply_on_input"}  # Llama 4: an explicit MoE layer list; routing weight on the input
 GROUP_SWITCH_KEYS = {"key", "on", "off"}
 ROUTER_SCORES = ("softmax", "sigmoid")
 GROUP_SCORES = ("top2_sum", "max")
@@ -65,8 +67,12 @@ MEGATRON_SPECS = ("te", "local")
 
 # The reference decoder's features (verification/forward/decoder.py implements each); a family's [decoder] table
 # picks them. Config-dependent values (activation, epsilon, window) name the HF config key they come from.
-DECODER_KEYS = {"norm", "mlp", "position", "activation", "norm_offset", "embedding_scaled"}
-DECODER_CHOICES = {"norm": ("rms", "layer"), "mlp": ("gated", "plain"), "position": ("rope", "learned")}
+DECODER_KEYS = {"norm", "mlp", "position", "activation", "norm_offset", "embedding_scaled", "rope_order", "variant"}
+DECODER_CHOICES = {"norm": ("rms", "layer"), "mlp": ("gated", "plain"), "position": ("rope", "learned"),
+                   "rope_order": ("half", "interleaved"), "variant": ("llama4_rules",)}  # layouts/llama4_rules.py
+#: The config.json keys a decoder variant reads (carried by the family; their defaults may be stated).
+VARIANT_KEYS = {"llama4_rules": ("no_rope_layers", "no_rope_layer_interval", "use_qk_norm", "attention_chunk_size",
+                           "layer_types", "attn_temperature_tuning", "floor_scale", "attn_scale")}
 #: HF ``hidden_act`` values -> the decoder's activation (``gelu_tanh``: the tanh approximation of GELU).
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
                "gelu_new": "gelu_tanh", "relu": "relu", "relu2": "relu2"}

@@ -38,6 +38,7 @@ class WeightSpec:
     split_megatron_local: str | None = None  # its split in Megatron's local spec when that differs (MLA down-projs)
     dtype: str | None = None  # a dtype every layout stores it in, whatever --dtype says (a router's fp32 bias)
     copy_of: str | None = None  # an HF-only copy of this weight (MTP's embedding / head): not a canonical tensor
+    vllm_qk_permute: bool = False  # vLLM stores its rows per head in rotate-half order, HF interleaved (Llama 4)
     # Fused expert storage (families-2.md section 14.2 F): HF reads and writes only the hf_fused tensor (gpt-oss,
     # Llama 4), each expert's block [in, out], a gate_up pack's slots alternating along out (row 2k + j = slot j's
     # row k); vLLM's per-rank pack alternating the same way within the rank's slice (gpt-oss w13).

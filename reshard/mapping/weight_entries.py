@@ -101,6 +101,8 @@ def _check_hf_storage(w: dict, source: str, where: str) -> None:
     """How HF stores it: fused with the experts stacked, transposed, or inside another tensor."""
     if "hf_fused" in w and "{expert}" in w["hf_fused"]:
         raise MappingError(f"{source}: {where} hf_fused '{w['hf_fused']}' stacks the experts: no {{expert}}")
+    if w.get("vllm_qk_permute", "interleaved_to_half") != "interleaved_to_half":
+        raise MappingError(f"{source}: {where} vllm_qk_permute must be 'interleaved_to_half'")
     if w.get("hf_transposed") and len(w["shape"]) != 2:
         raise MappingError(f"{source}: {where} is hf_transposed but is not 2-D")
     if "hf_stored" in w and ("{layer}" in w["hf_stored"]) != ("{layer}" in w["hf"]):
@@ -130,7 +132,7 @@ def _weight_spec(w: dict, te: str | None, local: str | None) -> WeightSpec:
         megatron_grouped=w.get("megatron_grouped"), megatron_legacy_grouped=w.get("megatron_legacy_grouped"),
         vllm=w.get("vllm"), trtllm=w.get("trtllm"), meta=w.get("meta"), vllm_unfused=w.get("vllm_unfused"),
         when=w.get("when"), split_megatron_local=w.get("split_megatron_local"), dtype=w.get("dtype"),
-        copy_of=w.get("copy_of"), **{k: bool(w.get(k, False)) for k in FUSED_FLAGS},
+        copy_of=w.get("copy_of"), vllm_qk_permute=w.get("vllm_qk_permute") == "interleaved_to_half", **{k: bool(w.get(k, False)) for k in FUSED_FLAGS},
     )
 
 

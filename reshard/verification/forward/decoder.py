@@ -43,6 +43,7 @@ choice only, group-limited top-k, the chosen unbiased scores renormalised when t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +51,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from reshard.errors import ReshardError
+from reshard.verification.forward import llama4_layer
 from reshard.verification.forward.layer_checks import ACTIVATION_FUNCTIONS, check_features
 from reshard.verification.forward.rank_weights import DecoderConfig, LayerWeights, RankWeights
 from reshard.verification.forward.rope import apply_rope, mla_softmax_scale, rope_cos_sin, rotate_pairs
@@ -256,6 +258,8 @@ def moe(x: torch.Tensor, w: LayerWeights, config: DecoderConfig, tp: TPGroup) ->
     """A Mixture-of-Experts MLP: each token's top-k experts (SwiGLU), weighted by the router, plus the shared
     expert (times ``sigmoid(x @ shared_expert_gate)`` when it has a gate); this rank's partial sums, all-reduced
     once."""
+    if config.llama4:  # the routing weight on the expert input
+        return llama4_layer.moe(x, w, config, tp)
     act = ACTIVATION_FUNCTIONS[config.activation]
     flat = x.reshape(-1, x.shape[-1])
     weights, chosen = route(flat, w.router, config, w.router_bias)
@@ -365,7 +369,7 @@ def decoder_layer(config: DecoderConfig, i: int, layer: LayerWeights, x: torch.T
     """Layer ``i``'s attention and MLP blocks on ``x``; appends the hidden state after each to ``states``."""
     sliding = i in config.window_layers
     cos, sin = inputs.local_rope if sliding else inputs.rope
-    h = attention(_pre_norm(config, x, layer.input_norm, layer.input_norm_bias), layer, config, cos, sin,
+    h = (functools.partial(llama4_layer.attention, i) if config.llama4 else attention)(_pre_norm(config, x, layer.input_norm, layer.input_norm_bias), layer, config, cos, sin,
                   inputs.windowed if sliding else inputs.full, tp)
     x = x + _residual(config, norm(config, h, layer.attn_output_norm, None) if config.sandwich_norm else h)
     if states is not None:

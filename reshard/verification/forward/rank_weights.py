@@ -83,6 +83,7 @@ class DecoderConfig:
     attention_multiplier: float | None = None  # Granite: the absolute softmax scale (replaces query_scale's)
     residual_multiplier: float = 1.0  # Granite: every block's output times this before the residual add
     logits_scaling: float = 1.0  # Granite: the logits divided by this
+    llama4: tuple | None = None  # Llama 4 text's per-layer rules (ModelConfig.llama4; forward/llama4_layer.py)
 
     @property
     def mla(self) -> bool:
@@ -106,7 +107,7 @@ class DecoderConfig:
             lacking.append(f"rope_scaling type '{kind}' (it implements {', '.join(ROPE_TYPES)})")
         else:
             lacking += _rope_gaps(meaning, kind, scaling)
-        if meaning.rope_interleaved and not meaning.mla:  # MLA's RoPE rotates interleaved pairs by definition
+        if meaning.rope_interleaved and not meaning.mla and not meaning.llama4:  # MLA, Llama 4: interleaved pairs
             lacking.append("interleaved RoPE")
         if meaning.experts and meaning.router_score not in ROUTER_SCORES:
             lacking.append(f"router score '{meaning.router_score}' (it implements {', '.join(ROUTER_SCORES)})")
@@ -137,7 +138,8 @@ class DecoderConfig:
                    rotary_fraction=meaning.rotary_fraction if meaning.position == "rope" else 1.0,
                    embedding_multiplier=meaning.embedding_multiplier,
                    attention_multiplier=meaning.attention_multiplier,
-                   residual_multiplier=meaning.residual_multiplier, logits_scaling=meaning.logits_scaling)
+                   residual_multiplier=meaning.residual_multiplier, logits_scaling=meaning.logits_scaling,
+                   llama4=meaning.llama4)
 
 
 def rope_parameters(meaning: ModelConfig) -> dict:

@@ -19,6 +19,7 @@ from reshard.layouts.base import Options
 from reshard.layouts.hf_config import read_meaning
 from reshard.mapping_vlm import family_for_architecture, flat_view
 from reshard.mapping import REPLICATED_PACK, config_condition
+from reshard.verification.forward import llama4_layer
 from reshard.verification.forward.rank_stream import RankStream, whole_rank_loader
 from reshard.verification.forward.rank_weights import (DecoderConfig, LayerWeights, check_world, split_halves,
                                                        split_stacked_qkv, unpack)
@@ -131,6 +132,8 @@ class VllmRankStream(RankStream):
     def layer(self, index: int) -> LayerWeights:
         held = [s for s in self.layer_specs if s.on_layer(index in self.sparse_layers)]
         weights = LayerWeights(**{s.role: self._get(s, index) for s in held})
+        if self.meaning.llama4:  # vLLM permuted Llama 4's q / k rows to rotate-half order
+            llama4_layer.unpermute_qk(weights, self.config.head_dim)
         self._cache = {}
         if index in self.sparse_layers:
             weights.experts = _experts(self.expert_specs, index, self.where, self.meaning.experts, self.rank,
