@@ -11,6 +11,7 @@ from reshard.core.pieces import Piece, StoredTensor
 from reshard.core.templates import template_match
 from reshard.errors import CheckpointError
 from reshard.mapping import Family, WeightSpec, config_condition, with_defaults
+from reshard.mapping.sections import group_count, layer_mixers, section_rows
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,8 @@ class CanonicalTensor:
     layer: int | None
     shape: tuple[int, ...]
     expert: int | None = None  # the global routed-expert index of a per-expert weight
+    sections: tuple[tuple[str, int], ...] = ()  # named sections' rows per group (mapping/sections.py)
+    groups: int = 1  # section groups along dim 0
 
     @property
     def axis(self) -> int:
@@ -71,18 +74,21 @@ class CanonicalModel:
 
     sparse_layers: tuple[int, ...] = ()  # the Mixture-of-Experts layers of the decoder
     mtp_layers: tuple[int, ...] = ()  # the multi-token-prediction layers, indexed after the decoder's (L + k)
+    mixers: tuple[str | None, ...] = ()  # each decoder layer's mixer kind ([layers]; empty: one kind)
 
     @property
     def num_experts(self) -> int:
         return self.dims[self.family.moe["experts"]] if self.family.moe else 0
 
     def get(self, spec: WeightSpec, layer: int | None, expert: int | None = None) -> CanonicalTensor | None:
-        return self.tensors.get(instance(spec.hf, layer, expert))
+        found = self.tensors.get(instance(spec.hf, layer, expert))
+        return found if found is None or found.spec.mixer == spec.mixer else None  # one HF name, two mixers
 
     def holds_layer(self, spec: WeightSpec, layer: int) -> bool:
         """Whether ``layer`` has ``spec`` (sparse-only weights on MoE layers, dense-only ones elsewhere, MTP
         layers: MoE layers plus their own weights)."""
-        return spec.on_layer(layer in self.sparse_layers, layer in self.mtp_layers)
+        mixer_ok = not spec.mixer or layer >= len(self.mixers) or self.mixers[layer] == spec.mixer
+        return mixer_ok and spec.on_layer(layer in self.sparse_layers, layer in self.mtp_layers)
 
     @property
     def all_layers(self) -> range:
@@ -133,7 +139,8 @@ def build_canonical(family: Family, config: dict, present_optional: set[str], ti
 
     def add(spec: WeightSpec, layer: int | None, expert: int | None = None):
         name = instance(spec.hf, layer, expert)
-        tensors[name] = CanonicalTensor(name, spec, layer, family.shape_of(spec, dims), expert)
+        tensors[name] = CanonicalTensor(name, spec, layer, family.shape_of(spec, dims), expert,
+                                        section_rows(spec, dims), group_count(spec, dims))
 
     def wanted(spec: WeightSpec) -> bool:
         if spec.optional and spec.hf not in present_optional:
@@ -148,9 +155,12 @@ def build_canonical(family: Family, config: dict, present_optional: set[str], ti
     sparse = family.sparse_layers(config, dims["L"])
     experts = dims[family.moe["experts"]] if family.moe else 0
     mtp_layers = tuple(range(dims["L"], dims["L"] + (family.mtp_count(config) if mtp is None else mtp)))
+    mixers = layer_mixers(family, config, dims["L"])
     for layer in range(dims["L"] + len(mtp_layers)):
         for spec in family.weights:
             if not (spec.per_layer and wanted(spec) and spec.on_layer(layer in sparse, layer in mtp_layers)):
+                continue
+            if spec.mixer and layer < len(mixers) and mixers[layer] != spec.mixer:
                 continue
             for expert in range(experts) if spec.per_expert else [None]:
                 add(spec, layer, expert)
@@ -158,7 +168,7 @@ def build_canonical(family: Family, config: dict, present_optional: set[str], ti
         if spec.stage == "last" and wanted(spec):
             add(spec, None)
     return CanonicalModel(family=family, config=dict(spelt), dims=dims, tensors=tensors, tied=tied,
-                          sparse_layers=sparse, mtp_layers=mtp_layers)
+                          sparse_layers=sparse, mtp_layers=mtp_layers, mixers=mixers)
 
 
 def template_layer(template: str, name: str) -> int | None | bool:

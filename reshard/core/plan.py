@@ -8,7 +8,7 @@ first one in source order is read and the others become :class:`ReplicaCheck` en
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from reshard.core.pieces import StoredTensor
@@ -32,6 +32,7 @@ class ReadOp:
     dst_block: int | None = None  # a stacked target tensor: the block written to
     interleave: int = 0  # RoPE row order: +d reorders interleaved source heads to halves, -d halves to interleaved
     rows: tuple[int, int] | None = None  # an op along axis >= 1 restricted to source rows [start, stop) of dim 0
+    shift: float = 0.0  # added to the values read (the target's value offset less the source's; exact near 1)
 
     def source_axis(self, target_axis: int) -> int:
         """The source tensor's axis the op reads along (within its block when stacked)."""
@@ -145,6 +146,7 @@ class CanonicalIndex:
                 spans.setdefault(piece.canonical, []).append(
                     _Span(piece.start, piece.stop, source, tensor.name, offset, tensor.transposed, piece.block,
                           piece.interleaved or tensor.interleaved))
+        self.value_offsets = {(source, t.name): t.value_offset for source, t in stored if t.value_offset}
         self.primary: dict[str, list[_Span]] = {}
         self.checks: list[ReplicaCheck] = []
         for name, shape in shapes.items():
@@ -190,7 +192,8 @@ class CanonicalIndex:
                     raise CheckpointError(f"rows {lo}..{hi} of '{canonical}' cut a head of {abs(order)} rows: an "
                                           "interleaved-RoPE tensor is read in whole heads")
                 ops.append(ReadOp(span.source, span.tensor, span.offset + lo - span.start, hi - lo,
-                                  dst_start + lo - start, span.transposed != transposed, span.block, block, order))
+                                  dst_start + lo - start, span.transposed != transposed, span.block, block, order,
+                                  shift=-self.value_offsets.get((span.source, span.tensor), 0.0)))
         return ops
 
 
@@ -202,5 +205,7 @@ def plan_tensor(index: CanonicalIndex, target: StoredTensor, dtype: str) -> Targ
         else:
             reads.extend(index.reads_for(piece.canonical, piece.start, piece.stop, offset, target.transposed,
                                          piece.block, piece.interleaved or target.interleaved))
+    if target.value_offset:  # the target stores canonical + its offset (StoredTensor.value_offset)
+        reads = [replace(op, shift=op.shift + target.value_offset) for op in reads]
     return TargetTensor(target.name, target.shape, target.dtype or dtype, target.axis, reads, padded, target.fill,
                         target.pair_interleaved)

@@ -10,6 +10,7 @@ from typing import Callable
 
 from reshard.core.canonical import CanonicalModel, CanonicalTensor
 from reshard.core.pieces import Piece, StoredTensor, padding
+from reshard.core.section_pieces import gated_qkv_pieces, section_pieces
 from reshard.errors import PlanError
 from reshard.mapping import WeightSpec
 
@@ -221,9 +222,12 @@ def rank_slice(name: str, spec: WeightSpec, members: list[CanonicalTensor], rank
         pieces = [Piece(first.name, 0, first.shape[first.axis]) if rank == 0 else padding(first.shape[first.axis])]
     elif kind == "vocab":
         pieces = vocab_pieces(first, rank, tp, padded_vocab)
+    elif kind == "sections":
+        pieces = section_pieces(members, rank, tp)
     elif kind == "qkv":
         by_slot = {m.spec.slot: m for m in members}
-        pieces = qkv_rule(by_slot["q"], by_slot["k"], by_slot["v"], rank, tp, groups)
+        gated = by_slot["q"].spec.gated_query and qkv_rule is megatron_qkv_pieces
+        pieces = (gated_qkv_pieces if gated else qkv_rule)(by_slot["q"], by_slot["k"], by_slot["v"], rank, tp, groups)
     elif kind == "gate_up" and len(members) == 1:  # stored alone (TensorRT-LLM's mlp.fc / mlp.gate): a column split
         pieces = even_pieces(first, rank, tp)
     elif kind == "gate_up":

@@ -65,6 +65,8 @@ def read_op(op: ReadOp, axis: int, files: list[TensorFile], dtype: str | None = 
     source's other axis and is transposed; a RoPE reorder permutes rows inside each head). A block-FP8 weight
     (:mod:`reshard.io.fp8`) is dequantised into ``dtype`` (the target's; None: fp32) band by band, the other
     tensors come in their stored dtype."""
+    if op.shift:  # a stored value offset (Megatron's zero-centred norm); exact for weights in [0.5, 2]
+        return read_op(replace(op, shift=0.0), axis, files, dtype, allow_overflow) + op.shift
     if op.interleave:
         return rope_rows(read_op(replace(op, interleave=0), axis, files, dtype, allow_overflow), op.interleave)
     if op.src_block is not None:  # the slice within one block of a stacked source (rows: of that block)

@@ -93,7 +93,7 @@ def chunk_tensors(files: dict[str, DistcpFile], folder: str, target: StoredTenso
             data = data_file(files, folder, tensor, chunk.file)
             data.add(name, chunk, tensor.dtype, shape, skip)
             pieces = slice_pieces(target.pieces, start, start + length)
-            out.append((data, StoredTensor(name, shape, axis, pieces)))
+            out.append((data, StoredTensor(name, shape, axis, pieces, value_offset=target.value_offset)))
             covered.append((start, start + length))
     covered.sort()
     pos, extent = 0, target.shape[target.axis] if target.shape else 1

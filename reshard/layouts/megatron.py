@@ -34,6 +34,7 @@ from reshard.layouts.megatron_folders import (  # noqa: F401  (_checkpoint_root,
     _RANK_DIR, _REMOTE_RANK_FILE, TRACKER, _checkpoint_root, _iteration_dir, _label,
     iteration_folder, iteration_folder_name, side_folders, true_vocab_size)
 from reshard.layouts.megatron_args import RECORD_ONLY, args_from_meaning, meaning_from_args
+from reshard.layouts import gdn_rules
 from reshard.layouts import llama4_rules
 from reshard.layouts.vision import check_megatron_tower, megatron_vision, tower_views, unused_tower_tensor
 from reshard.mapping import Family, WeightSpec
@@ -105,8 +106,9 @@ def rank_tensors(model: CanonicalModel, tp: int, rank: int, layers: list[int], f
         if members is None:
             return
         name = template.format(layer=local) if local is not None else template
-        out.append(rank_slice(name, spec, members, rank, tp, groups, padded_vocab, megatron_qkv_pieces,
-                              spec.split_in(kind_in, vision)))
+        stored = rank_slice(name, spec, members, rank, tp, groups, padded_vocab, megatron_qkv_pieces,
+                            spec.split_in(kind_in, vision))
+        out.append(replace(stored, value_offset=spec.megatron_offset) if spec.megatron_offset else stored)
 
     for name_spec, spec, layer, local in stage_weights(model, layers, first, last, tied_copy=not first):
         emit(spec, layer, local, name_spec)
@@ -472,6 +474,7 @@ def build_args(model: CanonicalModel, opts: Options, padded: int, divisor: int, 
     values.update(args_from_meaning(model.meaning, loss), **llama4_rules.megatron_args(model.meaning))
     if model.num_experts:
         values["moe_grouped_gemm"] = opts.moe_grouped_gemm
+    values.update(gdn_rules.megatron_args(model))
     record = nested(write_hf_config(model.meaning, model.config, model.family, ConfigLoss("record")))
     record["dtype" if "dtype" in record else "torch_dtype"] = dtypes.hf_config_dtype(dtype)
     values.update(
@@ -509,6 +512,7 @@ def output_args(source: Source, opts: Options, dtype: str) -> OutputArgs:
     if opts.vocab_divisor is not None and opts.vocab_divisor < 1:
         raise PlanError(f"--make-vocab-size-divisible-by must be a positive integer (got {opts.vocab_divisor}); "
                         "Megatron pads the vocab to a multiple of it times tp (default 128)")
+    gdn_rules.check_megatron_target(model, opts.megatron_spec, opts.tp)
     check_megatron_degrees(model, opts.tp, opts.pp)
     check_split_dims(model, opts.tp, "megatron_local" if opts.megatron_spec == "local" else "megatron")
     check_megatron_tower(model, opts)

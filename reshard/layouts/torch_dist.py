@@ -28,7 +28,7 @@ from reshard.io.partial import replace_with_text
 from reshard.io.heads import read_heads_while_torch_imports
 from reshard.io.regular import open_regular
 from reshard.io.torch_format import TorchFile, TorchZipWriter, object_archive
-from reshard.layouts import megatron
+from reshard.layouts import gdn_rules, megatron
 from reshard.layouts.vision import megatron_vision, tower_views, unused_tower_tensor
 from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, pack_by_size,
                                   stored_dtype)
@@ -126,8 +126,8 @@ def open_source(path: str, opts: Options) -> Source:
         raise CheckpointError(f"{folder}: the embedding holds {padded} rows, fewer than the vocab size "
                               f"{meaning.vocab}; --vocab-size or the recorded vocab is wrong")
     vision = "native" if any(k.startswith("vision_model.decoder.layers.") for k in index.tensors) else "hf"
-    layout = megatron.rank_tensors(model, 1, 0, list(range(model.num_layers)), True, True, "te", padded,
-                                   vision=vision)
+    layout = gdn_rules.per_section(model, megatron.rank_tensors(model, 1, 0, list(range(model.num_layers)), True,
+                                                                True, "te", padded, vision=vision))
     views = tower_views(model, "te", vision)
     files: dict[str, DistcpFile] = {}
     stored, used, locations = [], set(), []
@@ -208,8 +208,8 @@ def located_tensors(model, padded: int, vision: str = "hf") -> list[tuple[Stored
     stacked = stacked_layers(model)
     views = tower_views(model, "te", vision)
     return [(t, location(t.name, stacked, unit_axes(views, t)))
-            for t in megatron.rank_tensors(model, 1, 0, list(range(model.num_layers)), True, True, "te", padded,
-                                           vision=vision)]
+            for t in gdn_rules.per_section(model, megatron.rank_tensors(
+                model, 1, 0, list(range(model.num_layers)), True, True, "te", padded, vision=vision))]
 
 
 def target_chunks(model, located: list[tuple[StoredTensor, Location]], tp: int, etp: int | None = None,
@@ -240,7 +240,8 @@ def target_chunks(model, located: list[tuple[StoredTensor, Location]], tp: int, 
                 shape = tuple(stop - begin if i == tensor.axis else n for i, n in enumerate(tensor.shape))
                 offsets = tuple(begin if i == tensor.axis else 0 for i in range(len(tensor.shape)))
                 name = f"{key}@{','.join(map(str, loc.index))}:{','.join(map(str, offsets))}"
-                chunk = StoredTensor(name, shape, tensor.axis, slice_pieces(tensor.pieces, begin, stop))
+                chunk = StoredTensor(name, shape, tensor.axis, slice_pieces(tensor.pieces, begin, stop),
+                                     value_offset=tensor.value_offset)
                 out.append((key, (*lead, *tensor.shape), chunk, (1,) * len(lead) + shape, (*loc.index, *offsets)))
     return out
 

@@ -92,6 +92,8 @@ def other_spelling(key: str) -> str | None:
 def stacked_layers(model) -> bool:
     """Whether megatron-core stacks this model's layers: dense, or a Mixture of Experts on every layer (Megatron-LM
     ``moe_layer_freq`` 1, what reshard records then); a list of dense and MoE layers gives per-layer keys."""
+    if len(set(model.mixers)) > 1:  # hybrid layers (linear_attention_freq a list): per-layer keys
+        return False
     return not model.num_experts or tuple(model.sparse_layers) == tuple(range(model.num_layers))
 
 

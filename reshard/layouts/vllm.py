@@ -27,6 +27,7 @@ from reshard.version import __version__
 from reshard.core.canonical import CanonicalModel, build_canonical, stored_whole
 from reshard.core.pieces import StoredTensor
 from reshard.layouts.llama4_rules import check_vllm_target, qk_rows_permuted
+from reshard.layouts import gdn_rules
 from reshard.core.sharding import (check_vllm_degrees, pack_members, rank_slice, vllm_padded_vocab,
                                    vllm_qkv_pieces)
 from reshard.errors import CheckpointError, PlanError
@@ -131,7 +132,8 @@ def rank_tensors(model: CanonicalModel, tp: int, rank: int, padded_vocab: int,
             return
         whole = tower_whole and spec.tower
         out.append(qk_rows_permuted(model, rank_slice(stored_name, spec, members, 0 if whole else rank,
-                                                      1 if whole else tp, groups, padded_vocab, vllm_qkv_pieces)))
+                                                      1 if whole else tp, groups, padded_vocab, vllm_qkv_pieces,
+                                                      spec.split_in(NAME))))
 
     for spec in family.weights:
         if spec.stage == "first":
@@ -143,7 +145,7 @@ def rank_tensors(model: CanonicalModel, tp: int, rank: int, padded_vocab: int,
         for spec in family.weights:
             if spec.per_layer:
                 emit(spec, layer)
-        for scale in family.vllm_scales:
+        for scale in family.vllm_scales if model.mixers[layer:layer + 1] in ((), ("attention",)) else ():
             out.append(StoredTensor(scale.format(layer=layer), (), 0, (), fill=1.0, dtype=SCALE_DTYPE))
     for spec in family.weights:
         if spec.stage == "last" and not (spec.tied_to and model.tied):
@@ -340,6 +342,7 @@ def targets(model: CanonicalModel, opts: Options, dtype: str) -> tuple[list[Targ
     if opts.pp != 1:
         raise PlanError("vLLM sharded_state files hold tensor-parallel ranks only: --pp must be 1 for --to vllm")
     _check_names(model)
+    gdn_rules.check_degrees(model, opts.tp)
     check_vllm_degrees(model, opts.tp, opts.expert_parallel)
     check_vllm_target(model)
     whole = opts.vllm_vision == "data"

@@ -13,6 +13,7 @@ from pathlib import Path
 from reshard.errors import MappingError
 from reshard.mapping.defaults import check_defaults
 from reshard.mapping.family import Family
+from reshard.mapping.sections import parse_layers
 from reshard.mapping.tables import (check_family_table, check_hf_table, check_mla, check_moe, check_mtp,
                                     check_top_level, parse_config, parse_decoder, parse_dims, parse_megatron,
                                     parse_vllm_scales)
@@ -38,13 +39,14 @@ def parse_family(data: dict, source: str) -> Family:
     check_mtp(mtp, source)
     decoder = parse_decoder(data.get("decoder", {}), source)
     config = parse_config(data.get("config", {}), source, tuple(fam["architectures"]))
-    weights = parse_weights(data["weight"], source, dims, moe, mtp)
+    layers = parse_layers(data.get("layers", {}), source)
+    weights = parse_weights(data["weight"], source, dims, moe, mtp, layers)
     family = Family(name=fam["name"], description=fam.get("description", ""),
                     architectures=tuple(fam["architectures"]), dims=dims, weights=weights,
                     extra_state=extra_state, source=source, vllm_scales=vllm_scales, decoder=decoder,
                     config=config, hf_ignore=tuple(hf_table.get("ignore", ())), moe=dict(moe),
                     hf_optional_prefix=hf_table.get("optional_prefix", ""),
-                    vllm_tied_name=vllm.get("tied_name"), mla=dict(mla), mtp=dict(mtp))
+                    vllm_tied_name=vllm.get("tied_name"), mla=dict(mla), mtp=dict(mtp), layer_kinds=layers)
     check_defaults(family)
     return family
 

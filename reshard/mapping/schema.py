@@ -10,7 +10,7 @@ import difflib
 
 from reshard.errors import MappingError
 
-SPLIT_KINDS = ("replicated", "column", "row", "vocab", "qkv", "gate_up")
+SPLIT_KINDS = ("replicated", "column", "row", "vocab", "qkv", "gate_up", "sections")  # sections: mapping/sections.py
 #: first_rank: whole on rank 0 and zeros on the others (vLLM gpt-oss w2_bias); read from rank 0.
 SPLIT_KINDS += ("first_rank",)
 PACK_SLOTS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
@@ -20,12 +20,13 @@ REPLICATED_PACK = "replicated"
 WEIGHT_KEYS = {
     "hf", "split", "slot", "shape", "optional", "tied_to", "stage", "role", "hf_stored", "hf_transposed", "layers",
     "hf_fused", "when", "split_megatron_local", "dtype", "copy_of",
+    "mixer", "split_vllm", "split_megatron", "sections", "section_groups", "megatron_offset", "gated_query",
     "hf_fused_on_disk", "hf_fused_transposed", "hf_fused_interleaved", "vllm_interleaved",
     "megatron", "megatron_te", "megatron_local", "megatron_sparse", "megatron_grouped", "megatron_legacy_grouped",
     "vllm", "vllm_unfused", "trtllm", "meta",
     "vllm_qk_permute",  # "interleaved_to_half": vLLM stores these q/k rows in rotate-half order (Llama 4)
 }
-TOP_KEYS = {"family", "dims", "hf", "moe", "mla", "mtp", "megatron", "vllm", "decoder", "config", "weight"}
+TOP_KEYS = {"family", "dims", "hf", "moe", "mla", "mtp", "megatron", "vllm", "decoder", "config", "weight", "layers"}
 #: Mixture of Experts ([moe]): the dims symbol of the expert count and the config keys that say which layers are
 #: sparse (every ``sparse_step``-th, except ``dense_layers`` and the first ``dense_prefix``; all when none is set).
 #: Routing: ``score`` (``softmax`` | ``sigmoid``, fixed per family), ``groups`` / ``group_topk`` (the config keys
@@ -58,6 +59,7 @@ LAYER_ROLES = ("input_norm", "input_norm_bias", "q", "k", "v", "q_bias", "k_bias
                "expert_down", "shared_gate", "shared_up", "shared_down", "shared_expert_gate",
                "q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm", "kv_b",
                "sinks", "router_linear_bias", "expert_gate_bias", "expert_up_bias", "expert_down_bias")
+LAYER_ROLES += ("gdn_qkvz", "gdn_ba", "gdn_conv", "gdn_a_log", "gdn_dt_bias", "gdn_norm", "gdn_out")  # Gated DeltaNet
 MODEL_ROLES = ("embedding", "position_embedding", "final_norm", "final_norm_bias", "lm_head")
 FAMILY_KEYS = {"name", "description", "architectures"}
 DIM_KEYS = {"key", "default"}

@@ -47,6 +47,17 @@ class WeightSpec:
     hf_fused_interleaved: bool = False
     vllm_interleaved: bool = False
 
+    # Hybrid mixers and named sections (reshard/mapping/sections.py): the layer kind holding it, a layout's own
+    # split, the named sections along dim 0 (per group when ``section_groups``), Megatron's stored value offset,
+    # and a query projection whose heads are [q; gate] (Megatron puts a group's gates after its queries).
+    mixer: str | None = None
+    split_vllm: str | None = None
+    split_megatron: str | None = None
+    sections: tuple[str, ...] = ()
+    section_groups: str | None = None
+    megatron_offset: float = 0.0
+    gated_query: bool = False
+
     layers: str = "all"  # which layers hold it: all | sparse (MoE layers) | dense | mtp (MTP layers only)
     # Vision-language models (reshard/mapping/vlm.py): a tower or projector weight, the dims symbol of its qkv
     # head count, its native-Megatron names and split, its split in the HF-module Megatron layout, vLLM storing
@@ -78,7 +89,11 @@ class WeightSpec:
         split depends on the ``vision`` layout, hf modules or native)."""
         if self.tower and layout.startswith("megatron"):
             return (self.split_native or self.split) if vision == "native" else self.split_megatron_hf
-        return self.split_megatron_local if layout == "megatron_local" and self.split_megatron_local else self.split
+        if layout == "megatron_local" and self.split_megatron_local:
+            return self.split_megatron_local
+        if layout.startswith("megatron") and self.split_megatron:
+            return self.split_megatron
+        return self.split_vllm if layout == "vllm" and self.split_vllm else self.split
 
     def held_in(self, layout: str) -> bool:
         """Whether ``layout`` (vllm | megatron_native | ...) holds it (vLLM builds no CLIP block past LLaVA's

@@ -8,13 +8,15 @@ A new per-weight key is checked in the function of its concern here (and declare
 from __future__ import annotations
 
 from reshard.errors import MappingError
+from reshard.mapping import sections
 from reshard.mapping.conditions import _check_condition, _names_in
 from reshard.mapping.schema import (LAYER_KINDS, LAYER_ROLES, MEGATRON_SPECS, MODEL_ROLES, PACK_SLOTS,
                                     REPLICATED_PACK, SPLIT_KINDS, WEIGHT_KEYS, _check_keys, _suggest)
 from reshard.mapping.weight import WeightSpec
 
 
-def parse_weights(entries: list[dict], source: str, dims: dict, moe: dict, mtp: dict) -> tuple[WeightSpec, ...]:
+def parse_weights(entries: list[dict], source: str, dims: dict, moe: dict, mtp: dict,
+                  layers: dict | None = None) -> tuple[WeightSpec, ...]:
     """Every ``[[weight]]`` entry, validated alone and together."""
     weights = []
     seen: set[str] = set()
@@ -26,7 +28,8 @@ def parse_weights(entries: list[dict], source: str, dims: dict, moe: dict, mtp: 
         _check_shape(w, source, where, dims)
         _check_placement(w, source, where, seen, moe)
         _check_hf_storage(w, source, where)
-        seen.add(w["hf"])
+        sections.check_weight(w, source, where, dims, layers or {})
+        seen.add(sections.entry_key(w))
         weights.append(_weight_spec(w, *_megatron_names(w, source, where)))
     _check_roles(weights, source)
     _check_references(weights, source)
@@ -48,7 +51,7 @@ def _check_split(w: dict, source: str, where: str) -> None:
     slots = PACK_SLOTS.get(w["split"])
     if slots and w.get("slot") not in slots:
         raise MappingError(f"{source}: {where} needs slot one of {', '.join(slots)} for split '{w['split']}'")
-    if not slots and "slot" in w and w["split"] != REPLICATED_PACK:
+    if not slots and "slot" in w and w["split"] != REPLICATED_PACK and not w.get("sections"):
         raise MappingError(f"{source}: {where} has a slot but split '{w['split']}' does not pack")
     if w.get("split_megatron_local") not in (None, "replicated", "column", "row"):
         raise MappingError(f"{source}: {where} split_megatron_local must be replicated, column or row")
@@ -83,7 +86,7 @@ def _check_placement(w: dict, source: str, where: str, seen: set[str], moe: dict
     per_layer = "{layer}" in w["hf"]
     if not per_layer and w.get("stage") is None:
         raise MappingError(f"{source}: {where} is outside the layer stack and needs stage = 'first' or 'last'")
-    if w["hf"] in seen:
+    if sections.entry_key(w) in seen:
         raise MappingError(f"{source}: {where} is declared twice")
     role = w.get("role")
     if role is not None and role not in (LAYER_ROLES if per_layer else MODEL_ROLES):
@@ -132,14 +135,14 @@ def _weight_spec(w: dict, te: str | None, local: str | None) -> WeightSpec:
         megatron_grouped=w.get("megatron_grouped"), megatron_legacy_grouped=w.get("megatron_legacy_grouped"),
         vllm=w.get("vllm"), trtllm=w.get("trtllm"), meta=w.get("meta"), vllm_unfused=w.get("vllm_unfused"),
         when=w.get("when"), split_megatron_local=w.get("split_megatron_local"), dtype=w.get("dtype"),
-        copy_of=w.get("copy_of"), vllm_qk_permute=w.get("vllm_qk_permute") == "interleaved_to_half", **{k: bool(w.get(k, False)) for k in FUSED_FLAGS},
+        copy_of=w.get("copy_of"), **sections.spec_fields(w), vllm_qk_permute=w.get("vllm_qk_permute") == "interleaved_to_half", **{k: bool(w.get(k, False)) for k in FUSED_FLAGS},
     )
 
 
 def _check_roles(weights: list[WeightSpec], source: str) -> None:
-    roles = [w.role for w in weights if w.role]
+    roles = [(w.role, w.mixer) for w in weights if w.role]
     if len(roles) != len(set(roles)):
-        dup = next(r for r in roles if roles.count(r) > 1)
+        dup = next(r for r, _ in roles if roles.count((r, _)) > 1)
         raise MappingError(f"{source}: role '{dup}' is given to two weights")
 
 
@@ -171,6 +174,8 @@ def _check_packs(weights: list[WeightSpec], source: str) -> None:
                                       or members[0].split == REPLICATED_PACK):
                 continue  # HF stores most packed weights unfused, TensorRT-LLM its gate and up apart
             kinds = {m.split for m in members}
+            if sections.section_pack(members):
+                continue  # sections lay their members end to end, whatever their slots (mapping/sections.py)
             if kinds == {REPLICATED_PACK}:
                 if any(not m.slot for m in members) or len({m.slot for m in members}) != len(members):
                     raise MappingError(f"{source}: replicated weights {', '.join(m.hf for m in members)} share "

@@ -1,0 +1,239 @@
+"""Qwen3-Next (``Qwen3NextForCausalLM``, mappings/qwen3_next.toml; ../shared/layouts/families-2.md section 4 and the
+acceptance checks of section 15): a tiny model built by transformers from ``Qwen3NextConfig`` (hf_tiny.py's case: 3
+Gated DeltaNet layers + 1 gated full-attention layer, nk 2, nv 4, dk = dv = 16, partial rotary 0.25, MoE on every
+layer with a gated shared expert) with seeded noise on every 1-D parameter (norms, A_log, dt_bias, the GDN norm).
+
+- hf -> megatron tp2 ep2 -> torch_dist -> vllm tp2 -> hf: every tensor bit-exact, config keys kept, transformers'
+  logits of the output equal the source's.
+- Megatron's rank tensors equal the probe's rule slices (mcore_from_hf.py's packing: in_proj regrouped
+  [q; k; v; z; b; a] then sections per rank, conv1d sections, linear_qkv per group [q; gate; k; v], out_norm
+  w - 1); torch_dist keys per section (in_proj.weight.{query,...}); the args spell the GDN layers.
+- vLLM 0.32's per-rank names and shapes at tp2 (section 13 / NOTES.md: 64 keys per rank).
+- section 17's refusals (local spec; key heads not dividing tp for vllm and megatron): one line, exit 2, nothing
+  written.
+- ``inspect``, ``plan``, ``load_rank`` and ``live.plan``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from helpers import run_cli
+from test_family_glm4_moe import config_of, hf_state, logits, reshard_convert
+from safetensors.torch import load_file
+
+import reshard
+
+transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e .[test]")
+
+#: hf_tiny.py's qwen3_next case (families-2 probes).
+DIMS = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            max_position_embeddings=256, tie_word_embeddings=False, intermediate_size=96, num_hidden_layers=4,
+            linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+            linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48)
+NK, NV, DK, DV, H, NH, NG, D = 2, 4, 16, 16, 64, 4, 2, 16
+KEPT = ("layer_types", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+        "linear_num_key_heads", "linear_num_value_heads", "rope_parameters", "head_dim", "num_experts",
+        "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob",
+        "decoder_sparse_step", "mlp_only_layers", "rms_norm_eps", "num_key_value_heads", "tie_word_embeddings")
+
+
+def save_qwen3_next(folder, **overrides) -> str:
+    """transformers' own tiny Qwen3NextForCausalLM (fp32), seeded noise on every 1-D parameter (hf_tiny.py's
+    ``perturb``), saved by ``save_pretrained``."""
+    torch.manual_seed(0)
+    model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**{**DIMS, **overrides})).float().eval()
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn(p.shape, generator=generator, dtype=p.dtype))
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def qn(tmp_path_factory):
+    return save_qwen3_next(tmp_path_factory.mktemp("qwen3_next") / "hf")
+
+
+@pytest.fixture(scope="module")
+def chain(qn, tmp_path_factory):
+    """hf -> megatron tp2 ep2 -> torch_dist -> vllm tp2 -> hf."""
+    root = tmp_path_factory.mktemp("qwen3_next_chain")
+    out = {k: str(root / k) for k in ("megatron", "torch_dist", "vllm", "hf")}
+    reshard_convert(qn, out["megatron"], "--to", "megatron", "--tp", "2", "--ep", "2")
+    reshard_convert(out["megatron"], out["torch_dist"], "--to", "torch_dist", "--tp", "2", "--ep", "2")
+    reshard_convert(out["torch_dist"], out["vllm"], "--to", "vllm", "--tp", "2")
+    reshard_convert(out["vllm"], out["hf"], "--to", "hf")
+    return out
+
+
+def test_chain_through_megatron_torch_dist_vllm_is_bit_exact(qn, chain):
+    source, back = hf_state(qn), hf_state(chain["hf"])
+    assert sorted(back) == sorted(source)
+    assert all(back[k].dtype == source[k].dtype and torch.equal(back[k], source[k]) for k in source)
+    ca, cb = config_of(qn), config_of(chain["hf"])
+    assert all(cb.get(k) == ca.get(k) for k in KEPT), [(k, ca.get(k), cb.get(k)) for k in KEPT
+                                                        if cb.get(k) != ca.get(k)]
+    assert (cb["architectures"], cb["model_type"]) == (["Qwen3NextForCausalLM"], "qwen3_next")
+    torch.testing.assert_close(logits(chain["hf"]), logits(qn), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------ Megatron: the probe's packing, then its rules
+
+def probe_megatron(hf: dict, layer: int, kind: str) -> dict[str, torch.Tensor]:
+    """mcore_from_hf.py's Qwen3Next.mc for one layer (TE names; out_norm stored w - 1 as Megatron-Bridge does)."""
+    p, q, r = f"model.layers.{layer}.", f"decoder.layers.{layer}.self_attention.", NV // NK
+    m = {}
+    if kind == "gdn":
+        a = p + "linear_attn."
+        qkvz = hf[a + "in_proj_qkvz.weight"].reshape(NK, 2 * DK + 2 * r * DV, H)
+        qq, kk, vv, zz = torch.split(qkvz, [DK, DK, r * DV, r * DV], dim=1)
+        bb, aa = torch.split(hf[a + "in_proj_ba.weight"].reshape(NK, 2 * r, H), [r, r], dim=1)
+        m[q + "in_proj.weight"] = torch.cat([x.reshape(-1, H) for x in (qq, kk, vv, zz, bb, aa)])
+        m[q + "conv1d.weight"] = hf[a + "conv1d.weight"]
+        m[q + "A_log"], m[q + "dt_bias"] = hf[a + "A_log"], hf[a + "dt_bias"]
+        m[q + "out_norm.weight"] = hf[a + "norm.weight"] - 1
+        m[q + "out_proj.weight"] = hf[a + "out_proj.weight"]
+        m[q + "in_proj.layer_norm_weight"] = hf[p + "input_layernorm.weight"]
+    else:
+        qh = hf[p + "self_attn.q_proj.weight"].reshape(NH, 2 * D, H)
+        kh, vh = (hf[p + f"self_attn.{x}_proj.weight"].reshape(NG, D, H) for x in "kv")
+        per = NH // NG
+        parts = []
+        for g in range(NG):
+            parts += [qh[g * per:(g + 1) * per, :D].reshape(-1, H), qh[g * per:(g + 1) * per, D:].reshape(-1, H),
+                      kh[g], vh[g]]
+        m[q + "linear_qkv.weight"] = torch.cat(parts)
+        m[q + "linear_proj.weight"] = hf[p + "self_attn.o_proj.weight"]
+        m[q + "linear_qkv.layer_norm_weight"] = hf[p + "input_layernorm.weight"]
+    return m
+
+
+def probe_slice(name: str, full: torch.Tensor, tp: int, r: int) -> torch.Tensor:
+    """mcore_from_hf.py's tp_rules / default_rule for the mixer tensors."""
+    sections = {"in_proj.weight": [NK * DK, NK * DK, NV * DV, NV * DV, NV, NV],
+                "conv1d.weight": [NK * DK, NK * DK, NV * DV]}
+    for key, sizes in sections.items():
+        if name.endswith(key):
+            return torch.cat([part.chunk(tp, 0)[r] for part in torch.split(full, sizes, 0)])
+    if name.endswith(("A_log", "dt_bias", "linear_qkv.weight")):
+        return full.chunk(tp, 0)[r]
+    if name.endswith(("out_proj.weight", "linear_proj.weight")):
+        return full.chunk(tp, 1)[r]
+    return full
+
+
+def test_megatron_rank_tensors_are_the_probes_rule_slices(qn, chain):
+    hf = hf_state(qn)
+    kinds = config_of(qn)["layer_types"]
+    for r in range(2):
+        blob = torch.load(os.path.join(chain["megatron"], "release", f"mp_rank_0{r}_000", "model_optim_rng.pt"),
+                          weights_only=False)
+        model, checked = blob["model"], 0
+        for layer, kind in enumerate(kinds):
+            for name, full in probe_megatron(hf, layer, "gdn" if kind == "linear_attention" else "attn").items():
+                assert torch.equal(model[name], probe_slice(name, full, 2, r)), (r, name)
+                checked += 1
+        assert checked == 3 * 7 + 3
+    a = vars(blob["args"])
+    assert (a["experimental_attention_variant"], a["linear_attention_freq"], a["attention_output_gate"],
+            a["linear_num_key_heads"], a["linear_num_value_heads"], a["linear_key_head_dim"],
+            a["linear_conv_kernel_dim"], a["apply_layernorm_1p"], a["rotary_percent"], a["qk_layernorm"],
+            a["moe_shared_expert_gate"], a["transformer_impl"]) == (
+        "gated_delta_net", [1, 1, 1, 0], True, 2, 4, 16, 4, True, 0.25, True, True, "transformer_engine")
+
+
+def test_torch_dist_keys_per_section(qn, chain):
+    from reshard.io.dcp import read_metadata
+
+    tensors, _ = read_metadata(os.path.join(chain["torch_dist"], "release"))
+    p = "decoder.layers.0.self_attention."
+    shapes = {k.removeprefix(p): tuple(v.shape) for k, v in tensors.items() if k.startswith(p)}
+    assert {k: v for k, v in shapes.items() if k.startswith(("in_proj.weight", "conv1d"))} == {
+        "in_proj.weight.query": (32, 64), "in_proj.weight.key": (32, 64), "in_proj.weight.value": (64, 64),
+        "in_proj.weight.z": (64, 64), "in_proj.weight.beta": (4, 64), "in_proj.weight.alpha": (4, 64),
+        "conv1d.weight.query": (32, 1, 4), "conv1d.weight.key": (32, 1, 4), "conv1d.weight.value": (64, 1, 4)}
+    assert "decoder.layers.3.self_attention.linear_qkv.weight" in tensors  # hybrid: per-layer keys
+
+
+# ------------------------------------------------------------------------------------------- vLLM 0.32 names
+
+#: NOTES.md section 3 (vllm_keys.py, tp 2, rank 0 shapes; rank 1 the same): 64 keys per rank.
+VLLM_GDN = {"linear_attn.in_proj_qkvz.weight": (96, 64), "linear_attn.in_proj_ba.weight": (4, 64),
+            "linear_attn.conv1d.weight": (64, 1, 4), "linear_attn.A_log": (2,), "linear_attn.dt_bias": (2,),
+            "linear_attn.norm.weight": (16,), "linear_attn.out_proj.weight": (64, 32)}
+VLLM_ATTN = {"self_attn.qkv_proj.weight": (96, 64), "self_attn.o_proj.weight": (64, 32),
+             "self_attn.q_norm.weight": (16,), "self_attn.k_norm.weight": (16,),
+             **{f"self_attn.attn._{s}_scale": () for s in ("k", "v", "q", "prob")}}
+VLLM_MOE = {"input_layernorm.weight": (64,), "post_attention_layernorm.weight": (64,),
+            "mlp.experts.gate.weight": (4, 64), "mlp.experts.routed_experts.w13_weight": (4, 32, 64),
+            "mlp.experts.routed_experts.w2_weight": (4, 64, 16),
+            "mlp.experts._shared_experts._layer.gate_up_proj.weight": (48, 64),
+            "mlp.experts._shared_experts._layer.down_proj.weight": (64, 24),
+            "mlp.experts._shared_experts._layer.expert_gate.weight": (1, 64)}
+
+
+def test_vllm_rank_names_and_shapes_are_vllms(chain):
+    expected = {"model.embed_tokens.weight": (256, 64), "model.norm.weight": (64,), "lm_head.weight": (256, 64)}
+    for layer in range(4):
+        own = VLLM_GDN if layer < 3 else VLLM_ATTN
+        expected.update({f"model.layers.{layer}.{k}": v for k, v in {**own, **VLLM_MOE}.items()})
+    assert len(expected) == 64
+    for r in range(2):
+        got = load_file(os.path.join(chain["vllm"], f"model-rank-{r}-part-0.safetensors"))
+        assert {k: tuple(v.shape) for k, v in got.items()} == expected
+
+
+def test_vllm_rank_tensors(qn, chain):
+    """vLLM keeps HF's grouped in_proj (whole key groups per rank), splits conv1d by sections, and its qkv_proj's q
+    slot is q_proj's rows with the gates (families-2.md section 4.3)."""
+    hf = hf_state(qn)
+    rank1 = load_file(os.path.join(chain["vllm"], "model-rank-1-part-0.safetensors"))
+    a, p = "model.layers.0.linear_attn.", "model.layers.3.self_attn."
+    assert torch.equal(rank1[a + "in_proj_qkvz.weight"], hf[a + "in_proj_qkvz.weight"][96:])
+    conv = hf[a + "conv1d.weight"]
+    assert torch.equal(rank1[a + "conv1d.weight"], torch.cat([conv[16:32], conv[48:64], conv[96:]]))
+    q, k, v = (hf[p + f"{x}_proj.weight"] for x in "qkv")
+    assert torch.equal(rank1[p + "qkv_proj.weight"], torch.cat([q[64:], k[16:], v[16:]]))
+
+
+# ------------------------------------------------------------------------------------------ refusals (section 17)
+
+@pytest.mark.parametrize("target, message", [
+    (("--to", "megatron", "--megatron-spec", "local"),
+     "megatron-core builds Gated DeltaNet only with the Transformer Engine spec; use --megatron-spec te."),
+    (("--to", "vllm", "--tp", "4"), "Gated DeltaNet key heads (2) must divide the tensor-parallel size (4)."),
+    (("--to", "megatron", "--tp", "4"), "Gated DeltaNet key heads (2) must divide the tensor-parallel size (4)."),
+], ids=["local_spec", "vllm_tp4", "megatron_tp4"])
+def test_refusals(qn, tmp_path, capsys, target, message):
+    out = tmp_path / "out"
+    code, _, err = run_cli(capsys, "convert", qn, out, *target)
+    assert code == 2 and err.strip() == f"error: {message}", err
+    assert not out.exists()
+
+
+def test_inspect_plan_load_rank_live_plan(qn, capsys):
+    code, out, err = run_cli(capsys, "inspect", qn, "--json")
+    assert code == 0 and json.loads(out)["architecture"] == "Qwen3NextForCausalLM", err
+    code, out, err = run_cli(capsys, "plan", qn, "--to", "megatron", "--tp", 2, "--ep", 2, "--json")
+    assert code == 0 and json.loads(out), err
+    hf = hf_state(qn)
+    rank = reshard.load_rank(qn, "vllm", tp=2, rank=1)
+    o = "model.layers.1.linear_attn.out_proj.weight"
+    assert torch.equal(rank[o], hf[o][:, 32:])
+    rank = reshard.load_rank(qn, "megatron", tp=2, ep=2, rank=1, ep_rank=1)
+    assert torch.equal(rank["decoder.layers.2.self_attention.out_norm.weight"],
+                       hf["model.layers.2.linear_attn.norm.weight"] - 1)
+    assert torch.equal(rank["decoder.layers.2.mlp.experts.local_experts.1.linear_fc2.weight"],
+                       hf["model.layers.2.mlp.experts.3.down_proj.weight"][:, 16:])
+    from reshard import live
+
+    plan = live.plan(qn, source={"layout": "megatron", "tp": 2, "ep": 2}, target={"layout": "vllm", "tp": 2},
+                     source_ranks=range(4), target_ranks=range(4, 6))
+    assert plan is not None
