@@ -128,6 +128,12 @@ def convert(
     config: Optional[str] = ConfigOpt,
     tag: Optional[str] = TagOpt,
     master_weights: bool = MasterOpt,
+    maxtext_model: Optional[str] = typer.Option(None, "--maxtext-model", help="MaxText: the model name (e.g. "
+                                                "llama3.1-8b), for its RoPE order and query scaling."),
+    scan_layers: bool = typer.Option(True, "--scan-layers/--no-scan-layers", help="With --to maxtext: stack "
+                                     "the layers (MaxText scan_layers, the default) or not."),
+    maxtext_match_converter: bool = typer.Option(False, "--maxtext-match-converter", help="With --to maxtext: "
+                                                 "every leaf in --dtype, rounded as MaxText's to_maxtext."),
     allow_replica_mismatch: bool = typer.Option(False, "--allow-replica-mismatch",
                                                 help="Take rank 0's copy when replicated tensors differ."),
     as_json: bool = JsonOpt,
@@ -177,6 +183,8 @@ def convert(
                          megatron_format=megatron_format, max_shard_size=max_shard_size, vocab_size=vocab_size,
                          make_vocab_size_divisible_by=make_vocab_size_divisible_by, architecture=architecture,
                          mapping=mapping, config=config, tag=tag, master_weights=master_weights,
+                         maxtext_model=maxtext_model, scan_layers=scan_layers,
+                         maxtext_match_converter=maxtext_match_converter,
                          allow_replica_mismatch=allow_replica_mismatch, workers=workers,
                          push_to=push_to, revision=revision, allow_lossy_config=tuple(allow_lossy_config or ()),
                          allow_cast_overflow=allow_cast_overflow, follow_symlinks=follow_symlinks,

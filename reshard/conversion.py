@@ -165,6 +165,7 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
             allow_cast_overflow: bool = False, distributed: bool | None = None,
             follow_symlinks: bool = False, keep_fp8: bool = False, drop_mtp: bool = False,
             config: str | None = None, tag: str | None = None, master_weights: bool = False,
+            maxtext_model: str | None = None, scan_layers: bool = True, maxtext_match_converter: bool = False,
             torchtitan_names: str = "current", hf_spelling: str = "hub", megatron_vision: str | None = None,
             vllm_vision: str = "weights", allow_missing: tuple[str, ...] = (),
             max_seq: int | None = None) -> ConvertResult:
@@ -207,6 +208,7 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
                                "moe_grouped_gemm": moe_grouped_gemm, "megatron_spec": megatron_spec,
                                "vocab_divisor": vocab_divisor, "max_shard_size": max_shard_size,
                                "keep_fp8": keep_fp8, "torchtitan_names": torchtitan_names,
+                               "scan_layers": scan_layers, "maxtext_match_converter": maxtext_match_converter,
                                "hf_spelling": hf_spelling, "megatron_vision": megatron_vision,
                                "vllm_vision": vllm_vision})
     if torchtitan_names not in ("current", "v0.2"):
@@ -218,6 +220,8 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
                    allow_replica_mismatch=allow_replica_mismatch, allow_lossy_config=tuple(allow_lossy_config),
                    follow_symlinks=follow_symlinks, keep_fp8=keep_fp8, drop_mtp=drop_mtp, config=config, tag=tag,
                    master_weights=master_weights, torchtitan_names=torchtitan_names, hf_spelling=hf_spelling,
+                   maxtext_model=maxtext_model, scan_layers=scan_layers,
+                   maxtext_match_converter=maxtext_match_converter,
                    megatron_vision=megatron_vision, vllm_vision=vllm_vision, allow_missing=tuple(allow_missing),
                    max_seq=max_seq)
     world = None if dry_run or not distributed_run(distributed) else World.join()

@@ -31,6 +31,9 @@ TARGET_OPTIONS = {"ep": ("--ep", 1), "etp": ("--etp", None), "expert_parallel": 
 #: Options only some sources are read with: Options field -> (the command-line flag, its value when not given).
 #: Converting from a layout that does not read one (``Layout.reads_options``) refuses it instead of ignoring it.
 SOURCE_OPTIONS = {"config": ("--config", None), "tag": ("--tag", None), "master_weights": ("--master-weights", False)}
+#: --to maxtext only (reshard/layouts/maxtext_write.py)
+TARGET_OPTIONS.update({"scan_layers": ("--no-scan-layers", True),
+                       "maxtext_match_converter": ("--maxtext-match-converter", False)})
 #: Why a target refuses one of them, where that says more than which targets use it ({to}: the target).
 TARGET_OPTION_REASONS = {"keep_fp8": "FP8 into {to} is out of scope, as re-quantising is lossy: drop --keep-fp8 to "
                                      "write bf16"}
@@ -66,6 +69,9 @@ class Options:
     megatron_vision: str | None = None  # Megatron vision tower: "hf" modules or "native" (default: the family's)
     vllm_vision: str = "weights"  # --to vllm: "weights" (the tower split as vLLM splits it) or "none" (text only)
     allow_missing: tuple[str, ...] = ()  # what a target may be written without: "vision" (unused CLIP blocks)
+    maxtext_model: str | None = None  # MaxText model name (llama3.1-8b, ...): the conventions the weights cannot show
+    scan_layers: bool = True  # --to maxtext: layers stacked on axis 1 (MaxText scan_layers=True)
+    maxtext_match_converter: bool = False  # --to maxtext: every leaf in --dtype, rounded as MaxText's to_maxtext
     max_seq: int | None = None  # the longest sequence a Megatron target must compute the same (Llama 4's refusal)
 
 

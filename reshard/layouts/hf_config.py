@@ -15,9 +15,10 @@ import json
 
 from reshard.core.model_config import UNCARRIED_SETTINGS, ConfigLoss, ModelConfig, normalize_scaling
 from reshard.errors import CheckpointError, PlanError
+from reshard.layouts import gpt_oss_rules
 from reshard.layouts.hf_config_moe import read_moe, write_moe
-from reshard.layouts import llama4_rules
 from reshard.layouts import phi3_rope
+from reshard.layouts import llama4_rules
 from reshard.mapping import ACTIVATIONS, BIAS_GROUPS, Family, with_defaults
 from reshard.mapping.schema import MULTIPLIER_KEYS
 
@@ -182,7 +183,8 @@ def read_meaning(config: dict, family: Family, architecture: str, dims: dict[str
         final_softcap=value(spelt.final_softcap), query_scale=value(spelt.query_scale),
         rope_local_theta=_local_theta(config, family, theta, where) if position == "rope" else None,
         mtp_layers=family.mtp_count(config), **_read_multipliers(value, spelt), **mla,
-        **read_moe(config, family, dims, present, where), **llama4_rules.meaning_fields(config, family))
+        **read_moe(config, family, dims, present, where), **llama4_rules.meaning_fields(config, family),
+        **gpt_oss_rules.meaning_fields(config, architecture))
 
 
 def _read_multipliers(value, spelt) -> dict:
@@ -299,6 +301,7 @@ def write_config(meaning: ModelConfig, base: dict | None, family: Family, loss: 
         else:
             c[setting] = value
     _write_window(c, meaning, spelling.window, loss)
+    gpt_oss_rules.write_hf(c, meaning, loss)
     write_moe(c, meaning, family, loss)
     if family.mtp:
         c[family.mtp["layers"]] = meaning.mtp_layers

@@ -28,6 +28,7 @@ from reshard.io.heads import read_heads_while_torch_imports
 from reshard.io.torch_format import MegatronEnum, TensorSlot, TorchFile, torch_dtype_global
 from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, check_shape,
                                   chosen_architecture)
+from reshard.layouts import gpt_oss_rules
 from reshard.layouts.hf import write_config
 from reshard.layouts.hf_config import read_meaning, without_dropped_settings, write_config as write_hf_config
 from reshard.layouts.megatron_folders import (  # noqa: F401  (_checkpoint_root, _label: for torch_dist, verify)
@@ -579,6 +580,7 @@ def expert_tp(opts: Options) -> int:
 def check_expert_degrees(model: CanonicalModel, opts: Options) -> None:
     """Refuse expert-parallel degrees Megatron-Core cannot hold this model at, before anything is written."""
     ep, etp = opts.ep, expert_tp(opts)
+    gpt_oss_rules.check_expert_tp(model.meaning, etp)
     if ep < 1 or etp < 1:
         raise PlanError(f"--ep and --etp must be >= 1 (got ep={ep}, etp={etp})")
     if not model.num_experts:

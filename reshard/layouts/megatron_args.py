@@ -19,6 +19,7 @@ from typing import Any
 
 from reshard.core.model_config import ConfigLoss, ModelConfig
 from reshard.errors import CheckpointError, PlanError
+from reshard.layouts import gpt_oss_rules
 
 #: megatron-core's RotaryEmbedding._apply_scaling parameters other than the factor (not settable from args).
 LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -41,6 +42,7 @@ MLA_ROPE_DEFAULTS = {"rotary_scaling_factor": 40.0, "original_max_position_embed
 
 def meaning_from_args(args, vocab: int, architecture: str | None, where: str) -> ModelConfig:
     """The meaning of a Megatron run's ``args`` (``architecture``: recorded or given, else derived)."""
+    args, gpt_oss = gpt_oss_rules.args_view(args)  # gpt-oss's quick_geglu, sinks and yarn args
     get = lambda key, default=None: getattr(args, key, default)  # noqa: E731
     position = get("position_embedding_type", "learned_absolute")
     mrope = position == "mrope" and get("mrope_section") is not None  # Qwen-VL's multimodal RoPE: 1-D on text
@@ -122,7 +124,7 @@ def meaning_from_args(args, vocab: int, architecture: str | None, where: str) ->
         position="learned" if learned else "rope", gated_mlp=gated, qk_norm=qk_norm,
         norm_offset=bool(get("apply_layernorm_1p", False)),
         query_scale=_query_scale(get("softmax_scale")), mtp_layers=int(get("mtp_num_layers") or 0),
-        **mla, **_moe_from_args(args, where))
+        **mla, **_moe_from_args(args, where)).replace(**gpt_oss)
 
 
 def _mla_from_args(args, where: str) -> dict[str, Any]:
@@ -365,6 +367,8 @@ def args_from_meaning(meaning: ModelConfig, loss: ConfigLoss) -> dict[str, Any]:
         values.update(use_rope_scaling=True, rope_scaling_factor=float(scaling.get("factor", 8.0)))
     elif kind == "linear":
         values["rotary_seq_len_interpolation_factor"] = float(scaling["factor"])
+    elif kind == "yarn" and m.gpt_oss:  # gpt_oss_rules.megatron_args spells it
+        pass
     elif kind == "yarn" and m.mla:
         values.update(_yarn_args(scaling, loss))
     elif kind != "default":
@@ -391,4 +395,5 @@ def args_from_meaning(meaning: ModelConfig, loss: ConfigLoss) -> dict[str, Any]:
         loss.cannot(field, getattr(m, field), "Megatron-LM's add_bias_linear switches the attention output and "
                     f"MLP biases together (here qkv {m.qkv_bias}, o {m.o_bias}, mlp {m.mlp_bias})")
         values.update(add_bias_linear=m.o_bias, add_qkv_bias=m.qkv_bias)
+    values.update(gpt_oss_rules.megatron_args(m))
     return values

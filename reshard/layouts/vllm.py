@@ -36,7 +36,7 @@ from reshard.io.pair_rows import unpair_sources
 from reshard.io.partial import replace_with_text
 from reshard.io.regular import open_regular
 from reshard.io.safetensors_format import SafetensorsFile
-from reshard.layouts import hf
+from reshard.layouts import gpt_oss_rules, hf
 from reshard.layouts.hf_config import read_meaning, without_dropped_settings
 from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpec, check_shape, pack_by_size,
                                   stored_dtype)
@@ -344,6 +344,7 @@ def targets(model: CanonicalModel, opts: Options, dtype: str) -> tuple[list[Targ
     _check_names(model)
     gdn_rules.check_degrees(model, opts.tp)
     check_vllm_degrees(model, opts.tp, opts.expert_parallel)
+    gpt_oss_rules.check_vllm(model.meaning)
     check_vllm_target(model)
     whole = opts.vllm_vision == "data"
     if not whole:

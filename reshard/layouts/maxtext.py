@@ -1,0 +1,55 @@
+"""MaxText checkpoints (Orbax PyTree items, zarr arrays, OCDBT or per-array; maxtext-orbax.md): read and write.
+
+Read: a step folder (``<step>/_CHECKPOINT_METADATA`` + ``items/``), an item folder, or a folder of steps
+(``<run>/checkpoints/``: the newest complete step); scanned (layer axis 1, experts ``[E, L, ...]``) or unscanned
+(``layers_<i>``) trees, training checkpoints included (parameters only). Write: a parameter checkpoint
+``<out>/0/items`` (``load_parameters_path``), one layer per chunk, zstd level 1 (:mod:`reshard.layouts.maxtext_write`).
+Needs ``tensorstore`` (``pip install 'reshard[maxtext]'``); no jax, no orbax.
+"""
+
+from __future__ import annotations
+
+from reshard.layouts.base import Layout, Options, Source, TargetPlan
+from reshard.layouts.maxtext_folders import detect_names
+
+NAME = "maxtext"
+
+
+class MaxTextLayout(Layout):
+    """MaxText / Orbax: ``<step>/items/`` with one zarr array per parameter leaf."""
+
+    name = NAME
+    summary = "MaxText / Orbax checkpoint (<step>/_CHECKPOINT_METADATA + items/, zarr arrays, OCDBT)"
+    specificity = 10
+    rank_loader = "reshard.verification.forward.sliced_rank:SlicedRankStream"
+    completion_markers = ("0/_CHECKPOINT_METADATA",)
+    uses_options = frozenset({"scan_layers", "maxtext_match_converter"})
+    reads_options = frozenset({"config", "tag"})
+
+    def detect(self, names) -> bool:
+        return detect_names(names)
+
+    def open(self, root: str, opts: Options) -> Source:
+        from reshard.layouts.maxtext_source import open_source
+
+        return open_source(root, opts)
+
+    def targets(self, source: Source, opts: Options, dtype: str) -> TargetPlan:
+        from reshard.layouts.maxtext_write import targets
+
+        return targets(source, opts, dtype)
+
+    def finalize(self, out: str, source: Source, plan, state) -> None:
+        from reshard.layouts.maxtext_write import finalize
+
+        finalize(out, source, plan, state)
+
+    def describe(self, source: Source) -> dict:
+        from reshard.layouts.maxtext_source import unstack_leaves
+
+        info = dict(source.info.get("maxtext", {}))
+        if source.files and hasattr(source.files[0], "recipes"):
+            leaves = unstack_leaves(source)
+            info["unstack_pass"] = (f"yes: the chunks of {len(leaves)} stacked leaves span several layers "
+                                    "(decoded once into a scratch file)") if leaves else "no"
+        return {"maxtext": info}

@@ -1,0 +1,246 @@
+"""MaxText leaves read as Hugging Face tensors: :class:`MaxTextFile` (maxtext-orbax.md sections 4 and 7.2-7.3).
+
+Every HF tensor is a view of one MaxText leaf: one layer of it (layer axis 1 when scanned), one expert of an
+expert stack (axis 0), or the whole leaf. A kernel is the HF ``[out, in]`` matrix stored ``[in, ...]``: its
+per-layer array is reshaped to ``[in, out]`` and transposed (GPT-2's Conv1D read); then, per the model's
+conventions, q/k rows go back from Meta's interleaved RoPE order, and the element ops run in float32 — scale by
+a constant (the query pre-scale ``* sqrt(d)``, the Gemma embedding ``/ sqrt(H)``) and add a constant (Gemma's
+norms ``- 1``); such tensors are presented as F32, so the output cast rounds once. The embedding is cropped to the
+HF vocab (MaxText pads it).
+
+Unstack pass (7.3): a stacked leaf whose chunks span several layers is decoded once, chunk by chunk, into a
+scratch file (one region per layer, C order, the stored dtype) so that each layer is then read alone; the scratch
+is an unlinked temporary file (``$RESHARD_SCRATCH`` or the system temp folder), gone when the process ends.
+Memory: one decoded chunk while unstacking, one per-layer tensor while reading.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import tempfile
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from reshard.io.orbax_store import Item
+from reshard.io.tensorfile import TensorFile, TensorLocation
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How one HF tensor is read from a leaf (see the module docstring)."""
+
+    leaf: str
+    layer: int | None  # index along the layer axis (None: the leaf is one layer or not per layer)
+    expert: int | None  # index along axis 0 of an expert stack
+    kernel: bool  # stored [in, ...]: transpose
+    rope: int = 0  # head dim: rows back from interleaved (Meta) order
+    mul: float | None = None  # x * float32(mul)
+    div: float | None = None  # x / float32(div)
+    add: float | None = None  # x + float32(add)
+    rows: int | None = None  # keep the first rows only (the embedding's HF vocab)
+
+    @property
+    def has_op(self) -> bool:
+        return self.mul is not None or self.div is not None or self.add is not None
+
+
+def to_torch(array: np.ndarray):
+    import torch
+
+    array = np.ascontiguousarray(array)
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def interleaved_to_half(x, head_dim: int):
+    """Rows of ``x`` ([n * d, ...]) from Meta's order (row 2i + j) to HF's (row j * d/2 + i), per head."""
+    rest = x.shape[1:]
+    return x.reshape(-1, head_dim // 2, 2, *rest).transpose(1, 2).reshape(x.shape)
+
+
+def half_to_interleaved(x, head_dim: int):
+    rest = x.shape[1:]
+    return x.reshape(-1, 2, head_dim // 2, *rest).transpose(1, 2).reshape(x.shape)
+
+
+def apply_ops(x, recipe: Recipe):
+    """The float32 element ops of ``recipe`` on ``x`` (exact in fp32; the cast to the output dtype rounds once)."""
+    import torch
+
+    x = x.float()
+    if recipe.mul is not None:
+        x = x * torch.tensor(recipe.mul, dtype=torch.float32)
+    if recipe.div is not None:
+        x = x / torch.tensor(recipe.div, dtype=torch.float32)
+    if recipe.add is not None:
+        x = x + torch.tensor(recipe.add, dtype=torch.float32)
+    return x
+
+
+class Scratch:
+    """Per-layer copies of stacked leaves in one unlinked temporary file (this process's own)."""
+
+    def __init__(self):
+        self.fd: int | None = None
+        self.pid = os.getpid()
+        self.size = 0
+        self.where: dict[tuple[str, int], tuple[int, tuple[int, ...], np.dtype]] = {}
+        self.unstacked: set[str] = set()
+
+    def _open(self) -> int:
+        if self.fd is None:
+            folder = os.environ.get("RESHARD_SCRATCH") or tempfile.gettempdir()
+            fd, path = tempfile.mkstemp(prefix="reshard-maxtext-", suffix=".scratch", dir=folder)
+            os.unlink(path)  # freed when the descriptor closes, whatever ends the process
+            self.fd = fd
+        return self.fd
+
+    def close(self) -> None:
+        if self.fd is not None and self.pid == os.getpid():
+            os.close(self.fd)
+        self.fd, self.size, self.where, self.unstacked = None, 0, {}, set()
+        self.pid = os.getpid()
+
+    def unstack(self, item: Item, leaf: str) -> None:
+        """Decode stacked ``leaf`` (layer axis 1) chunk box by chunk box into one region per layer."""
+        info = item.leaf(leaf)
+        shape, chunks = info.shape, info.chunks
+        dtype = item.handle(leaf).dtype.numpy_dtype
+        per = shape[:1] + shape[2:]
+        nbytes = math.prod(per) * dtype.itemsize
+        fd = self._open()
+        for layer in range(shape[1]):
+            self.where[(leaf, layer)] = (self.size, per, dtype)
+            self.size += nbytes
+        os.ftruncate(fd, self.size)
+        grid = [range(0, s, c) for s, c in zip(shape, chunks)]
+        for origin in itertools.product(*grid):
+            box = tuple(slice(o, min(o + c, s)) for o, c, s in zip(origin, chunks, shape))
+            data = item.read(leaf, box)
+            for k in range(data.shape[1]):
+                base = self.where[(leaf, origin[1] + k)][0]
+                _write_box(fd, base, per, (origin[0], *origin[2:]), np.ascontiguousarray(data[:, k]))
+        self.unstacked.add(leaf)
+
+    def read(self, leaf: str, layer: int, expert: int | None) -> np.ndarray:
+        offset, shape, dtype = self.where[(leaf, layer)]
+        if expert is not None:
+            inner = shape[1:]
+            offset += expert * math.prod(inner) * dtype.itemsize
+            shape = inner
+        size = math.prod(shape) * dtype.itemsize
+        buf = bytearray(size)
+        view = memoryview(buf)
+        done = 0
+        while done < size:
+            got = os.preadv(self.fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise OSError(f"scratch file ends at byte {offset + done}")
+            done += got
+        return np.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
+def _write_box(fd: int, base: int, shape: tuple[int, ...], origin: tuple[int, ...], data: np.ndarray) -> None:
+    """Write ``data`` at ``origin`` into the C-order array of ``shape`` starting at byte ``base`` of ``fd``:
+    contiguous runs over the trailing axes the box spans whole."""
+    k = len(shape)
+    while k > 0 and data.shape[k - 1] == shape[k - 1] and origin[k - 1] == 0:
+        k -= 1
+    # axes >= k are whole: a run is data[idx] for idx over axes < k - 1, along axis k - 1 (or everything)
+    lead = max(k - 1, 0)
+    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+    item = data.dtype.itemsize
+    raw = data.reshape(data.shape[:lead] + (-1,)) if data.ndim else data.reshape(1)
+    for idx in itertools.product(*(range(n) for n in data.shape[:lead])):
+        start = sum((origin[i] + idx[i]) * strides[i] for i in range(lead))
+        if lead < len(shape):
+            start += origin[lead] * strides[lead]
+        chunk = raw[idx] if lead else raw
+        os.pwrite(fd, chunk.tobytes(), base + start * item)
+
+
+class MaxTextFile(TensorFile):
+    """HF-named tensors read from an Orbax item's leaves through :class:`Recipe` s (``direct_bytes`` False)."""
+
+    format = "maxtext"
+    direct_bytes = False
+
+    def __init__(self, item: Item, recipes: dict[str, Recipe], shapes: dict[str, tuple[int, ...]],
+                 dtypes: dict[str, str]):
+        super().__init__(item.items, {n: TensorLocation(dtypes[n], shapes[n], 0) for n in recipes})
+        self.item, self.recipes = item, recipes
+        self.scratch = Scratch()
+        self._lock = threading.Lock()
+        self._last: tuple[str, object] | None = None
+
+    @property
+    def fd(self) -> int:
+        raise AssertionError("a MaxTextFile has no descriptor (direct_bytes is False)")
+
+    def close(self) -> None:
+        self.scratch.close()
+        self._last = None
+
+    def extents(self, name: str) -> list[tuple[int, int, int]]:
+        return []  # TensorStore reads; no read-ahead advice
+
+    def needs_unstack(self, leaf: str) -> bool:
+        info = self.item.leaf(leaf)
+        return len(info.shape) > 1 and info.chunks[1] > 1 and any(
+            r.leaf == leaf and r.layer is not None for r in self.recipes.values())
+
+    def layer_array(self, recipe: Recipe) -> np.ndarray:
+        """The stored per-layer (per-expert) array of ``recipe``."""
+        if recipe.layer is None:
+            return self.item.read(recipe.leaf, (recipe.expert,) if recipe.expert is not None else ())
+        if os.getpid() != self.scratch.pid:
+            self.scratch.close()
+        if self.needs_unstack(recipe.leaf):
+            if recipe.leaf not in self.scratch.unstacked:
+                self.scratch.unstack(self.item, recipe.leaf)
+            return self.scratch.read(recipe.leaf, recipe.layer, recipe.expert)
+        index = (recipe.expert, recipe.layer) if recipe.expert is not None else (slice(None), recipe.layer)
+        return self.item.read(recipe.leaf, index)
+
+    def hf_tensor(self, name: str):
+        """The whole HF tensor ``name`` (one cached, so a tensor read in row blocks is built once)."""
+        with self._lock:
+            if self._last is not None and self._last[0] == name:
+                return self._last[1]
+            recipe = self.recipes[name]
+            loc = self.tensors[name]
+            x = to_torch(self.layer_array(recipe))
+            if recipe.kernel:
+                cols = loc.shape[1]
+                x = x.reshape(cols, -1).t()
+            if recipe.rows is not None:
+                x = x[:recipe.rows]
+            if recipe.rope:
+                x = interleaved_to_half(x, recipe.rope)
+            if recipe.has_op:
+                x = apply_ops(x, recipe)
+            x = x.reshape(loc.shape).contiguous()
+            self._last = (name, x)
+            return x
+
+    def read(self, name: str, axis: int = 0, start: int = 0, length: int | None = None,
+             rows: tuple[int, int] | None = None):
+        x = self.hf_tensor(name)
+        if x.dim() == 0:
+            return x.clone()
+        if length is None:
+            length = x.shape[axis] - start
+        if rows is not None and axis == 1:
+            x = x[rows[0]:rows[1]]
+        return x.narrow(axis, start, length).contiguous()
+
+    def read_block(self, name: str, index: int, axis: int = 0, start: int = 0, length: int | None = None,
+                   rows: tuple[int, int] | None = None):
+        data = self.hf_tensor(name)[index]
+        data = data[rows[0]:rows[1]] if rows else data
+        return data.narrow(axis, start, data.shape[axis] - start if length is None else length).contiguous()

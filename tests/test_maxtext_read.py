@@ -1,0 +1,146 @@
+"""maxtext layout, reading (maxtext-orbax.md sections 1-4, 7.2, 7.3, 7.6): checkpoints written here with TensorStore
+alone by the spec's rules (test_maxtext_build.py) read back bit for bit into the original HF tensors, every storage
+variant, scanned and unscanned, chunks spanning layers (unstack pass) or not; folders; refusals."""
+
+from __future__ import annotations
+
+import builtins
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from test_maxtext_build import P, maxtext_leaves, np_of, llama_state, write_checkpoint
+from helpers import run_cli
+
+import reshard
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A tiny Llama (head_dim 16: the query pre-scale 1/4 is exact) and its scanned llama2-convention leaves."""
+    tmp = tmp_path_factory.mktemp("mt")
+    cfg, sd = llama_state(str(tmp / "hf"), head_dim=16, save=True)
+    return tmp, cfg, sd
+
+
+def load_out(path):
+    from safetensors.torch import load_file
+
+    return {k: np_of(v) for k, v in load_file(os.path.join(path, "model.safetensors")).items()}
+
+
+def same(a, b) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+def convert_hf(src, out, config, **kw):
+    reshard.convert(str(src), str(out), to="hf", config=str(config), **kw)
+    return load_out(out)
+
+
+@pytest.mark.parametrize("ocdbt,zarr3,scan,split,layer_chunk", [
+    (True, True, True, 2, None),    # MaxText's default storage; chunks span all layers (unstack pass)
+    (True, False, False, 1, None),  # OCDBT + zarr2, unscanned
+    (False, True, True, 1, 1),      # per-array zarr3, one layer per chunk (no unstack)
+    (False, False, True, 4, 2),     # per-array zarr2, chunks of 2 layers over 3 (a partial last chunk)
+])
+def test_storage_variants_read_bit_exact(llama, tmp_path, ocdbt, zarr3, scan, split, layer_chunk):
+    tmp, cfg, sd = llama
+    leaves = maxtext_leaves("llama2", cfg, sd, scan)
+    step = write_checkpoint(str(tmp_path / "ck"), leaves, ocdbt=ocdbt, zarr3=zarr3, split=split,
+                            layer_chunk=layer_chunk, scan=scan, custom={"reshard": {"maxtext_model": "llama3-8b"}})
+    got = convert_hf(step, tmp_path / "out", tmp / "hf" / "config.json")
+    assert set(got) == set(sd)
+    assert [k for k in sd if not same(got[k], sd[k])] == []
+    info = reshard.inspect(step, config=str(tmp / "hf" / "config.json"))
+    unstack = info["maxtext"]["unstack_pass"]
+    assert unstack.startswith("yes") == bool(scan and layer_chunk != 1)
+
+
+def test_llama31_rope_and_inexact_scale(tmp_path):
+    """Llama 3.1 conventions at head_dim 32 (1/sqrt(32) is inexact): q/k rows back from Meta's order, q * f32(sqrt(32))
+    in fp32, rounded once; an independent numpy inverse is the reference."""
+    cfg, sd = llama_state(str(tmp_path / "hf"), head_dim=32, seed=1)
+    leaves = maxtext_leaves("llama31", cfg, sd, True)
+    step = write_checkpoint(str(tmp_path / "ck"), leaves, split=2)
+    got = convert_hf(step, tmp_path / "out", tmp_path / "hf" / "config.json", maxtext_model="llama3.1-8b")
+    q = leaves[P + "decoder.layers.self_attention.query.kernel"][:, 1]  # [H, nh, d], interleaved, scaled
+    back = (q.astype(np.float32) * np.float32(np.sqrt(32))).astype(q.dtype)
+    back = np.concatenate([back[..., ::2], back[..., 1::2]], axis=-1).reshape(64, -1).T
+    assert same(got["model.layers.1.self_attn.q_proj.weight"], np.ascontiguousarray(back))
+    assert same(got["model.layers.2.self_attn.k_proj.weight"], sd["model.layers.2.self_attn.k_proj.weight"])
+    moved = (got["model.layers.1.self_attn.q_proj.weight"] != sd["model.layers.1.self_attn.q_proj.weight"]).mean()
+    assert 0 < moved < 0.5  # some q elements moved one ulp on the way, as MaxText's own round trip
+
+
+def scanned(llama, tmp_path, name="ck", **kw):
+    tmp, cfg, sd = llama
+    return write_checkpoint(str(tmp_path / name), maxtext_leaves("llama2", cfg, sd, True),
+                            custom={"reshard": {"maxtext_model": "llama2-7b"}}, **kw)
+
+
+def test_refusals_one_line_exit_2(llama, tmp_path, capsys):
+    """Spec 7.6: a family whose conventions differ by model name without one, a wrong name, no config, an unfinished
+    save, an unmapped leaf: one line, exit 2, nothing written."""
+    tmp, cfg, sd = llama
+    config = str(tmp / "hf" / "config.json")
+    step = write_checkpoint(str(tmp_path / "ck"), maxtext_leaves("llama2", cfg, sd, True))
+    out = tmp_path / "out"
+    cases = [((step, "--config", config), "pass --maxtext-model NAME"),
+             ((step, "--config", config, "--maxtext-model", "gemma2-2b"), "not a MaxText model of the llama family"),
+             ((step, "--config", config, "--maxtext-model", "mistral-7b"), "MistralForCausalLM model, not"),
+             ((step,), "pass --config FILE")]
+    tmp_save = tmp_path / "run" / "5.orbax-checkpoint-tmp"
+    shutil.copytree(step, tmp_save)
+    cases.append(((str(tmp_save), "--config", config), "unfinished Orbax save"))
+    extra = dict(maxtext_leaves("llama2", cfg, sd, True))
+    extra[P + "vision_encoder.patch.kernel"] = np.zeros((4, 4), np.float32)
+    odd = write_checkpoint(str(tmp_path / "odd"), extra, custom={"reshard": {"maxtext_model": "llama2-7b"}})
+    cases.append(((odd, "--config", config), "vision_encoder.patch.kernel' is not part of"))
+    for args, words in cases:
+        code, stdout, err = run_cli(capsys, "convert", *args, out, "--to", "hf")
+        assert code == 2, (args, err)
+        assert words in err and len(err.strip().splitlines()) == 1, err
+        assert not out.exists()
+
+
+def test_training_checkpoint_run_folder(llama, tmp_path):
+    """A run's checkpoints/ folder: the newest complete step (an unfinished one ignored); fp32 params beside
+    opt_state and step: parameters only, with a note; --tag picks another step."""
+    tmp, cfg, sd = llama
+    leaves = {k: v.astype(np.float32) for k, v in maxtext_leaves("llama2", cfg, sd, True).items()}
+    opt = {"opt_state.0.mu." + k[len("params."):]: np.zeros_like(v) for k, v in leaves.items()}
+    opt["step"] = np.array(2, np.int32)
+    run = tmp_path / "run" / "checkpoints"
+    custom = {"reshard": {"maxtext_model": "llama2-7b"}}
+    write_checkpoint(str(run), {k: v * 0 for k, v in leaves.items()}, step=1, extra=opt, custom=custom)
+    write_checkpoint(str(run), leaves, step=2, extra=opt, custom=custom)
+    os.makedirs(run / "3.orbax-checkpoint-tmp" / "items")
+    result = reshard.convert(str(tmp_path / "run"), str(tmp_path / "out"), to="hf", config=str(tmp / "hf" / "config.json"))
+    got = load_out(tmp_path / "out")
+    assert all(got[k].dtype == sd[k].dtype and same(got[k], sd[k]) for k in sd)  # fp32 -> bf16 (config dtype), exact
+    assert any("optimizer state is not converted" in n for n in result.notes)
+    assert any("read step 2" in n for n in result.notes)
+    reshard.convert(str(run), str(tmp_path / "out1"), to="hf", config=str(tmp / "hf" / "config.json"), tag="1",
+                    dtype="fp32")
+    assert not load_out(tmp_path / "out1")["model.norm.weight"].any()
+
+
+def test_without_tensorstore(llama, tmp_path, monkeypatch, capsys):
+    """Spec 7.7 item 7: without tensorstore every other layout works and a MaxText source says how to install it."""
+    step = scanned(llama, tmp_path)
+    real = builtins.__import__
+
+    def no_tensorstore(name, *a, **kw):
+        if name == "tensorstore" or name.startswith("tensorstore."):
+            raise ImportError("No module named 'tensorstore'")
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_tensorstore)
+    code, _, err = run_cli(capsys, "convert", step, tmp_path / "o", "--to", "hf", "--config",
+                           str(llama[0] / "hf" / "config.json"))
+    assert code == 2 and "pip install 'reshard[maxtext]'" in err and len(err.strip().splitlines()) == 1
+    code, out, err = run_cli(capsys, "inspect", llama[0] / "hf")
+    assert code == 0 and "LlamaForCausalLM" in out
