@@ -21,6 +21,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOKENS = [1, 17, 42, 99, 7, 200, 3, 55]
 MT_VERSION = "0.2.5"
+OLD_VERSION, OLD_COMMIT = "0.2.4", "e591f30"  # only where 0.2.5 fails (see CASES["mixtral"])
 DEVICES = 2  # simulated CPU devices for to_maxtext: every array is chunked in 2 (axis 0 when it divides)
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -50,7 +51,11 @@ CASES = {
                             tie_word_embeddings=False, sliding_window=None),
                     extra=["rope_max_timescale=1000000", "normalization_layer_epsilon=1e-5", "num_experts=4",
                            "num_experts_per_tok=2", "base_moe_mlp_dim=32", "sparse_matmul=False", "megablox=False",
-                           "capacity_factor=-1"]),
+                           "capacity_factor=-1"],
+                    # maxtext 0.2.5's to_maxtext stacks the scanned MoeBlock_0.gate.kernel on axis 0 ([L, H, E]
+                    # instead of [H, L, E]: `is_unscanned_moe` in _build_single_axis_stacked_tensor matches every
+                    # MoeBlock key) and fails with a shape mismatch; MaxText 0.2.4's source (e591f30) converts it
+                    old_src_for=("to_maxtext_scan",)),
     # gemma2-*: MaxText layer i = HF layers 2i (local) and 2i+1 (global); norms 1 + w; embedding * sqrt(H), padded
     # to MaxText's vocab 320; q pre-scaled by 1/sqrt(query_pre_attn_scalar = head_dim); tied
     "gemma2": dict(arch="Gemma2ForCausalLM", mt="gemma2-2b",
@@ -287,10 +292,13 @@ MT_OPS = {"to_maxtext": mt_to_maxtext, "to_huggingface": mt_to_huggingface, "for
 # Driver side (Python 3.11 with torch + transformers)
 # ===============================================================================================================
 
-def run_mt(mt_python: str, op: str, log: str, **kwargs) -> None:
-    """One MaxText step in its own process (MaxText keeps global state: jax device count, absl flags)."""
+def run_mt(mt_python: str, op: str, log: str, src: str | None = None, **kwargs) -> None:
+    """One MaxText step in its own process (MaxText keeps global state: jax device count, absl flags); `src`: a
+    MaxText source folder put first on PYTHONPATH instead of the venv's installed maxtext."""
     env = dict(os.environ, DECOUPLE_GCLOUD="TRUE", JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("PYTHONPATH", None)
+    if src:
+        env["PYTHONPATH"] = src
     with open(log, "w") as f:
         rc = subprocess.run([mt_python, os.path.abspath(__file__), "mt", op, json.dumps(kwargs)], stdout=f,
                             stderr=subprocess.STDOUT, env=env, cwd=os.path.dirname(log)).returncode
@@ -339,7 +347,7 @@ def diff(a, b) -> float:
     return float(abs(a[:, :n] - b[:, :n]).max())
 
 
-def make_family(name: str, out: str, work: str, mt_python: str) -> dict:
+def make_family(name: str, out: str, work: str, mt_python: str, old_src: str) -> dict:
     import numpy as np
     from safetensors.numpy import save_file
     case = CASES[name]
@@ -354,10 +362,15 @@ def make_family(name: str, out: str, work: str, mt_python: str) -> dict:
     overrides = maxtext_overrides(case)
     logits = {"input_ids": np.asarray([TOKENS], dtype=np.int64), "transformers": ref}
     results = {}
+    made_by = {}
     for scan in (True, False):
         tag = "scan" if scan else "unscan"
         conv = os.path.join(w, f"conv_{tag}")
-        run_mt(mt_python, "to_maxtext", os.path.join(w, f"to_maxtext_{tag}.log"), hf_dir=os.path.abspath(hf_dir),
+        src = old_src if f"to_maxtext_{tag}" in case.get("old_src_for", ()) else None
+        if src:
+            made_by[f"maxtext_{tag}"] = f"MaxText {OLD_VERSION} source ({OLD_COMMIT}) to_maxtext"
+        run_mt(mt_python, "to_maxtext", os.path.join(w, f"to_maxtext_{tag}.log"), src=src,
+               hf_dir=os.path.abspath(hf_dir),
                model_name=case["mt"], out=conv, scan=scan, overrides=overrides)
         copy_tree(os.path.join(conv, "0"), os.path.join(fx, f"maxtext_{tag}", "0"))
         items = os.path.abspath(os.path.join(fx, f"maxtext_{tag}", "0", "items"))
@@ -389,7 +402,7 @@ def make_family(name: str, out: str, work: str, mt_python: str) -> dict:
             "to_huggingface": {"weight_dtype": "bfloat16"},
             "forward": {"dtype": "float32", "weight_dtype": "float32", "matmul_precision": "highest",
                         "tokens": TOKENS},
-            "results": results}
+            "made_by_other_version": made_by, "results": results}
     with open(os.path.join(fx, "maxtext.json"), "w") as f:
         json.dump(meta, f, indent=1)
     return results
@@ -467,6 +480,8 @@ def main() -> None:
     p.add_argument("--mt-python", default="/work/venvs/maxtext/bin/python")
     p.add_argument("--out", default=os.path.join(root, "tests", "fixtures", "maxtext"))
     p.add_argument("--work", default="/tmp/maxtext_fixtures_work")
+    p.add_argument("--mt-old-src", default="/work/venvs/maxtext-0.2.4-src/src",
+                   help=f"MaxText {OLD_VERSION} source (the src/ folder of commit {OLD_COMMIT}), for 0.2.5's failures")
     p.add_argument("cases", nargs="*", default=FAMILIES + ["train_default", "orbax_variants"])
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -474,7 +489,7 @@ def main() -> None:
     for name in a.cases:
         print(name, flush=True)
         if name in CASES:
-            res = make_family(name, a.out, a.work, a.mt_python)
+            res = make_family(name, a.out, a.work, a.mt_python, a.mt_old_src)
         elif name == "train_default":
             res = make_train(a.out, a.work, a.mt_python)
         elif name == "orbax_variants":
