@@ -35,6 +35,7 @@ BUILTIN = {
     "deepspeed": "reshard.layouts.deepspeed:DeepSpeedLayout",
     "dcp": "reshard.layouts.fsdp_dcp:DcpLayout",
     "torchtitan": "reshard.layouts.torchtitan:TorchtitanLayout",
+    "maxtext": "reshard.layouts.maxtext:MaxTextLayout",
 }
 ENTRY_POINT_GROUP = "reshard.layouts"
 _NAME = re.compile(r"^[a-z][a-z0-9_.-]*$")

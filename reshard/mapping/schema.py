@@ -27,6 +27,7 @@ WEIGHT_KEYS = {
     "vllm_qk_permute",  # "interleaved_to_half": vLLM stores these q/k rows in rotate-half order (Llama 4)
 }
 TOP_KEYS = {"family", "dims", "hf", "moe", "mla", "mtp", "megatron", "vllm", "decoder", "config", "weight", "layers"}
+TOP_KEYS |= {"maxtext"}  # [maxtext]: MaxText names and conventions (reshard/mapping/maxtext_names.py)
 #: Mixture of Experts ([moe]): the dims symbol of the expert count and the config keys that say which layers are
 #: sparse (every ``sparse_step``-th, except ``dense_layers`` and the first ``dense_prefix``; all when none is set).
 #: Routing: ``score`` (``softmax`` | ``sigmoid``, fixed per family), ``groups`` / ``group_topk`` (the config keys
