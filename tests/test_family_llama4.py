@@ -7,9 +7,17 @@ transformers' Llama4ForCausalLM logits at TP 1 and 2 within 1e-5 on the tiny mod
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
+import os
+import shutil
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import run_cli
 
 from reshard.errors import PlanError
 from reshard.layouts import llama4_rules as R
@@ -247,3 +255,254 @@ def test_temperature_and_chunk_ops():
     m = ops.chunked_mask(6, 3)
     assert m[2, 0] and not m[3, 2] and m[5, 3] and not m[1, 2]
     assert torch.equal(ops.chunked_mask(6, 8), ops.chunked_mask(6, None))
+
+
+# ---- conversions (mappings/llama4.toml) ---------------------------------------------------------------------------
+# The ACTIVE tiny model (chunk 8, floor 4: both act at 16 tokens) converts through Megatron with --max-seq 3 (what
+# megatron-core computes the same); the SHORT one (chunk / floor 8192 > max_position_embeddings 256) needs none.
+
+def save_tiny(folder, kw) -> str:
+    tiny(kw).save_pretrained(folder)
+    return str(folder)
+
+
+def hf_state(folder) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(folder, "model.safetensors"))
+
+
+def config_of(folder) -> dict:
+    with open(os.path.join(folder, "config.json")) as f:
+        return json.load(f)
+
+
+def hf_logits(folder) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=IDS, use_cache=False).logits[0]
+
+
+def reshard_convert(src, dst, *args) -> str:
+    """``reshard convert`` in this process (module fixtures have no capsys): its stderr; a failure raises."""
+    from reshard import cli
+
+    err, argv = io.StringIO(), sys.argv
+    sys.argv = ["reshard", "convert", str(src), str(dst), *map(str, args)]
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            try:
+                cli.main()
+            except SystemExit as exc:
+                assert not exc.code, err.getvalue()
+    finally:
+        sys.argv = argv
+    return err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("llama4") / "hf", ACTIVE)
+
+
+@pytest.fixture(scope="module")
+def chain(src, tmp_path_factory):
+    """hf -> megatron tp2 ep2 -> torch_dist tp2 ep2 -> vllm tp2 -> hf (Megatron with --max-seq 3)."""
+    root = tmp_path_factory.mktemp("llama4_chain")
+    out = {k: str(root / k) for k in ("megatron", "torch_dist", "vllm", "hf")}
+    reshard_convert(src, out["megatron"], "--to", "megatron", "--tp", 2, "--ep", 2, "--max-seq", 3)
+    reshard_convert(out["megatron"], out["torch_dist"], "--to", "torch_dist", "--tp", 2, "--ep", 2, "--max-seq", 3)
+    reshard_convert(out["torch_dist"], out["vllm"], "--to", "vllm", "--tp", 2)
+    reshard_convert(out["vllm"], out["hf"], "--to", "hf")
+    return out
+
+
+def test_chain_through_megatron_torch_dist_vllm_is_bit_exact(src, chain):
+    """Every tensor bit-equal (the fused [E, in, out] experts as released), config.json verbatim (no_rope_layers,
+    moe_layers, layer_types, use_qk_norm, chunk, temperature keys, intermediate_size_mlp), transformers' logits
+    of the output equal the source's."""
+    a, b = hf_state(src), hf_state(chain["hf"])
+    assert sorted(a) == sorted(b) and "model.layers.1.feed_forward.experts.gate_up_proj" in b
+    assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+    ca, cb = config_of(src), config_of(chain["hf"])
+    assert {k: v for k, v in cb.items() if k != "transformers_version"} == \
+        {k: v for k, v in ca.items() if k != "transformers_version"}
+    torch.testing.assert_close(hf_logits(chain["hf"]), hf_logits(src), rtol=0, atol=0)
+
+
+def test_megatron_rank_files(src, chain):
+    """Section 3.2: q/k rows unpermuted (rotary_interleaved), MoE layers as a list, routing on the input; rank 1 of
+    tp 2 ep 2 holds query group 1 and global experts 2-3 as local 0-1, each fc1 [gate_t; up_t] of gate_up_proj[e].T."""
+    blob = torch.load(os.path.join(chain["megatron"], "release", "mp_rank_01_001", "model_optim_rng.pt"),
+                      weights_only=False)
+    args, model = vars(blob["args"]), blob["model"]
+    assert (args["rotary_interleaved"], args["moe_layer_freq"], args["moe_apply_probs_on_input"],
+            args["moe_router_score_function"], args["moe_router_topk"], args["ffn_hidden_size"],
+            args["moe_ffn_hidden_size"], args["moe_shared_expert_intermediate_size"]) == (
+        True, [0, 1, 0, 1], True, "sigmoid", 1, 96, 48, 48)
+    assert args["hf_config"]["no_rope_layers"] == [1, 1, 1, 0]
+    hf = hf_state(src)
+    p, h = "decoder.layers.1.", "model.layers.1."
+    q, k, v = (hf[h + f"self_attn.{x}_proj.weight"] for x in "qkv")
+    assert torch.equal(model[p + "self_attention.linear_qkv.weight"], torch.cat([q[32:], k[16:], v[16:]]))
+    w = hf[h + "feed_forward.experts.gate_up_proj"][3].T  # [2I, H]: gate rows 0..47, up rows 48..95
+    assert torch.equal(model[p + "mlp.experts.local_experts.1.linear_fc1.weight"], torch.cat([w[24:48], w[72:]]))
+    assert torch.equal(model[p + "mlp.router.weight"], hf[h + "feed_forward.router.weight"])
+
+
+def observed_vllm_rank() -> dict[str, list[int]]:
+    """vLLM 0.32's fresh state-dict keys of this model per rank at tp 2 (families-2.md section 13 and
+    probes/families-2/NOTES.md section 3, llama4: 49 keys, both ranks the same shapes)."""
+    keys = {"model.embed_tokens.weight": [256, 64], "model.norm.weight": [64], "lm_head.weight": [256, 64]}
+    for i in range(4):
+        p = f"model.layers.{i}."
+        keys.update({p + "input_layernorm.weight": [64], p + "post_attention_layernorm.weight": [64],
+                     p + "self_attn.qkv_proj.weight": [64, 64], p + "self_attn.o_proj.weight": [64, 32]})
+        keys.update({p + f"self_attn.attn._{s}_scale": [] for s in ("k", "v", "q", "prob")})
+        f = p + "feed_forward."
+        if i % 2 == 0:
+            keys.update({f + "gate_up_proj.weight": [96, 64], f + "down_proj.weight": [64, 48]})
+        else:
+            keys.update({f + "router.weight": [4, 64], f + "experts.routed_experts.w13_weight": [4, 48, 64],
+                         f + "experts.routed_experts.w2_weight": [4, 64, 24],
+                         f + "experts._shared_experts._layer.gate_up_proj.weight": [48, 64],
+                         f + "experts._shared_experts._layer.down_proj.weight": [64, 24]})
+    assert len(keys) == 49
+    return keys
+
+
+def test_vllm_ranks_are_vllms_with_qk_rows_permuted(src, chain):
+    """Names and shapes = vLLM's own at tp 2; each rank's qkv_proj = [q_r; k_r; v_r] with q and k rows permuted
+    per head as vLLM's permute_qk_weight_for_rotary does (``view(n, d/2, 2, in).transpose(1, 2)``, written here
+    from its expression), v unpermuted; w13 per expert [gate_r; up_r] of the fused gate_up_proj."""
+    from vllm_rules import load_rank as load_vllm_rank
+
+    def vllm_permute(w, n):  # vllm/model_executor/models/llama4.py permute_qk_weight_for_rotary
+        return w.view(n, 16 // 2, 2, 64).transpose(1, 2).reshape(n * 16, 64)
+
+    hf = hf_state(src)
+    for r in range(2):
+        tensors, _ = load_vllm_rank(chain["vllm"], r)
+        assert {k: list(t.shape) for k, t in tensors.items()} == observed_vllm_rank()
+        for i in range(4):
+            h = f"model.layers.{i}.self_attn."
+            q, k = vllm_permute(hf[h + "q_proj.weight"], 4), vllm_permute(hf[h + "k_proj.weight"], 2)
+            expected = torch.cat([q[32 * r:32 * (r + 1)], k[16 * r:16 * (r + 1)], hf[h + "v_proj.weight"][16 * r:]
+                                  [:16]])
+            assert torch.equal(tensors[h + "qkv_proj.weight"], expected), (r, i)
+        f = "model.layers.3.feed_forward."
+        w = hf[f + "experts.gate_up_proj"][2].T
+        rows = slice(24 * r, 24 * (r + 1))
+        assert torch.equal(tensors[f + "experts.routed_experts.w13_weight"][2], torch.cat([w[:48][rows], w[48:][rows]]))
+        assert torch.equal(tensors[f + "router.weight"], hf[f + "router.weight"])
+
+
+def verifier_logits(folder, **changes) -> torch.Tensor:
+    """The forward verifier's TP 1 logits on an HF folder (its Llama 4 rules changed by ``changes``)."""
+    import dataclasses
+
+    from reshard.layouts.base import Options
+    from reshard.verification.forward.decoder import TPGroup, cast_weights, forward
+    from reshard.verification.forward.sliced_rank import load_rank as load_hf_rank
+
+    weights = cast_weights(load_hf_rank(str(folder), 0, 1, Options()), torch.float32, "cpu")
+    weights.config = dataclasses.replace(weights.config,
+                                         llama4=tuple(sorted({**dict(weights.config.llama4), **changes}.items())))
+    with torch.no_grad():
+        return forward(weights, IDS, TPGroup()).logits[0]
+
+
+def test_forward_verifier_computes_llama4_as_transformers(src):
+    """NoPE layer 3, L2 q/k norm, chunk 8 and temperature tuning (floor 4) all acting at 16 tokens, on-input top-1
+    routing: the verifier's TP 1 logits equal transformers'; without the chunk or the temperature they do not."""
+    expected = hf_logits(src)
+    assert (verifier_logits(src) - expected).abs().max().item() <= 1e-5
+    for control in (dict(chunk=None), dict(temperature=False), dict(qk_l2_norm=False), dict(nope_layers=())):
+        err = (verifier_logits(src, **control) - expected).abs().max().item()
+        assert err > 1e-4, f"the verifier without {control} also matches: the case tests nothing"
+
+
+def test_verify_digest(src, chain, capsys):
+    for name in ("megatron", "torch_dist", "vllm", "hf"):
+        code, text, err = run_cli(capsys, "verify", src, chain[name])
+        assert code == 0 and "EQUAL" in text, name + text + err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["megatron", "torch_dist", "vllm"])
+def test_verify_forward_at_tp2(src, chain, name):
+    from reshard.verification.forward import verify_forward
+
+    r = verify_forward(src, chain[name], nproc=2)
+    assert (r["b"]["tp"], r["ok"]) == (2, True), r["problems"]
+    assert r["max_abs"] <= 1e-5 and r["argmax_agreement"] == 1.0 and r["first_divergence"] is None
+
+
+@pytest.mark.slow
+def test_verify_forward_names_a_perturbed_layer0_weight(src, chain, tmp_path):
+    """Rank 1's layer-0 qkv_proj k row 3 of its permuted head scaled in a vLLM copy: verify --forward fails at
+    layer 0 (the un-permuting read sees the change)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from reshard.verification.forward import verify_forward
+
+    bad = tmp_path / "bad"
+    shutil.copytree(chain["vllm"], bad)
+    path = bad / "model-rank-1-part-0.safetensors"
+    tensors = load_file(str(path))
+    with safe_open(str(path), "pt") as f:
+        metadata = f.metadata()
+    tensors["model.layers.0.self_attn.qkv_proj.weight"][35] *= 3.0
+    save_file(tensors, str(path), metadata=metadata)
+    r = verify_forward(src, str(bad), nproc=2)
+    assert not r["ok"] and r["first_divergence"].startswith("layer 0"), r["first_divergence"]
+
+
+# ---- section 17 refusals through the command line -----------------------------------------------------------------
+
+def test_refusals_one_line_exit_2_nothing_written(src, tmp_path, capsys):
+    for to in ("megatron", "torch_dist"):
+        code, _, err = run_cli(capsys, "convert", src, tmp_path / to, "--to", to, "--tp", 2)
+        assert code == 2 and err.strip().count("\n") == 0, err
+        assert "Llama 4 uses chunked attention (chunk 8) and attention temperature tuning (floor 4)" in err
+        assert "Pass --max-seq 3 to accept that." in err and not (tmp_path / to).exists()
+        code, _, err = run_cli(capsys, "convert", src, tmp_path / to, "--to", to, "--tp", 2, "--max-seq", 4)
+        assert code == 2 and not (tmp_path / to).exists(), err
+    odd = save_tiny(tmp_path / "odd", dict(ACTIVE, moe_layers=[0, 3]))  # vLLM 0.32 would use layers 1 and 3
+    code, _, err = run_cli(capsys, "convert", odd, tmp_path / "v", "--to", "vllm", "--tp", 2)
+    assert code == 2 and not (tmp_path / "v").exists()
+    assert err.strip().endswith("vLLM 0.32 places Llama 4 MoE layers by interleave_moe_layer_step only and ignores "
+                                "moe_layers=[0, 3]."), err
+
+
+def test_short_chunk_and_floor_convert_to_megatron_without_max_seq(tmp_path, capsys):
+    """Chunk and floor_scale 8192 above max_position_embeddings 256: nothing to refuse."""
+    short = save_tiny(tmp_path / "short", SHORT)
+    code, _, err = run_cli(capsys, "convert", short, tmp_path / "m", "--to", "megatron", "--tp", 2)
+    assert code == 0, err
+
+
+def test_inspect_plan_load_rank_live_plan(src, capsys):
+    import reshard
+    from reshard import live
+
+    code, out, err = run_cli(capsys, "inspect", src, "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["architecture"] == "Llama4ForCausalLM"
+    assert report["model_config"]["llama4"]["nope_layers"] == [3]
+    code, out, err = run_cli(capsys, "plan", src, "--to", "vllm", "--tp", 2, "--json")
+    assert code == 0 and json.loads(out), err
+    hf = hf_state(src)
+    rank = reshard.load_rank(src, "vllm", tp=2, rank=1)
+    o = "model.layers.1.self_attn.o_proj.weight"
+    assert torch.equal(rank[o], hf[o][:, 32:])
+    k = hf["model.layers.1.self_attn.k_proj.weight"][16:].view(1, 8, 2, 64).transpose(1, 2).reshape(16, 64)
+    assert torch.equal(rank["model.layers.1.self_attn.qkv_proj.weight"][32:48], k)
+    rank = reshard.load_rank(src, "megatron", tp=2, ep=2, rank=0, ep_rank=1, max_seq=3)
+    assert torch.equal(rank["decoder.layers.3.mlp.experts.local_experts.0.linear_fc2.weight"],
+                       hf["model.layers.3.feed_forward.experts.down_proj"][2].T[:, :24])
+    plan = live.plan(src, source={"layout": "hf"}, target={"layout": "vllm", "tp": 2}, source_ranks=range(1),
+                     target_ranks=range(1, 3))
+    assert plan is not None

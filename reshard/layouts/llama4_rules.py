@@ -196,8 +196,12 @@ def config_of_meaning(meaning) -> dict:
             "use_qk_norm": rules["qk_l2_norm"], "attention_chunk_size": rules["chunk"],
             "layer_types": ["chunked_attention" if i in rules["chunked_layers"] else "full_attention"
                             for i in range(layers)],
-            "attn_temperature_tuning": rules["temperature"], "floor_scale": rules["floor_scale"],
+            "attn_temperature_tuning": rules["temperature"], "floor_scale": _number(rules["floor_scale"]),
             "attn_scale": rules["attn_scale"], "max_position_embeddings": meaning.max_positions}
+
+
+def _number(value: float) -> float | int:
+    return int(value) if float(value).is_integer() else value
 
 
 def qk_rows_permuted(model, stored):
