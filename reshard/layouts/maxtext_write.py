@@ -1,13 +1,230 @@
-"""Writing MaxText checkpoints (maxtext-orbax.md section 7.5): not yet."""
+"""``--to maxtext``: a MaxText parameter checkpoint ``<out>/0/items`` (``load_parameters_path``), maxtext-orbax.md 7.5.
+
+The executor first writes every canonical tensor, whole and unchanged, into staging safetensors files (one per
+layer, under ``.maxtext-staging/``; the leaves that get an element op staged as float32, an exact upcast); then
+:func:`finalize` builds each MaxText leaf layer by layer — HF ``[out, in]`` -> Meta's RoPE row order for q/k where
+the model uses it -> transposed to ``[in, out]`` and reshaped (q/k/v ``[H, n, d]``, o ``[n, d, H]``, experts
+stacked ``[E, in, out]``) -> the float32 element ops (query pre-scale, Gemma's ``1 + w`` and ``* sqrt(H)``) ->
+rounded once to the leaf's dtype — and writes it with TensorStore: scanned leaves one layer per chunk (axis 1),
+the leading axis split in 16 where it divides, zstd level 1. Leaves whose MaxText value a bf16 constant would round
+(Gemma norms and embedding, a query scale that is not a power of two) are float32 unless
+``--maxtext-match-converter``. ``_CHECKPOINT_METADATA`` (``scan_layers`` and reshard's provenance: the model name
+and the HF config, for the way back) is written last.
+"""
 
 from __future__ import annotations
 
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
 from reshard.errors import PlanError
+from reshard.io.orbax_write import ItemWriter, checkpoint_metadata, commit_note, numpy_of
+from reshard.io.partial import replace_with_text
+from reshard.layouts.base import Options, Source, TargetPlan, TargetSpec, stored_dtype
+from reshard.layouts.hf import planned_config
+from reshard.layouts.maxtext_read import half_to_interleaved
+from reshard.mapping.maxtext_names import embedding_factor, family_table, place, query_factor
+from reshard.version import __version__
+
+STAGING = ".maxtext-staging"
+STEP = "0"
+SPLIT = 16  # MaxText's converter splits the leading axis over 16 simulated devices
 
 
-def targets(source, opts, dtype):
-    raise PlanError("writing MaxText checkpoints (--to maxtext) is not implemented yet")
+@dataclass
+class Member:
+    """One canonical tensor's place in a leaf: its layer index (None: unstacked) and expert."""
+
+    name: str
+    file: str
+    index: int | None
+    expert: int | None
 
 
-def finalize(out, source, plan, state):
-    raise PlanError("writing MaxText checkpoints (--to maxtext) is not implemented yet")
+@dataclass
+class LeafPlan:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    chunks: tuple[int, ...]
+    per_layer: tuple[int, ...]  # the MaxText shape of one layer (one expert stack)
+    kernel: bool
+    rope: int = 0
+    mul: float | None = None
+    add: float | None = None
+    members: list[Member] = field(default_factory=list)
+
+
+def per_layer_shape(tensor, model) -> tuple[int, ...]:
+    """The MaxText shape of one HF tensor (section 3): q/k/v ``[in, n, d]``, o ``[n, d, out]``, MLA up-projections
+    ``[r, nh, per-head]``, q/k/v biases ``[n, d]``, other kernels ``[in, out]``, vectors as they are."""
+    shape = tensor.shape
+    role = tensor.spec.role or ""
+    nh = model.dims.get("nh", 1)
+    ng = model.dims.get("ng", nh)
+    if role == "embedding" or len(shape) == 1 and not role.endswith("_bias"):
+        return tuple(shape)
+    if len(shape) == 1:  # q/k/v bias [n * d] -> [n, d]
+        n = ng if role in ("k_bias", "v_bias") else nh
+        return (n, shape[0] // n) if role in ("q_bias", "k_bias", "v_bias") else tuple(shape)
+    out, inp = shape
+    if role in ("q", "k", "v", "q_b", "kv_b"):
+        n = ng if role in ("k", "v") and not model.family.mla else nh
+        return (inp, n, out // n)
+    if role == "o":
+        return (nh, inp // nh, out)
+    return (inp, out)
+
+
+def chunks_of(shape: tuple[int, ...], layer_axis: bool) -> tuple[int, ...]:
+    chunks = list(shape)
+    if layer_axis:
+        chunks[1] = 1
+    if chunks and chunks[0] % SPLIT == 0 and chunks[0] >= SPLIT:
+        chunks[0] //= SPLIT
+    return tuple(chunks)
+
+
+def _exact_power_of_two(value: float) -> bool:
+    mantissa, _ = math.frexp(value)
+    return mantissa == 0.5
+
+
+def plan_leaves(model, table, conv, config: dict, scan: bool, dtype_of, match: bool) -> list[LeafPlan]:
+    """Every leaf of the output, its dtype and chunks, and the canonical tensors that fill it."""
+    leaves: dict[str, LeafPlan] = {}
+    for name, tensor in model.tensors.items():
+        spec = tensor.spec
+        if spec.hf not in table.weights:
+            raise PlanError(f"mapping '{model.family.name}' has no MaxText name for {spec.hf}: the model cannot be "
+                            "written as a MaxText checkpoint")
+        at = place(table, spec.hf, tensor.layer, model, scan)
+        role = spec.role
+        per = per_layer_shape(tensor, model)
+        if tensor.expert is not None:
+            per = (model.num_experts, *per)
+        base = dtype_of(name)
+        mul = add = None
+        rope = model.head_dim if conv.rope == "interleaved" and role in ("q", "k") else 0
+        if role == "q" and conv.query_scale:
+            mul = float(np.float32(1 / np.sqrt(query_factor(conv, config, model.head_dim))))
+        elif role == "embedding" and conv.embedding_scale:
+            mul = float(np.float32(embedding_factor(conv, model.dims["H"])))
+        if conv.norm_offset and at.leaf.endswith(".scale"):
+            add = conv.norm_offset
+        inexact = (mul is not None and not _exact_power_of_two(mul)) or add is not None
+        dtype = "F32" if inexact and not match else base
+        leaf = leaves.get(at.leaf)
+        if leaf is None:
+            shape = (per[0], at.stacked, *per[1:]) if at.index is not None else per
+            leaf = leaves[at.leaf] = LeafPlan(at.leaf, shape, dtype, chunks_of(shape, at.index is not None), per,
+                                              len(tensor.shape) == 2 and role != "embedding", rope, mul, add)
+        file = f"{STAGING}/layer-{tensor.layer:05d}.safetensors" if tensor.layer is not None else \
+            f"{STAGING}/top.safetensors"
+        leaf.members.append(Member(name, file, at.index, tensor.expert))
+    return list(leaves.values())
+
+
+def targets(source: Source, opts: Options, dtype: str) -> TargetPlan:
+    from reshard.io.orbax_store import tensorstore
+
+    tensorstore()
+    if opts.tp != 1 or opts.pp != 1:
+        raise PlanError("a MaxText checkpoint holds the whole model (the writer's mesh is not stored): --tp and --pp "
+                        "must be 1 for --to maxtext")
+    model = source.model
+    table = family_table(model.family)
+    name = opts.maxtext_model or source.info.get("maxtext", {}).get("model") or None
+    conv = table.conventions(model.meaning.architecture, name, "--to maxtext")
+    config, notes = planned_config(model, dtype, opts, "MaxText")
+    leaves = plan_leaves(model, table, conv, config, opts.scan_layers,
+                         lambda n: stored_dtype(model, model.tensors[n].whole(), opts, dtype),
+                         opts.maxtext_match_converter)
+    staged_f32 = {m.name for leaf in leaves if leaf.mul is not None or leaf.add is not None for m in leaf.members}
+    files: dict[str, list] = {}
+    for leaf in leaves:
+        for m in leaf.members:
+            stored = model.tensors[m.name].whole()
+            if m.name in staged_f32:
+                stored = replace(stored, dtype="F32")
+            files.setdefault(m.file, []).append(stored)
+    specs = [TargetSpec(path, "safetensors", tensors) for path, tensors in sorted(files.items())]
+    if model.mtp_layers:
+        notes.append("MaxText checkpoints hold no MTP layers: they are not written")
+    f32 = sorted(leaf.name for leaf in leaves if leaf.dtype == "F32" and dtype != "F32")
+    if f32:
+        notes.append(f"{len(f32)} leaves written as float32, as a {dtype} constant would round their MaxText value "
+                     "(query pre-scale, Gemma's 1 + w and sqrt(H)); --maxtext-match-converter writes them in "
+                     f"{dtype} as MaxText's to_maxtext does")
+    notes.append(f"load it with load_parameters_path=<output>/{STEP}/items scan_layers={opts.scan_layers} "
+                 f"(MaxText model {conv.model})")
+    state = {"leaves": leaves, "config": config, "scan": opts.scan_layers, "model": name or conv.model}
+    return TargetPlan(specs, state=state, notes=notes)
+
+
+def _hf_tensor(files: dict, out: str, member: Member):
+    from reshard.io.safetensors_format import SafetensorsFile
+
+    f = files.get(member.file)
+    if f is None:
+        for other in files.values():
+            other.close()
+        files.clear()
+        f = files[member.file] = SafetensorsFile(os.path.join(out, member.file))
+    return f.read(member.name)
+
+
+def maxtext_value(leaf: LeafPlan, x):
+    """One canonical tensor as MaxText stores it (see the module docstring)."""
+    import torch
+
+    from reshard.io import dtypes
+
+    if leaf.rope:
+        x = half_to_interleaved(x, leaf.rope)
+    if leaf.kernel:
+        x = x.t()
+    per = leaf.per_layer[1:] if len(leaf.members) and leaf.members[0].expert is not None else leaf.per_layer
+    x = x.reshape(per)
+    if leaf.mul is not None or leaf.add is not None:
+        x = x.float()
+        if leaf.mul is not None:
+            x = x * torch.tensor(leaf.mul, dtype=torch.float32)
+        if leaf.add is not None:
+            x = x + torch.tensor(leaf.add, dtype=torch.float32)
+    return x.to(dtypes.to_torch(leaf.dtype)).contiguous()
+
+
+def finalize(out: str, source: Source, plan, state) -> None:
+    import torch
+
+    step = os.path.join(out, STEP)
+    writer = ItemWriter(os.path.join(step, "items"))
+    files: dict = {}
+    try:
+        for leaf in state["leaves"]:
+            arr = writer.array(leaf.name, leaf.shape, leaf.dtype, leaf.chunks)
+            groups: dict = {}
+            for m in leaf.members:
+                groups.setdefault(m.index, []).append(m)
+            for index, members in groups.items():
+                values = [maxtext_value(leaf, _hf_tensor(files, out, m)) for m in
+                          sorted(members, key=lambda m: m.expert or 0)]
+                x = torch.stack(values) if members[0].expert is not None else values[0]
+                writer.write(arr, (slice(None), index) if index is not None else (), numpy_of(x))
+        step_arr = writer.array("step", (), "I64", (), value_type="scalar")
+        writer.write(step_arr, (), np.array(0, np.int64))
+        writer.finish()
+    finally:
+        for f in files.values():
+            f.close()
+    shutil.rmtree(os.path.join(out, STAGING))
+    commit_note(step)
+    custom = {"scan_layers": state["scan"],
+              "reshard": {"version": __version__, "maxtext_model": state["model"], "hf_config": state["config"]}}
+    replace_with_text(os.path.join(step, "_CHECKPOINT_METADATA"), checkpoint_metadata(custom, time.time_ns()))
