@@ -506,3 +506,25 @@ def test_inspect_plan_load_rank_live_plan(src, capsys):
     plan = live.plan(src, source={"layout": "hf"}, target={"layout": "vllm", "tp": 2}, source_ranks=range(1),
                      target_ranks=range(1, 3))
     assert plan is not None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("grid", [(1, 1, 1), (2, 2, 1)], ids=["tp1", "tp2_ep2_etp1"])
+def test_megatron_core_loads_and_matches(tmp_path, grid):
+    """Section 15 check 3: megatron-core 0.16.1 (tests/mcore_llama4_harness.py: its GPTModel built from the
+    checkpoint's own args, local spec, L2Norm q/k norms on the RoPE layers) loads reshard's torch_dist strictly and
+    computes transformers' logits within 1e-5 when chunk and floor_scale (8192) exceed the 16 tokens."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'reshard[test]')")
+    import reshard
+    from test_mcore_dist_fixtures import run_harness
+
+    tp, ep, etp = grid
+    short = save_tiny(tmp_path / "short", SHORT)
+    reshard.convert(short, str(tmp_path / "d"), to="torch_dist", tp=tp, ep=ep, etp=etp)
+    torch.save(IDS, tmp_path / "ids.pt")
+    harness = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mcore_llama4_harness.py")
+    run_harness(harness, "load", "--ids", tmp_path / "ids.pt", "--tp", tp, "--ep", ep, "--etp", etp,
+                tmp_path / "d", tmp_path / "out.pt", timeout=300)
+    got = torch.load(tmp_path / "out.pt", weights_only=True)["logits"][0]
+    err = (got - hf_logits(short)).abs().max().item()
+    assert err <= 1e-5, f"megatron-core vs transformers max |logit diff| {err:.3g}"

@@ -1,0 +1,207 @@
+"""megatron-core 0.16.1's own Llama-4-text-shaped GPTModel on the CPU, loaded strictly from a ``torch_dist`` folder,
+with its logits.  Written independently of reshard; the model is built from the checkpoint's own args (and, for the
+NoPE layers Megatron-LM spells as ``--no-rope-freq``, the ``no_rope_layers`` of the ``hf_config`` the args record).
+
+Run as::
+
+    python tests/mcore_llama4_harness.py load --ids IDS.pt [--tp T --ep E --etp S] CKPT OUT.pt ...
+
+The script spawns its ranks itself (world ``max(T, E*S)``, at most 2; gloo on the loopback, a file store in a
+private temporary folder) and waits for them.  For each CKPT it builds the model as Megatron-LM's
+``core_transformer_config_from_args`` and GPT builder do (every args field that is a ``TransformerConfig`` field
+copied by name, then the renames), with the local spec (``get_gpt_decoder_block_spec(use_transformer_engine=False)``:
+GQA, ``SequentialMLP`` experts, the allgather dispatcher) with ``L2Norm`` q/k norms on the RoPE layers only
+(:func:`layer_spec`), ``rotary_interleaved``, ``moe_apply_probs_on_input`` (the routing weight on the expert input)
+and ``moe_layer_freq`` as a list, loads it with ``dist_checkpointing.load`` at
+Megatron-LM's default strictness then ``load_state_dict(strict=True)``, and rank 0 writes
+``{"input_ids", "logits"}`` (fp32, gathered over TP, cut to the true vocab).  CPU plumbing that changes no weight:
+CPU initialisation, fusions off, no dropout, no sequence parallelism, an explicit causal mask.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mcore_cpu import prepare_cpu  # noqa: E402
+
+os.environ["TORCHDYNAMO_DISABLE"] = "1"
+torch = prepare_cpu()
+import torch.nn.functional as F  # noqa: E402
+from mcore_dist_harness import (  # noqa: E402
+    _cpu_shims,
+    _die_with_parent,
+    _reap_strays,
+    init_expert_parallel,
+    read_common,
+    spawn_and_join,
+)
+from mcore_mla_harness import forward, iteration_dir, padded_vocab  # noqa: E402
+
+#: Args a Llama 4 run records that change the model (megatron-core's defaults would apply to a missing one).
+REQUIRED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+            "norm_epsilon", "normalization", "swiglu", "add_bias_linear", "add_qkv_bias", "rotary_interleaved",
+            "untie_embeddings_and_output_weights", "vocab_size", "rotary_base", "num_experts", "moe_router_topk",
+            "moe_ffn_hidden_size", "moe_router_score_function", "moe_layer_freq", "moe_apply_probs_on_input",
+            "moe_shared_expert_intermediate_size", "hf_config")
+
+
+def layer_spec(config, record: dict):
+    """megatron-core's local block spec with Llama 4's per-layer q/k norm: ``L2Norm`` on q and k of the RoPE
+    layers (``no_rope_layers[i] == 1``) when ``use_qk_norm``, ``IdentityOp`` on the NoPE layers (megatron-core's
+    own ``qk_l2_norm`` switch would put it on every layer; Megatron-Bridge builds it per layer the same way)."""
+    import copy
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.torch_norm import L2Norm
+
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=config.normalization)
+    specs = []
+    for i, spec in enumerate(block.layer_specs):
+        spec = copy.deepcopy(spec)
+        norm = L2Norm if record.get("use_qk_norm", True) and record["no_rope_layers"][i] else IdentityOp
+        spec.submodules.self_attention.submodules.q_layernorm = norm
+        spec.submodules.self_attention.submodules.k_layernorm = norm
+        specs.append(spec)
+    block.layer_specs = specs
+    return block
+
+
+def build_model(args: argparse.Namespace, tp: int, ep: int, etp: int):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    missing = [k for k in REQUIRED if not hasattr(args, k)]
+    if missing:
+        raise SystemExit(f"the checkpoint's args lack {missing}: megatron-core's defaults would apply")
+    get = lambda key, default=None: getattr(args, key, default)  # noqa: E731
+    record = dict(args.hf_config)
+    record = record.get("text_config", record)
+    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(TransformerConfig) if hasattr(args, f.name)}
+    fields.update(  # Megatron-LM's core_transformer_config_from_args renames
+        layernorm_epsilon=args.norm_epsilon, num_moe_experts=args.num_experts, num_query_groups=args.num_query_groups,
+        activation_func=F.silu, gated_linear_unit=bool(args.swiglu), pipeline_dtype=torch.float32,
+        params_dtype=torch.float32, bf16=False, fp16=False, mtp_num_layers=None,
+        no_rope_freq=[1 - int(x) for x in record["no_rope_layers"]])  # Megatron-LM's --no-rope-freq, as a list
+    fields.update(  # CPU / eval plumbing and the degrees this run loads at
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp, sequence_parallel=False, context_parallel_size=1,
+        use_cpu_initialization=True, perform_initialization=False, attention_dropout=0.0, hidden_dropout=0.0,
+        masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        moe_token_dispatcher_type="allgather", moe_permute_fusion=False, moe_aux_loss_coeff=0.0,
+        moe_grouped_gemm=False)
+    config = TransformerConfig(**fields)
+    model = GPTModel(
+        config=config, transformer_layer_spec=layer_spec(config, record),
+        vocab_size=padded_vocab(args.vocab_size, get("make_vocab_size_divisible_by", 128), tp),
+        max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,
+        parallel_output=False, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type="rope", rotary_base=args.rotary_base)
+    model.eval()
+    return model
+
+
+def check_built(model, args) -> None:
+    """What makes the model Llama-4-like really is in the built model."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.torch_norm import L2Norm
+
+    record = dict(args.hf_config)
+    for i, (layer, moe) in enumerate(zip(model.decoder.layers, args.moe_layer_freq)):
+        rope = bool(record["no_rope_layers"][i])
+        assert isinstance(layer.self_attention.q_layernorm, L2Norm) == rope
+        assert isinstance(layer.mlp, MoELayer) == bool(moe)
+        if moe:
+            assert layer.mlp.shared_experts is not None
+    assert model.config.rotary_interleaved and model.config.moe_apply_probs_on_input
+    assert model.config.moe_router_score_function == "sigmoid" and model.config.moe_router_topk == 1
+
+
+def load_one(cli, ckpt: str, out: str, input_ids: torch.Tensor) -> None:
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    folder = iteration_dir(ckpt)
+    common = read_common(folder)
+    args = common["args"]
+    model = build_model(args, cli.tp, cli.ep, cli.etp)
+    metadata = dict(common.get("content_metadata") or {})
+    metadata["dp_cp_group"] = ps.get_data_parallel_group(with_context_parallel=True)
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict(metadata=metadata)}, folder,
+                                     strict=StrictHandling.ASSUME_OK_UNEXPECTED)["model"]
+    result = model.load_state_dict(loaded, strict=True)
+    assert not result.missing_keys and not result.unexpected_keys, result
+    check_built(model, args)
+    args.mtp_num_layers = None
+    logits = forward(model, args, input_ids)
+    if dist.get_rank() == 0:
+        torch.save(logits, out)
+    dist.barrier()
+
+
+def worker(local_rank: int, cli, init_method: str) -> None:
+    import torch.distributed as dist
+
+    _die_with_parent()
+    _cpu_shims()
+    dist.init_process_group(backend="gloo", init_method=init_method, rank=local_rank, world_size=cli.world)
+    try:
+        from megatron.core import parallel_state
+
+        init_expert_parallel(cli.tp, cli.ep, cli.etp)
+        input_ids = torch.load(cli.ids, map_location="cpu", weights_only=True).long()
+        for ckpt, out in zip(cli.pairs[::2], cli.pairs[1::2]):
+            load_one(cli, ckpt, out, input_ids)
+        parallel_state.destroy_model_parallel()
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    load = sub.add_parser("load", help="load torch_dist checkpoints strictly and write their logits")
+    load.add_argument("--ids", required=True, help="a torch file holding a LongTensor [batch, seq]")
+    load.add_argument("pairs", nargs="+", help="CKPT OUT.pt pairs")
+    load.add_argument("--tp", type=int, default=1)
+    load.add_argument("--ep", type=int, default=1)
+    load.add_argument("--etp", type=int, default=None, help="expert tensor parallel (default: tp)")
+    cli = parser.parse_args()
+    cli.etp = cli.tp if cli.etp is None else cli.etp
+    cli.world = max(cli.tp, cli.ep * cli.etp)
+    if cli.world % cli.tp or cli.world % (cli.ep * cli.etp) or cli.world > 2 or len(cli.pairs) % 2:
+        parser.error("need max(tp, ep*etp) <= 2 divisible by both, and CKPT OUT.pt pairs")
+    cli.ids = os.path.abspath(cli.ids)
+    cli.pairs = [os.path.abspath(p) for p in cli.pairs]
+    try:  # orphans below this process re-parent to it, so _reap_strays finds them
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="mcore_llama4_harness_") as tmp:
+            spawn_and_join(mp, worker, (cli, "file://" + os.path.join(tmp, "store")), cli.world)
+    finally:
+        from multiprocessing import resource_tracker
+
+        tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
+        strays = _reap_strays({tracker} if tracker else set())
+        if strays:
+            print(f"mcore_llama4_harness: killed stray processes {strays}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
