@@ -92,3 +92,8 @@ def unpair_sources(files: list[TensorFile], stored: list[tuple[int, StoredTensor
         out.append((index, tensor))
     files = [PairFile(f, paired[i]) if i in paired else f for i, f in enumerate(files)]
     return files, out
+
+
+def end_to_end(stacked):
+    """A stacked ``[E, R, ...]`` tensor whose blocks alternate along R (vLLM's gpt-oss ``w13``), end to end."""
+    return deinterleave(stacked, 1, stacked.shape[1])

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 
 from reshard.errors import ReshardError
 from reshard.verification.forward import llama4_layer
+from reshard.verification.forward import gpt_oss_ops
 from reshard.verification.forward.layer_checks import ACTIVATION_FUNCTIONS, check_features
 from reshard.verification.forward.rank_weights import DecoderConfig, LayerWeights, RankWeights
 from reshard.verification.forward.rope import apply_rope, mla_softmax_scale, rope_cos_sin, rotate_pairs
@@ -186,6 +187,8 @@ def mla_attention(x: torch.Tensor, w: LayerWeights, config: DecoderConfig, cos, 
 def attention(x: torch.Tensor, w: LayerWeights, config: DecoderConfig, cos, sin, mask, tp: TPGroup) -> torch.Tensor:
     if config.mla:
         return mla_attention(x, w, config, cos, sin, mask, tp)
+    if w.sinks is not None:  # gpt-oss: a sink logit per head joins the softmax
+        return gpt_oss_ops.attention(x, w, config, cos, sin, mask, tp)
     b, s, _ = x.shape
     d = config.head_dim
     q = _linear(x, w.q, w.q_bias)
@@ -260,6 +263,8 @@ def moe(x: torch.Tensor, w: LayerWeights, config: DecoderConfig, tp: TPGroup) ->
     once."""
     if config.llama4:  # the routing weight on the expert input
         return llama4_layer.moe(x, w, config, tp)
+    if config.gpt_oss:  # router and expert biases, clamped SwiGLU
+        return gpt_oss_ops.moe(x, w, config, tp)
     act = ACTIVATION_FUNCTIONS[config.activation]
     flat = x.reshape(-1, x.shape[-1])
     weights, chosen = route(flat, w.router, config, w.router_bias)

@@ -21,6 +21,7 @@ import re
 from reshard.core.canonical import instance
 from reshard.errors import CheckpointError, ReshardError
 from reshard.io.torch_format import TorchFile
+from reshard.verification.forward.rank_weights import expert_parts
 from reshard.layouts import megatron
 from reshard.layouts.base import Options
 from reshard.mapping import config_condition
@@ -229,7 +230,7 @@ class MegatronRankStream(RankStream):
         out = {}
         for j in range(self.experts_per_rank):
             parts = {s.role: self._get(f, chunk, s, i, global_layer=index, expert=j) for s in self.expert_specs}
-            out[e * self.experts_per_rank + j] = (parts["expert_gate"], parts["expert_up"], parts["expert_down"])
+            out[e * self.experts_per_rank + j] = expert_parts(parts)
         return out
 
     def embedding(self):

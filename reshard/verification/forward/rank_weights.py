@@ -84,6 +84,7 @@ class DecoderConfig:
     residual_multiplier: float = 1.0  # Granite: every block's output times this before the residual add
     logits_scaling: float = 1.0  # Granite: the logits divided by this
     llama4: tuple | None = None  # Llama 4 text's per-layer rules (ModelConfig.llama4; forward/llama4_layer.py)
+    gpt_oss: tuple | None = None  # swiglu_alpha / swiglu_limit (ModelConfig.gpt_oss; forward/gpt_oss_ops.py)
 
     @property
     def mla(self) -> bool:
@@ -139,7 +140,7 @@ class DecoderConfig:
                    embedding_multiplier=meaning.embedding_multiplier,
                    attention_multiplier=meaning.attention_multiplier,
                    residual_multiplier=meaning.residual_multiplier, logits_scaling=meaning.logits_scaling,
-                   llama4=meaning.llama4)
+                   gpt_oss=meaning.gpt_oss, llama4=meaning.llama4)
 
 
 def rope_parameters(meaning: ModelConfig) -> dict:
@@ -239,6 +240,8 @@ class LayerWeights:
     kv_a: torch.Tensor | None = None  # [rkv + dr, H] whole, or the rank's row block
     kv_a_norm: torch.Tensor | None = None  # [rkv]
     kv_b: torch.Tensor | None = None  # [nh/world * (dn + dv), rkv]; ``o`` is then [H, nh/world * dv]
+    sinks: torch.Tensor | None = None  # gpt-oss: one softmax sink logit per local query head
+    router_linear_bias: torch.Tensor | None = None  # gpt-oss: [E] added to the router logits
 
 
 @dataclass
@@ -306,6 +309,14 @@ def split_stacked_qkv(t: torch.Tensor, q_rows: int, kv_rows: int) -> tuple[torch
     if t.shape[0] != q_rows + 2 * kv_rows:
         raise CheckpointError(f"fused qkv has {t.shape[0]} rows, expected {q_rows} + 2 x {kv_rows}")
     return t[:q_rows], t[q_rows:q_rows + kv_rows], t[q_rows + kv_rows:]
+
+
+def expert_parts(parts: dict) -> tuple:
+    """A routed expert's ``(gate, up, down)`` from its tensors by role, then ``(gate_bias, up_bias, down_bias)``
+    where the experts have biases (gpt-oss: forward/gpt_oss_ops.py)."""
+    roles = ("expert_gate", "expert_up", "expert_down")
+    biases = ("expert_gate_bias", "expert_up_bias", "expert_down_bias")
+    return tuple(parts[r] for r in roles + (biases if biases[0] in parts else ()))
 
 
 def split_halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,6 +25,7 @@ from reshard.layouts.registry import open_checkpoint
 from reshard.verification.forward.rank_stream import MeteredFile, RankStream, whole_rank_loader
 from reshard.verification.forward.rank_weights import (DecoderConfig, LayerWeights, check_world, kv_heads_of_rank,
                                                        padded_vocab_for, vocab_rows)
+from reshard.verification.forward.rank_weights import expert_parts
 from reshard.verification.forward.staging import assemble_on
 
 
@@ -70,6 +71,8 @@ class SlicedRankStream(RankStream):
                       "expert_gate": (0, rank * i_per, i_per), "expert_up": (0, rank * i_per, i_per),
                       "expert_down": (1, rank * i_per, i_per), "shared_gate": (0, rank * s_per, s_per),
                       "shared_up": (0, rank * s_per, s_per), "shared_down": (1, rank * s_per, s_per)}
+        self.spans.update(sinks=(0, rank * q_per, q_per), expert_gate_bias=(0, rank * i_per, i_per),
+                          expert_up_bias=(0, rank * i_per, i_per))  # gpt-oss; the down bias whole (rank 0 adds it)
         if config.mla:  # whole heads of dn + dr (q_b / q), dn + dv (kv_b) rows and dv (o) columns; q_a, kv_a whole
             dq, dkv, dv = d + config.rope_head_dim, d + config.v_head_dim, config.v_head_dim
             self.spans.update({"q": (0, rank * q_per * dq, q_per * dq), "q_b": (0, rank * q_per * dq, q_per * dq),
@@ -134,7 +137,7 @@ class SlicedRankStream(RankStream):
                 else:
                     out[spec.role] = tensor
         if experts:
-            out["experts"] = {e: (p["expert_gate"], p["expert_up"], p["expert_down"]) for e, p in experts.items()}
+            out["experts"] = {e: expert_parts(p) for e, p in experts.items()}
         return out
 
     def _vocab_slice(self, role: str) -> torch.Tensor:

@@ -20,7 +20,9 @@ from reshard.layouts.hf_config import read_meaning
 from reshard.mapping_vlm import family_for_architecture, flat_view
 from reshard.mapping import REPLICATED_PACK, config_condition
 from reshard.verification.forward import llama4_layer
+from reshard.io.pair_rows import end_to_end
 from reshard.verification.forward.rank_stream import RankStream, whole_rank_loader
+from reshard.verification.forward.rank_weights import expert_parts
 from reshard.verification.forward.rank_weights import (DecoderConfig, LayerWeights, check_world, split_halves,
                                                        split_stacked_qkv, unpack)
 
@@ -34,14 +36,18 @@ def _experts(specs, layer: int, where: dict, experts: int, rank: int, world: int
         if name not in where:
             raise CheckpointError(f"tensor '{name}' is missing from rank {rank}'s files")
         same = next((t for r, t in stacked.items() if names[r] == name), None)  # w13: gate and up, read once
-        stacked[spec.role] = where[name].read(name) if same is None else same
+        stacked[spec.role] = same if same is not None else \
+            end_to_end(where[name].read(name)) if spec.vllm_interleaved else where[name].read(name)
         names[spec.role] = name
     held = stacked["expert_down"].shape[0]
     ids = vllm.expert_block(experts, world, rank) if held < experts else range(experts)
     out = {}
     for j, e in enumerate(ids):
-        gate, up = split_halves(stacked["expert_gate"][j])
-        out[e] = (gate, up, stacked["expert_down"][j])
+        parts = {role: t[j] for role, t in stacked.items()}
+        for role in ("expert_gate", "expert_gate_bias"):  # w13 (and gpt-oss's w13_bias): [gate_r; up_r]
+            if role in parts:
+                parts[role], parts[role.replace("gate", "up")] = split_halves(parts[role])
+        out[e] = expert_parts(parts)
     return out
 
 
