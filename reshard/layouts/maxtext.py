@@ -22,6 +22,7 @@ class MaxTextLayout(Layout):
     summary = "MaxText / Orbax checkpoint (<step>/_CHECKPOINT_METADATA + items/, zarr arrays, OCDBT)"
     specificity = 10
     rank_loader = "reshard.verification.forward.sliced_rank:SlicedRankStream"
+    rank_view_of = "hf"  # MaxText has no ranks: its one "rank" (load_rank, live.plan) is the whole model, HF names
     completion_markers = ("0/_CHECKPOINT_METADATA",)
     uses_options = frozenset({"scan_layers", "maxtext_match_converter"})
     reads_options = frozenset({"config", "tag"})
