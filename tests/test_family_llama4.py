@@ -92,6 +92,7 @@ def test_multimodal_text_config(active):
     assert R.text_config(text) is text
 
 
+@pytest.mark.slow
 def test_megatron_config_accepted_by_megatron_core(active):
     """The keywords are section 3.2's table and megatron-core 0.16.1's TransformerConfig validates them."""
     mc = pytest.importorskip("megatron.core.transformer.transformer_config")
@@ -227,7 +228,7 @@ def reference_forward(model, ids, tp: int = 1, megatron: bool = False) -> torch.
     return F.linear(rms(x, sd["model.norm.weight"]), sd["lm_head.weight"])
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("which", ["active", "short"])
 def test_ops_forward_equals_transformers(which, tp, request):
     model = request.getfixturevalue(which)
@@ -528,3 +529,28 @@ def test_megatron_core_loads_and_matches(tmp_path, grid):
     got = torch.load(tmp_path / "out.pt", weights_only=True)["logits"][0]
     err = (got - hf_logits(short)).abs().max().item()
     assert err <= 1e-5, f"megatron-core vs transformers max |logit diff| {err:.3g}"
+
+
+def test_multimodal_release_converts_its_text_model(tmp_path, capsys):
+    """A tiny Llama4ForConditionalGeneration (transformers' own save: language_model.*, vision_model.*,
+    multi_modal_projector.*): to hf and to vllm tp2 as its text model with a note naming the vision tensors left
+    out; the text tensors bit-equal, and the output's transformers logits equal the multimodal model's on text."""
+    torch.manual_seed(0)
+    vision = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
+              "image_size": 28, "patch_size": 14, "vision_output_dim": 64, "projector_input_dim": 64,
+              "projector_output_dim": 64, "pixel_shuffle_ratio": 0.5}
+    text = {k: v for k, v in ACTIVE.items() if k != "tie_word_embeddings"}
+    model = transformers.Llama4ForConditionalGeneration(
+        transformers.Llama4Config(text_config=text, vision_config=vision)).eval()
+    model.save_pretrained(tmp_path / "vlm")
+    code, _, err = run_cli(capsys, "convert", tmp_path / "vlm", tmp_path / "hf", "--to", "hf")
+    assert code == 0 and "its 26 vision tensors (vision_model.*, multi_modal_projector.*) are not converted" in err
+    code, _, err = run_cli(capsys, "convert", tmp_path / "vlm", tmp_path / "v", "--to", "vllm", "--tp", 2)
+    assert code == 0, err
+    a, b = hf_state(tmp_path / "vlm"), hf_state(tmp_path / "hf")
+    assert sorted(b) == sorted(k.replace("language_model.", "", 1) for k in a if k.startswith("language_model."))
+    assert all(torch.equal(b[k], a["language_model." + k]) for k in b)
+    assert config_of(tmp_path / "hf")["architectures"] == ["Llama4ForCausalLM"]
+    with torch.no_grad():
+        expected = model(input_ids=IDS).logits[0]
+    torch.testing.assert_close(hf_logits(tmp_path / "hf"), expected, rtol=0, atol=0)

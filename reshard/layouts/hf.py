@@ -30,6 +30,7 @@ from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpe
                                   pack_by_size, read_json_object)
 from reshard.layouts.hf_config import read_meaning, without_dropped_settings, write_config as write_hf_config
 from reshard.layouts.hf_spelling import respell_read, respell_write
+from reshard.layouts import llama4_text
 from reshard.layouts.vision import unused_tower_tensor
 from reshard.mapping_vlm import family_for_architecture, flat_view, nested
 from reshard.side_files import find_side_files
@@ -121,6 +122,7 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
     architecture = architecture_of(config, opts, os.path.join(path, "config.json"))
     config, files, mx_notes, mx_stored = mxfp4.source_view(path, config, files, opts)  # gpt-oss's release
     quantized = fp8.find_fp8(path, config, files)  # refuses every quantized form but block FP8
+    config, architecture, text_only = llama4_text.text_view(config, architecture)  # Llama 4's VLM: its text model
     family = family_for_architecture(architecture, opts.mapping, config)
     if family.multimodal:
         config = flat_view(config)
@@ -146,6 +148,7 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
             where[name] = i
     check_index(path, paths, files)
     file_names = _add_optional_prefix(family, where) if not family.multimodal else respell_read(family, where, notes)
+    file_names.update(llama4_text.text_names(where, notes) if text_only else {})
     fused = any(match_template(family, n, fused=True) is not None and match_template(family, n, stored=True) is None
                 for n in where)
     matched = {}
