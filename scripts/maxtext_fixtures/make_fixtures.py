@@ -79,7 +79,11 @@ CASES = {
                       extra=["first_num_dense_layers=1", "base_moe_mlp_dim=16", "num_experts=4",
                              "num_experts_per_tok=2", "shared_experts=1", "q_lora_rank=24", "kv_lora_rank=16",
                              "qk_nope_head_dim=16", "qk_rope_head_dim=8", "v_head_dim=12", "sparse_matmul=False",
-                             "megablox=False"]),
+                             "megablox=False"],
+                      # maxtext 0.2.5 made the DeepSeek router bias an `MoEBiasVar` (its own collection) while its
+                      # to_maxtext param map still names `params-...-MoeBlock_0-gate-bias`: "maxtext_state_dict must
+                      # be a subset of flattened param_map"; 0.2.4's source converts it (0.2.5 restores that form)
+                      old_src_for=("to_maxtext_scan", "to_maxtext_unscan")),
 }
 FAMILIES = list(CASES)
 
@@ -366,24 +370,29 @@ def make_family(name: str, out: str, work: str, mt_python: str, old_src: str) ->
     for scan in (True, False):
         tag = "scan" if scan else "unscan"
         conv = os.path.join(w, f"conv_{tag}")
-        src = old_src if f"to_maxtext_{tag}" in case.get("old_src_for", ()) else None
-        if src:
-            made_by[f"maxtext_{tag}"] = f"MaxText {OLD_VERSION} source ({OLD_COMMIT}) to_maxtext"
-        run_mt(mt_python, "to_maxtext", os.path.join(w, f"to_maxtext_{tag}.log"), src=src,
+        def src_for(step: str, made: str) -> str | None:
+            if step not in case.get("old_src_for", ()):
+                return None
+            made_by[made] = f"MaxText {OLD_VERSION} source ({OLD_COMMIT}) {step}"
+            return old_src
+
+        run_mt(mt_python, "to_maxtext", os.path.join(w, f"to_maxtext_{tag}.log"),
+               src=src_for(f"to_maxtext_{tag}", f"maxtext_{tag}"),
                hf_dir=os.path.abspath(hf_dir),
                model_name=case["mt"], out=conv, scan=scan, overrides=overrides)
         copy_tree(os.path.join(conv, "0"), os.path.join(fx, f"maxtext_{tag}", "0"))
         items = os.path.abspath(os.path.join(fx, f"maxtext_{tag}", "0", "items"))
         back = os.path.join(w, f"back_{tag}")
         run_mt(mt_python, "to_huggingface", os.path.join(w, f"to_huggingface_{tag}.log"),
-               hf_dir=os.path.abspath(hf_dir), model_name=case["mt"], items=items, out=back, scan=scan,
+               src=src_for(f"to_huggingface_{tag}", f"to_hf_{tag}"), hf_dir=os.path.abspath(hf_dir), model_name=case["mt"], items=items, out=back, scan=scan,
                overrides=overrides)
         os.makedirs(os.path.join(fx, f"to_hf_{tag}"))
         for f in sorted(os.listdir(back)):
             if f.endswith((".safetensors", ".json")) and "token" not in f:
                 shutil.copy(os.path.join(back, f), os.path.join(fx, f"to_hf_{tag}", f))
         npy = os.path.join(w, f"maxtext_{tag}.npy")
-        run_mt(mt_python, "forward", os.path.join(w, f"forward_{tag}.log"), model_name=case["mt"],
+        run_mt(mt_python, "forward", os.path.join(w, f"forward_{tag}.log"),
+               src=src_for(f"forward_{tag}", f"logits maxtext_{tag}"), model_name=case["mt"],
                overrides=overrides, items=items, scan=scan, scratch=os.path.join(w, "fwd"), save=npy)
         logits[f"maxtext_{tag}"] = np.load(npy)
         back_logits = hf_logits(os.path.join(fx, f"to_hf_{tag}"), case["arch"])
