@@ -85,6 +85,12 @@ def find_mxfp4(where: str, config: dict, files: list[TensorFile]) -> Mxfp4View |
 
     blocks = sorted(n for n in located if n.endswith(BLOCKS_SUFFIX))
     scales = sorted(n for n in located if n.endswith(SCALES_SUFFIX))
+    quant = config.get("quantization_config")
+    method = quant.get("quant_method", "unknown method") if isinstance(quant, dict) else None
+    if method not in (None, "mxfp4", "fp8"):
+        raise CheckpointError(f"{where} is a quantized checkpoint (quantization_config: {method}); reshard reads "
+                              "MXFP4 (gpt-oss's release) and block FP8 only: dequantize it first, or convert the "
+                              "original bf16/fp16 release")
     if not is_mxfp4(config):
         if blocks and any(n[:-len(BLOCKS_SUFFIX)] + SCALES_SUFFIX in located for n in blocks):
             raise CheckpointError(f"{where}: tensor '{blocks[0]}' looks MXFP4 but config.json has no quantization_"

@@ -1,0 +1,204 @@
+"""megatron-core 0.16.1's own gpt-oss-shaped GPTModel on the CPU, loaded strictly from a ``torch_dist`` folder, with
+its logits.  Written independently of reshard; the model is built from the checkpoint's own args only.
+
+Run as::
+
+    python tests/mcore_gpt_oss_harness.py load --ids IDS.pt [--tp T --ep E --etp 1] CKPT OUT.pt ...
+
+The script spawns its ranks itself (world ``max(T, E*S)``, at most 2; gloo on the loopback, a file store in a
+private temporary folder) and waits for them.  For each CKPT it builds the model as Megatron-LM's
+``core_transformer_config_from_args`` and GPT builder do (every args field that is a ``TransformerConfig`` field
+copied by name, then the renames: ``quick_geglu`` = gated ``quick_gelu``), with the local spec: GQA with q/k/v/o
+biases and learnable softmax offsets (the sinks), the sliding window on every other layer (``window_size``,
+``window_attn_skip_freq``), yarn RoPE (``position_embedding_type="yarn"`` and the ``yarn_*`` attributes ``GPTModel``
+reads), ``SequentialMLP`` experts with biases, ``glu_linear_offset`` and the clamp; loads it with
+``dist_checkpointing.load`` at Megatron-LM's default strictness then ``load_state_dict(strict=True)``, and rank 0
+writes ``{"input_ids", "logits"}`` (fp32, gathered over TP, cut to the true vocab).  CPU plumbing that changes no
+weight: CPU initialisation, fusions off, no dropout, no sequence parallelism, an explicit causal mask, and the
+sliding-window mask built on the CPU (megatron-core builds it on ``cuda``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mcore_cpu import prepare_cpu  # noqa: E402
+
+os.environ["TORCHDYNAMO_DISABLE"] = "1"
+torch = prepare_cpu()
+from mcore_dist_harness import (  # noqa: E402
+    _cpu_shims,
+    _die_with_parent,
+    _reap_strays,
+    init_expert_parallel,
+    read_common,
+    spawn_and_join,
+)
+from mcore_mla_harness import forward, iteration_dir, padded_vocab  # noqa: E402
+
+#: Args a gpt-oss run records that change the model (megatron-core's defaults would apply to a missing one).
+REQUIRED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+            "norm_epsilon", "normalization", "quick_geglu", "glu_linear_offset", "activation_func_clamp_value",
+            "softmax_type", "add_bias_linear", "add_qkv_bias", "window_size", "window_attn_skip_freq",
+            "untie_embeddings_and_output_weights", "vocab_size", "rotary_base", "position_embedding_type",
+            "yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
+            "yarn_correction_range_round_to_int", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
+            "moe_router_score_function", "moe_router_pre_softmax")
+
+
+def _sliding_window_mask_on_cpu() -> None:
+    """megatron-core builds the sliding-window mask on ``device="cuda"`` (transformer/utils.py): the same mask on
+    the CPU (families-2.md section 1)."""
+    import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+    def mask(sq, skv, window_size):
+        m = torch.ones(sq, skv, dtype=torch.bool)
+        return ~torch.tril(torch.triu(m, diagonal=skv - sq - window_size[0]), diagonal=skv - sq + window_size[1])
+
+    fused_softmax.get_sliding_window_causal_mask = mask
+
+
+def build_model(args: argparse.Namespace, tp: int, ep: int, etp: int):
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    missing = [k for k in REQUIRED if not hasattr(args, k)]
+    if missing:
+        raise SystemExit(f"the checkpoint's args lack {missing}: megatron-core's defaults would apply")
+    if not args.quick_geglu or args.position_embedding_type != "yarn":
+        raise SystemExit("not a gpt-oss run: quick_geglu and yarn RoPE expected")
+    get = lambda key, default=None: getattr(args, key, default)  # noqa: E731
+    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(TransformerConfig) if hasattr(args, f.name)}
+    fields.update(  # Megatron-LM's core_transformer_config_from_args renames (quick_geglu: gated quick_gelu)
+        layernorm_epsilon=args.norm_epsilon, num_moe_experts=args.num_experts, num_query_groups=args.num_query_groups,
+        activation_func=quick_gelu, gated_linear_unit=True, window_size=tuple(args.window_size),
+        pipeline_dtype=torch.float32, params_dtype=torch.float32, bf16=False, fp16=False, mtp_num_layers=None)
+    fields.update(  # CPU / eval plumbing and the degrees this run loads at
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp, sequence_parallel=False, context_parallel_size=1,
+        use_cpu_initialization=True, perform_initialization=False, attention_dropout=0.0, hidden_dropout=0.0,
+        masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        attention_softmax_in_fp32=True, moe_token_dispatcher_type="allgather", moe_permute_fusion=False,
+        moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none", moe_grouped_gemm=False,
+        moe_router_dtype="fp32")
+    config = TransformerConfig(**fields)
+    for key in ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
+                "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "yarn_correction_range_round_to_int"):
+        setattr(config, key, get(key))  # read by getattr in GPTModel (not TransformerConfig fields)
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization)
+    model = GPTModel(
+        config=config, transformer_layer_spec=block,
+        vocab_size=padded_vocab(args.vocab_size, get("make_vocab_size_divisible_by", 128), tp),
+        max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,
+        parallel_output=False, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type="yarn", rotary_base=args.rotary_base)
+    model.eval()
+    return model
+
+
+def check_built(model, args) -> None:
+    """What makes the model gpt-oss really is in the built model."""
+    for layer in model.decoder.layers:
+        attn = layer.self_attention
+        assert attn.core_attention.softmax_offset is not None  # the sinks
+        assert attn.linear_qkv.bias is not None and layer.mlp.router.bias is not None
+        assert layer.mlp.experts.local_experts[0].linear_fc1.bias is not None
+    assert model.config.activation_func_clamp_value == args.activation_func_clamp_value
+    assert model.config.glu_linear_offset == 1.0 and model.config.softmax_type == "learnable"
+
+
+def load_one(cli, ckpt: str, out: str, input_ids: torch.Tensor) -> None:
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    folder = iteration_dir(ckpt)
+    common = read_common(folder)
+    args = common["args"]
+    model = build_model(args, cli.tp, cli.ep, cli.etp)
+    metadata = dict(common.get("content_metadata") or {})
+    metadata["dp_cp_group"] = ps.get_data_parallel_group(with_context_parallel=True)
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict(metadata=metadata)}, folder,
+                                     strict=StrictHandling.ASSUME_OK_UNEXPECTED)["model"]
+    result = model.load_state_dict(loaded, strict=True)
+    assert not result.missing_keys and not result.unexpected_keys, result
+    check_built(model, args)
+    args.mtp_num_layers = None
+    logits = forward(model, args, input_ids)
+    if dist.get_rank() == 0:
+        torch.save(logits, out)
+    dist.barrier()
+
+
+def worker(local_rank: int, cli, init_method: str) -> None:
+    import torch.distributed as dist
+
+    _die_with_parent()
+    _cpu_shims()
+    _sliding_window_mask_on_cpu()
+    dist.init_process_group(backend="gloo", init_method=init_method, rank=local_rank, world_size=cli.world)
+    try:
+        from megatron.core import parallel_state
+
+        init_expert_parallel(cli.tp, cli.ep, cli.etp)
+        input_ids = torch.load(cli.ids, map_location="cpu", weights_only=True).long()
+        for ckpt, out in zip(cli.pairs[::2], cli.pairs[1::2]):
+            load_one(cli, ckpt, out, input_ids)
+        parallel_state.destroy_model_parallel()
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    load = sub.add_parser("load", help="load torch_dist checkpoints strictly and write their logits")
+    load.add_argument("--ids", required=True, help="a torch file holding a LongTensor [batch, seq]")
+    load.add_argument("pairs", nargs="+", help="CKPT OUT.pt pairs")
+    load.add_argument("--tp", type=int, default=1)
+    load.add_argument("--ep", type=int, default=1)
+    load.add_argument("--etp", type=int, default=None, help="expert tensor parallel (default: tp)")
+    cli = parser.parse_args()
+    cli.etp = cli.tp if cli.etp is None else cli.etp
+    cli.world = max(cli.tp, cli.ep * cli.etp)
+    if cli.world % cli.tp or cli.world % (cli.ep * cli.etp) or cli.world > 2 or len(cli.pairs) % 2:
+        parser.error("need max(tp, ep*etp) <= 2 divisible by both, and CKPT OUT.pt pairs")
+    cli.ids = os.path.abspath(cli.ids)
+    cli.pairs = [os.path.abspath(p) for p in cli.pairs]
+    try:  # orphans below this process re-parent to it, so _reap_strays finds them
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="mcore_gpt_oss_harness_") as tmp:
+            spawn_and_join(mp, worker, (cli, "file://" + os.path.join(tmp, "store")), cli.world)
+    finally:
+        from multiprocessing import resource_tracker
+
+        tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
+        strays = _reap_strays({tracker} if tracker else set())
+        if strays:
+            print(f"mcore_gpt_oss_harness: killed stray processes {strays}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
