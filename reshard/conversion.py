@@ -210,7 +210,7 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
                                "keep_fp8": keep_fp8, "torchtitan_names": torchtitan_names,
                                "scan_layers": scan_layers, "maxtext_match_converter": maxtext_match_converter,
                                "hf_spelling": hf_spelling, "megatron_vision": megatron_vision,
-                               "vllm_vision": vllm_vision})
+                               "vllm_vision": vllm_vision, "max_seq": max_seq})
     if torchtitan_names not in ("current", "v0.2"):
         raise PlanError(f"--torchtitan-names {torchtitan_names}: use current or v0.2")
     opts = Options(tp=tp, pp=pp, ep=ep, etp=etp, expert_parallel=expert_parallel, moe_grouped_gemm=moe_grouped_gemm,
@@ -257,6 +257,8 @@ def convert_here(source: Source, plan: Plan, state, dst: str, overwrite: bool, p
         workers, reason = auto_workers(plan)
     else:
         reason = f"{workers} process{'es' if workers > 1 else ''} asked for"
+    if not all(getattr(f, "fork_safe", True) for f in source.files):  # TensorStore (maxtext) aborts in a fork
+        workers, reason = 1, "1 process: the source is read through TensorStore, which does not survive fork()"
     used = processes_used(plan, source.files, workers)
     if used < workers:
         reason += f"; {used} used (the output has {used} part{'s' if used > 1 else ''} to split)"

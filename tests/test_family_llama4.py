@@ -470,6 +470,8 @@ def test_refusals_one_line_exit_2_nothing_written(src, tmp_path, capsys):
         assert "Pass --max-seq 3 to accept that." in err and not (tmp_path / to).exists()
         code, _, err = run_cli(capsys, "convert", src, tmp_path / to, "--to", to, "--tp", 2, "--max-seq", 4)
         assert code == 2 and not (tmp_path / to).exists(), err
+    code, _, err = run_cli(capsys, "convert", src, tmp_path / "v", "--to", "vllm", "--tp", 2, "--max-seq", 3)
+    assert code == 2 and "--max-seq does not apply to --to vllm" in err and not (tmp_path / "v").exists(), err
     odd = save_tiny(tmp_path / "odd", dict(ACTIVE, moe_layers=[0, 3]))  # vLLM 0.32 would use layers 1 and 3
     code, _, err = run_cli(capsys, "convert", odd, tmp_path / "v", "--to", "vllm", "--tp", 2)
     assert code == 2 and not (tmp_path / "v").exists()

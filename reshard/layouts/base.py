@@ -28,6 +28,7 @@ TARGET_OPTIONS = {"ep": ("--ep", 1), "etp": ("--etp", None), "expert_parallel": 
                   "torchtitan_names": ("--torchtitan-names", "current"),
                   "hf_spelling": ("--hf-spelling", "hub"), "megatron_vision": ("--megatron-vision", None),
                   "vllm_vision": ("--vllm-vision", "weights")}
+TARGET_OPTIONS["max_seq"] = ("--max-seq", None)  # Megatron targets of Llama 4 (layouts/llama4_rules.py)
 #: Options only some sources are read with: Options field -> (the command-line flag, its value when not given).
 #: Converting from a layout that does not read one (``Layout.reads_options``) refuses it instead of ignoring it.
 SOURCE_OPTIONS = {"config": ("--config", None), "tag": ("--tag", None), "master_weights": ("--master-weights", False)}

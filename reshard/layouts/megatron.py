@@ -619,7 +619,8 @@ class MegatronLayout(Layout):
     specificity = 10
     rank_loader = "reshard.verification.forward.megatron_rank:MegatronRankStream"
     completion_markers = (TRACKER,)
-    uses_options = frozenset({"megatron_vision", "ep", "etp", "moe_grouped_gemm", "megatron_spec", "vocab_divisor"})
+    uses_options = frozenset({"megatron_vision", "ep", "etp", "moe_grouped_gemm", "megatron_spec", "vocab_divisor",
+                              "max_seq"})
     instead = {"expert_parallel": "Megatron's expert parallelism is --ep N (with --etp for the experts' tensor "
                                   "parallelism)"}
 

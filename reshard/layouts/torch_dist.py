@@ -327,7 +327,7 @@ class TorchDistLayout(Layout):
     rank_loader = "reshard.verification.forward.sliced_rank:SlicedRankStream"
     rank_view_of = "megatron"  # a rank loads the same module tensors whichever format Megatron saved
     completion_markers = (megatron.TRACKER,)
-    uses_options = frozenset({"vocab_divisor", "ep", "etp", "megatron_vision"})  # ep / etp: recorded in the args, and chunking
+    uses_options = frozenset({"vocab_divisor", "ep", "etp", "megatron_vision", "max_seq"})  # ep / etp: recorded in the args, and chunking
     instead = {"megatron_spec": "torch_dist checkpoints hold Transformer Engine (te) names; drop it, or use --to "
                                 "megatron for the local spec"}
 
