@@ -51,7 +51,7 @@ SEMANTIC_FIELDS = ("architecture", "hidden", "layers", "heads", "kv_heads", "hea
                    "moe_layers", "shared_expert_ffn", "shared_expert_gate", "router_score", "router_bias",
                    "router_groups", "router_group_topk", "router_group_score", "router_scaling", "q_lora_rank",
                    "kv_lora_rank", "rope_head_dim", "v_head_dim", "mtp_layers", "embedding_multiplier",
-                   "attention_multiplier", "residual_multiplier", "logits_scaling", "llama4", "gpt_oss")
+                   "attention_multiplier", "residual_multiplier", "logits_scaling", "llama4", "gpt_oss", "cohere")
 
 #: config.json keys known to change what a model computes that reshard's canonical config has no field for
 #: (Granite's multipliers, Cohere's logit scale and q/k norm, MiniCPM's scales, Gemma's soft-capping and query
@@ -124,6 +124,7 @@ class ModelConfig:
     attention_multiplier: float | None = None  # the absolute softmax scale (else head_dim ** -0.5)
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    cohere: tuple[tuple[str, Any], ...] | None = None  # Command-R / Cohere2 rules (layouts/cohere_rules.py)
     # Llama 4 text's per-layer rules (NoPE layers, L2 q/k norm, chunked attention, temperature tuning, routing on
     # the input) as sorted items (reshard/layouts/llama4_rules.py meaning_fields); None for other families
     llama4: tuple[tuple[str, Any], ...] | None = None
@@ -165,6 +166,7 @@ class ModelConfig:
         d["moe_layers"] = list(self.moe_layers) if self.moe_layers is not None else None
         d["llama4"] = {k: list(v) if isinstance(v, tuple) else v for k, v in self.llama4} if self.llama4 else None
         d["gpt_oss"] = dict(self.gpt_oss) if self.gpt_oss else None
+        d["cohere"] = dict(self.cohere) if self.cohere else None
         return d
 
 

@@ -18,6 +18,7 @@ from reshard.errors import CheckpointError, PlanError
 from reshard.layouts import gpt_oss_rules
 from reshard.layouts.hf_config_moe import read_moe, write_moe
 from reshard.layouts import phi3_rope
+from reshard.layouts import cohere_rules
 from reshard.layouts import llama4_rules
 from reshard.mapping import ACTIVATIONS, BIAS_GROUPS, Family, with_defaults
 from reshard.mapping.schema import MULTIPLIER_KEYS
@@ -116,6 +117,7 @@ def uncarried_settings(config: dict, family: Family) -> list[tuple[str, object]]
                                          "query_scale", "rope_local_theta", *MULTIPLIER_KEYS)}
     named.update(key for _, arch in spelt.architectures for key, _ in arch.requires)
     named.update(family.condition_keys())  # a key switching weights on (GLM-4.5's use_qk_norm) is carried
+    named.update(cohere_rules.CONFIG_KEYS if cohere_rules.is_cohere(family) else ())
     named.update(llama4_rules.CONFIG_KEYS if llama4_rules.is_llama4(family) else ())
     return [(key, config[key]) for key, neutral in UNCARRIED_SETTINGS.items()
             if key not in named and config.get(key) is not None and config[key] != neutral]
@@ -183,7 +185,8 @@ def read_meaning(config: dict, family: Family, architecture: str, dims: dict[str
         final_softcap=value(spelt.final_softcap), query_scale=value(spelt.query_scale),
         rope_local_theta=_local_theta(config, family, theta, where) if position == "rope" else None,
         mtp_layers=family.mtp_count(config), **_read_multipliers(value, spelt), **mla,
-        **read_moe(config, family, dims, present, where), **llama4_rules.meaning_fields(config, family),
+        **read_moe(config, family, dims, present, where), **cohere_rules.meaning_fields(config, architecture),
+        **llama4_rules.meaning_fields(config, family),
         **gpt_oss_rules.meaning_fields(config, architecture))
 
 
@@ -385,8 +388,12 @@ def _write_window(c: dict, meaning: ModelConfig, spelling: str, loss: ConfigLoss
         return
     if spelling == "typed":
         c["sliding_window"] = window
-        c["layer_types"] = ["sliding_attention" if i in windowed else "full_attention" for i in range(meaning.layers)]
-        c.pop("sliding_window_pattern", None)
+        types = ["sliding_attention" if i in windowed else "full_attention" for i in range(meaning.layers)]
+        every = c.get("sliding_window_pattern") if "layer_types" not in c else None  # Cohere2's release spelling
+        if not (every and types == ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
+                                    for i in range(meaning.layers)]):
+            c["layer_types"] = types
+            c.pop("sliding_window_pattern", None)
         return
     if spelling == "all_layers":
         if window and meaning.sliding_layers is not None:

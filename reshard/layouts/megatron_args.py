@@ -19,7 +19,7 @@ from typing import Any
 
 from reshard.core.model_config import ConfigLoss, ModelConfig
 from reshard.errors import CheckpointError, PlanError
-from reshard.layouts import gpt_oss_rules
+from reshard.layouts import cohere_rules, gpt_oss_rules
 
 #: megatron-core's RotaryEmbedding._apply_scaling parameters other than the factor (not settable from args).
 LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -335,6 +335,7 @@ def args_from_meaning(meaning: ModelConfig, loss: ConfigLoss) -> dict[str, Any]:
     if m.norm not in ("rms", "layer"):
         loss.cannot("norm", m.norm, "Megatron-LM's args spell RMSNorm and LayerNorm")
     _olmo_qk_norm(m)
+    cohere_rules.refuse_megatron(m)
     _granite_multipliers(m, loss)
     values.update(_moe_args(m, loss))
     values.update(_mla_args(m), mtp_num_layers=m.mtp_layers or None)

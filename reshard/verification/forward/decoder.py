@@ -51,7 +51,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from reshard.errors import ReshardError
-from reshard.verification.forward import llama4_layer
+from reshard.verification.forward import cohere_ops, llama4_layer
 from reshard.verification.forward import gpt_oss_ops
 from reshard.verification.forward.layer_checks import ACTIVATION_FUNCTIONS, check_features
 from reshard.verification.forward.rank_weights import DecoderConfig, LayerWeights, RankWeights
@@ -372,6 +372,8 @@ def _pre_norm(config: DecoderConfig, x: torch.Tensor, weight: torch.Tensor | Non
 def decoder_layer(config: DecoderConfig, i: int, layer: LayerWeights, x: torch.Tensor, inputs: LayerInputs,
                   tp: TPGroup, states: list | None) -> torch.Tensor:
     """Layer ``i``'s attention and MLP blocks on ``x``; appends the hidden state after each to ``states``."""
+    if config.cohere:  # Command-R / Cohere2: one norm, attention and MLP in parallel
+        return cohere_ops.decoder_layer(config, i, layer, x, inputs, tp, states, mlp)
     sliding = i in config.window_layers
     cos, sin = inputs.local_rope if sliding else inputs.rope
     h = (functools.partial(llama4_layer.attention, i) if config.llama4 else attention)(_pre_norm(config, x, layer.input_norm, layer.input_norm_bias), layer, config, cos, sin,
@@ -390,7 +392,7 @@ def final_logits(config: DecoderConfig, x: torch.Tensor, final_norm: torch.Tenso
                  final_norm_bias: torch.Tensor | None, head: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """Final norm, the vocab-parallel head gathered over the padded vocab, the final soft-cap; on the CPU."""
     x = norm(config, x, final_norm, final_norm_bias)
-    logits = tp.gather_last_dim(_linear(x, head))
+    logits = cohere_ops.scale_logits(config, tp.gather_last_dim(_linear(x, head)))
     if config.logits_scaling != 1.0:
         logits = logits / config.logits_scaling
     if config.final_softcap:

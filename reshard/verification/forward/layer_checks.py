@@ -53,7 +53,8 @@ def check_layer(config: DecoderConfig, i: int, layer: LayerWeights) -> None:
             raise ReshardError(f"layer {i}: the checkpoint holds latent-attention weight {foreign[0]}, but the config "
                                "has no kv_lora_rank")
     post_norm_block = config.sandwich_norm and layer.input_norm is None and layer.post_norm is None  # OLMo 2 / 3
-    needed = ((() if post_norm_block else ("input_norm", "post_norm")) + attention_roles
+    needed = ((() if post_norm_block else ("input_norm",) if config.cohere else ("input_norm", "post_norm"))
+              + attention_roles
               + (() if layer.router is not None else ("up", "down")))
     missing = [n for n in needed if getattr(layer, n) is None]
     if missing:

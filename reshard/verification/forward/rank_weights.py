@@ -83,6 +83,7 @@ class DecoderConfig:
     attention_multiplier: float | None = None  # Granite: the absolute softmax scale (replaces query_scale's)
     residual_multiplier: float = 1.0  # Granite: every block's output times this before the residual add
     logits_scaling: float = 1.0  # Granite: the logits divided by this
+    cohere: tuple | None = None  # Command-R / Cohere2 rules (ModelConfig.cohere; forward/cohere_ops.py)
     llama4: tuple | None = None  # Llama 4 text's per-layer rules (ModelConfig.llama4; forward/llama4_layer.py)
     gpt_oss: tuple | None = None  # swiglu_alpha / swiglu_limit (ModelConfig.gpt_oss; forward/gpt_oss_ops.py)
 
@@ -140,7 +141,7 @@ class DecoderConfig:
                    embedding_multiplier=meaning.embedding_multiplier,
                    attention_multiplier=meaning.attention_multiplier,
                    residual_multiplier=meaning.residual_multiplier, logits_scaling=meaning.logits_scaling,
-                   gpt_oss=meaning.gpt_oss, llama4=meaning.llama4)
+                   gpt_oss=meaning.gpt_oss, llama4=meaning.llama4, cohere=meaning.cohere)
 
 
 def rope_parameters(meaning: ModelConfig) -> dict:
