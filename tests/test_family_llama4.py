@@ -313,7 +313,7 @@ def chain(src, tmp_path_factory):
     out = {k: str(root / k) for k in ("megatron", "torch_dist", "vllm", "hf")}
     reshard_convert(src, out["megatron"], "--to", "megatron", "--tp", 2, "--ep", 2, "--max-seq", 3)
     reshard_convert(out["megatron"], out["torch_dist"], "--to", "torch_dist", "--tp", 2, "--ep", 2, "--max-seq", 3)
-    reshard_convert(out["torch_dist"], out["vllm"], "--to", "vllm", "--tp", 2)
+    out["vllm_notes"] = reshard_convert(out["torch_dist"], out["vllm"], "--to", "vllm", "--tp", 2)
     reshard_convert(out["vllm"], out["hf"], "--to", "hf")
     return out
 
@@ -329,6 +329,7 @@ def test_chain_through_megatron_torch_dist_vllm_is_bit_exact(src, chain):
     assert {k: v for k, v in cb.items() if k != "transformers_version"} == \
         {k: v for k, v in ca.items() if k != "transformers_version"}
     torch.testing.assert_close(hf_logits(chain["hf"]), hf_logits(src), rtol=0, atol=0)
+    assert "reads Llama 4's attn_temperature_tuning from generation_config.json" in chain["vllm_notes"]
 
 
 def test_megatron_rank_files(src, chain):

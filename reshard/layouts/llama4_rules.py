@@ -228,6 +228,17 @@ def check_vllm_target(model) -> None:
                     "moe_layers": list(model.meaning.sparse_layers())})
 
 
+def vllm_notes(model) -> list[str]:
+    """Families-2.md section 18.5: vLLM 0.32 takes ``attn_temperature_tuning`` from ``generation_config.json``
+    (default on only when ``max_model_len > 32768``), not from config.json."""
+    rules = dict(model.meaning.llama4 or ()) if model.meaning is not None else {}
+    if not (rules.get("temperature") and rules.get("nope_layers")):
+        return []
+    return [f"vLLM 0.32 reads Llama 4's attn_temperature_tuning from generation_config.json (default: on only when "
+            f"max_model_len > 32768), not from config.json: set it there to match transformers on sequences of "
+            f"{_number(rules['floor_scale'])} tokens (floor_scale) or more"]
+
+
 def megatron_args(meaning) -> dict[str, Any]:
     """Megatron-LM args a Llama 4 model needs beyond the generic ones: the routing weight on the expert input.
     (NoPE layers and the L2 q/k norm live in the args' ``hf_config`` record; megatron-core builds them from

@@ -26,7 +26,7 @@ from dataclasses import replace
 from reshard.version import __version__
 from reshard.core.canonical import CanonicalModel, build_canonical, stored_whole
 from reshard.core.pieces import StoredTensor
-from reshard.layouts.llama4_rules import check_vllm_target, qk_rows_permuted
+from reshard.layouts.llama4_rules import check_vllm_target, qk_rows_permuted, vllm_notes
 from reshard.layouts import gdn_rules
 from reshard.core.sharding import (check_vllm_degrees, pack_members, rank_slice, vllm_padded_vocab,
                                    vllm_qkv_pieces)
@@ -406,7 +406,7 @@ class VLLMLayout(Layout):
         config, notes = hf.planned_config(source.model, dtype, opts, "vLLM")
         return TargetPlan(specs, state={"tp": opts.tp, "padded_vocab": padded, "config": config,
                                         "expert_parallel": opts.expert_parallel,
-                                        "vllm_vision": opts.vllm_vision}, notes=notes)
+                                        "vllm_vision": opts.vllm_vision}, notes=notes + vllm_notes(source.model))
 
     def finalize(self, out: str, source: Source, plan, state) -> None:
         finalize(out, source.model, state["config"], state["tp"], state["padded_vocab"], plan.files,
