@@ -10,7 +10,8 @@ HF vocab (MaxText pads it).
 
 Unstack pass (7.3): a stacked leaf whose chunks span several layers is decoded once, chunk by chunk, into a
 scratch file (one region per layer, C order, the stored dtype) so that each layer is then read alone; the scratch
-is an unlinked temporary file (``$RESHARD_SCRATCH`` or the system temp folder), gone when the process ends.
+folder (under ``$RESHARD_SCRATCH`` or the system temp folder) is shared by the forked workers and removed when the
+source is closed.
 Memory: one decoded chunk while unstacking, one per-layer tensor while reading.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import shutil
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from reshard.io.orbax_store import Item
-from reshard.io.tensorfile import TensorFile, TensorLocation
+from reshard.io.tensorfile import TensorFile, TensorLocation, read_into
 
 
 @dataclass(frozen=True)
@@ -83,28 +85,42 @@ def apply_ops(x, recipe: Recipe):
 
 
 class Scratch:
-    """Per-layer copies of stacked leaves in one unlinked temporary file (this process's own)."""
+    """Per-layer copies of stacked leaves: one file per leaf (layers one after another, C order) in a folder the
+    opening process creates, shared with the worker processes it forks (a lock per leaf: the first unstacks it,
+    the others wait and read); removed when the opening process closes the source."""
 
     def __init__(self):
-        self.fd: int | None = None
+        self.owner = os.getpid()
+        base = os.environ.get("RESHARD_SCRATCH") or tempfile.gettempdir()
+        name = f"reshard-maxtext-{os.getpid()}-{next(tempfile._get_candidate_names())}"
+        self.folder: str | None = os.path.join(base, name)  # created on the first unstack
+        self.fds: dict[str, int] = {}
         self.pid = os.getpid()
-        self.size = 0
-        self.where: dict[tuple[str, int], tuple[int, tuple[int, ...], np.dtype]] = {}
-        self.unstacked: set[str] = set()
 
-    def _open(self) -> int:
-        if self.fd is None:
-            folder = os.environ.get("RESHARD_SCRATCH") or tempfile.gettempdir()
-            fd, path = tempfile.mkstemp(prefix="reshard-maxtext-", suffix=".scratch", dir=folder)
-            os.unlink(path)  # freed when the descriptor closes, whatever ends the process
-            self.fd = fd
-        return self.fd
+    def _path(self, leaf: str, ext: str) -> str:
+        return os.path.join(self.folder, leaf + ext)
 
     def close(self) -> None:
-        if self.fd is not None and self.pid == os.getpid():
-            os.close(self.fd)
-        self.fd, self.size, self.where, self.unstacked = None, 0, {}, set()
-        self.pid = os.getpid()
+        if self.pid == os.getpid():
+            for fd in self.fds.values():
+                os.close(fd)
+        self.fds, self.pid = {}, os.getpid()
+        if self.folder and os.getpid() == self.owner:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
+
+    def ensure(self, item: Item, leaf: str) -> None:
+        """Unstack ``leaf`` unless this or another process already has."""
+        if os.path.exists(self._path(leaf, ".done")):
+            return
+        import fcntl
+
+        os.makedirs(self.folder, exist_ok=True)
+        with open(self._path(leaf, ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not os.path.exists(self._path(leaf, ".done")):
+                self.unstack(item, leaf)
+                open(self._path(leaf, ".done"), "w").close()
 
     def unstack(self, item: Item, leaf: str) -> None:
         """Decode stacked ``leaf`` (layer axis 1) chunk box by chunk box into one region per layer."""
@@ -113,35 +129,36 @@ class Scratch:
         dtype = item.handle(leaf).dtype.numpy_dtype
         per = shape[:1] + shape[2:]
         nbytes = math.prod(per) * dtype.itemsize
-        fd = self._open()
-        for layer in range(shape[1]):
-            self.where[(leaf, layer)] = (self.size, per, dtype)
-            self.size += nbytes
-        os.ftruncate(fd, self.size)
-        grid = [range(0, s, c) for s, c in zip(shape, chunks)]
-        for origin in itertools.product(*grid):
-            box = tuple(slice(o, min(o + c, s)) for o, c, s in zip(origin, chunks, shape))
-            data = item.read(leaf, box)
-            for k in range(data.shape[1]):
-                base = self.where[(leaf, origin[1] + k)][0]
-                _write_box(fd, base, per, (origin[0], *origin[2:]), np.ascontiguousarray(data[:, k]))
-        self.unstacked.add(leaf)
+        fd = os.open(self._path(leaf, ".bin"), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, nbytes * shape[1])
+            grid = [range(0, s, c) for s, c in zip(shape, chunks)]
+            for origin in itertools.product(*grid):
+                box = tuple(slice(o, min(o + c, s)) for o, c, s in zip(origin, chunks, shape))
+                data = item.read(leaf, box)
+                for k in range(data.shape[1]):
+                    base = (origin[1] + k) * nbytes
+                    _write_box(fd, base, per, (origin[0], *origin[2:]), np.ascontiguousarray(data[:, k]))
+        finally:
+            os.close(fd)
 
-    def read(self, leaf: str, layer: int, expert: int | None) -> np.ndarray:
-        offset, shape, dtype = self.where[(leaf, layer)]
+    def read(self, item: Item, leaf: str, layer: int, expert: int | None) -> np.ndarray:
+        if self.pid != os.getpid():
+            self.fds, self.pid = {}, os.getpid()
+        self.ensure(item, leaf)
+        info = item.leaf(leaf)
+        dtype = item.handle(leaf).dtype.numpy_dtype
+        shape = info.shape[:1] + info.shape[2:]
+        offset = layer * math.prod(shape) * dtype.itemsize
         if expert is not None:
-            inner = shape[1:]
-            offset += expert * math.prod(inner) * dtype.itemsize
-            shape = inner
+            shape = shape[1:]
+            offset += expert * math.prod(shape) * dtype.itemsize
+        fd = self.fds.get(leaf)
+        if fd is None:
+            fd = self.fds[leaf] = os.open(self._path(leaf, ".bin"), os.O_RDONLY)
         size = math.prod(shape) * dtype.itemsize
         buf = bytearray(size)
-        view = memoryview(buf)
-        done = 0
-        while done < size:
-            got = os.preadv(self.fd, [view[done:]], offset + done)
-            if got <= 0:
-                raise OSError(f"scratch file ends at byte {offset + done}")
-            done += got
+        read_into(fd, memoryview(buf), offset, self._path(leaf, ".bin"))
         return np.frombuffer(buf, dtype=dtype).reshape(shape)
 
 
@@ -169,6 +186,7 @@ class MaxTextFile(TensorFile):
 
     format = "maxtext"
     direct_bytes = False
+    fork_safe = False  # TensorStore aborts in a forked child: conversions and digests read it in one process
 
     def __init__(self, item: Item, recipes: dict[str, Recipe], shapes: dict[str, tuple[int, ...]],
                  dtypes: dict[str, str]):
@@ -198,12 +216,8 @@ class MaxTextFile(TensorFile):
         """The stored per-layer (per-expert) array of ``recipe``."""
         if recipe.layer is None:
             return self.item.read(recipe.leaf, (recipe.expert,) if recipe.expert is not None else ())
-        if os.getpid() != self.scratch.pid:
-            self.scratch.close()
         if self.needs_unstack(recipe.leaf):
-            if recipe.leaf not in self.scratch.unstacked:
-                self.scratch.unstack(self.item, recipe.leaf)
-            return self.scratch.read(recipe.leaf, recipe.layer, recipe.expert)
+            return self.scratch.read(self.item, recipe.leaf, recipe.layer, recipe.expert)
         index = (recipe.expert, recipe.layer) if recipe.expert is not None else (slice(None), recipe.layer)
         return self.item.read(recipe.leaf, index)
 

@@ -70,7 +70,7 @@ def run_tasks(tasks: list[PairTask], files: list[TensorFile], workers: int, prog
     from reshard.progress import byte_bar
 
     total = sum(t.nbytes for t in tasks)
-    processes = processes_for(tasks, workers)
+    processes = processes_for(tasks, workers) if all(getattr(f, "fork_safe", True) for f in files) else 1
     if processes > 1:
         import multiprocessing
 
