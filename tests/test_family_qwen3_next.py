@@ -9,6 +9,9 @@ layer with a gated shared expert) with seeded noise on every 1-D parameter (norm
   [q; k; v; z; b; a] then sections per rank, conv1d sections, linear_qkv per group [q; gate; k; v], out_norm
   w - 1); torch_dist keys per section (in_proj.weight.{query,...}); the args spell the GDN layers.
 - vLLM 0.32's per-rank names and shapes at tp2 (section 13 / NOTES.md: 64 keys per rank).
+- the forward verifier (GDN recurrence, gated query, zero-centred norms) equals transformers at TP 1 within 1e-5;
+  ``verify --forward`` passes at tp2 against the megatron, torch_dist and vllm outputs, and fails naming layer 0 on
+  a perturbed layer-0 conv1d channel (vLLM rank 1) or out_norm (Megatron rank 0).
 - section 17's refusals (local spec; key heads not dividing tp for vllm and megatron): one line, exit 2, nothing
   written.
 - ``inspect``, ``plan``, ``load_rank`` and ``live.plan``.
@@ -22,10 +25,15 @@ import os
 import pytest
 import torch
 from helpers import run_cli
-from test_family_glm4_moe import config_of, hf_state, logits, reshard_convert
-from safetensors.torch import load_file
+from test_family_glm4_moe import IDS, config_of, hf_state, logits, reshard_convert
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 import reshard
+from reshard.layouts.base import Options
+from reshard.verification.forward import verify_forward
+from reshard.verification.forward.decoder import TPGroup, cast_weights, forward
+from reshard.verification.forward.sliced_rank import load_rank as load_hf_rank
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e .[test]")
 
@@ -62,6 +70,12 @@ def qn(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def ref(qn):
+    """transformers' logits of the source."""
+    return logits(qn)
+
+
+@pytest.fixture(scope="module")
 def chain(qn, tmp_path_factory):
     """hf -> megatron tp2 ep2 -> torch_dist -> vllm tp2 -> hf."""
     root = tmp_path_factory.mktemp("qwen3_next_chain")
@@ -73,7 +87,7 @@ def chain(qn, tmp_path_factory):
     return out
 
 
-def test_chain_through_megatron_torch_dist_vllm_is_bit_exact(qn, chain):
+def test_chain_through_megatron_torch_dist_vllm_is_bit_exact(qn, chain, ref):
     source, back = hf_state(qn), hf_state(chain["hf"])
     assert sorted(back) == sorted(source)
     assert all(back[k].dtype == source[k].dtype and torch.equal(back[k], source[k]) for k in source)
@@ -81,7 +95,7 @@ def test_chain_through_megatron_torch_dist_vllm_is_bit_exact(qn, chain):
     assert all(cb.get(k) == ca.get(k) for k in KEPT), [(k, ca.get(k), cb.get(k)) for k in KEPT
                                                         if cb.get(k) != ca.get(k)]
     assert (cb["architectures"], cb["model_type"]) == (["Qwen3NextForCausalLM"], "qwen3_next")
-    torch.testing.assert_close(logits(chain["hf"]), logits(qn), rtol=0, atol=0)
+    torch.testing.assert_close(logits(chain["hf"]), ref, rtol=0, atol=0)
 
 
 # ------------------------------------------------------------------ Megatron: the probe's packing, then its rules
@@ -237,3 +251,57 @@ def test_inspect_plan_load_rank_live_plan(qn, capsys):
     plan = live.plan(qn, source={"layout": "megatron", "tp": 2, "ep": 2}, target={"layout": "vllm", "tp": 2},
                      source_ranks=range(4), target_ranks=range(4, 6))
     assert plan is not None
+
+
+# ----------------------------------------------------------------------------------------- forward verifier
+
+def test_forward_verifier_computes_qwen3_next_as_transformers(qn, ref):
+    weights = cast_weights(load_hf_rank(qn, 0, 1, Options()), torch.float32, "cpu")
+    with torch.no_grad():
+        mine = forward(weights, IDS, TPGroup()).logits[0]
+    assert (mine - ref).abs().max().item() <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["megatron", "torch_dist", "vllm"])
+def test_verify_forward_at_tp2(qn, chain, name):
+    r = verify_forward(qn, chain[name], nproc=2)
+    assert r["ok"] and r["max_abs"] <= 1e-5 and r["first_divergence"] is None, r["problems"]
+
+
+def _perturbed_copy(folder, tmp_path, file: str, key: str, load, save) -> str:
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(folder, bad)
+    load_path = bad / file
+    tensors, extra = load(load_path)
+    tensors[key][1] += 4.0
+    save(tensors, extra, load_path)
+    return str(bad)
+
+
+def _load_st(path):
+    with safe_open(str(path), "pt") as f:
+        return load_file(str(path)), f.metadata()
+
+
+def test_verify_forward_names_a_perturbed_layer0_vllm_weight(qn, chain, tmp_path):
+    bad = _perturbed_copy(chain["vllm"], tmp_path, "model-rank-1-part-0.safetensors",
+                          "model.layers.0.linear_attn.conv1d.weight", _load_st,
+                          lambda t, meta, path: save_file(t, str(path), metadata=meta))
+    r = verify_forward(qn, bad, nproc=2)
+    assert not r["ok"] and r["first_divergence"].startswith("layer 0"), r["first_divergence"]
+
+
+@pytest.mark.slow
+def test_verify_forward_names_a_perturbed_layer0_megatron_norm(qn, chain, tmp_path):
+    def load(path):
+        blob = torch.load(str(path), weights_only=False)
+        return blob["model"], blob
+
+    bad = _perturbed_copy(chain["megatron"], tmp_path, "release/mp_rank_00_000/model_optim_rng.pt",
+                          "decoder.layers.0.self_attention.out_norm.weight", load,
+                          lambda t, blob, path: torch.save(blob, str(path)))
+    r = verify_forward(qn, bad, nproc=2)
+    assert not r["ok"] and r["first_divergence"].startswith("layer 0"), r["first_divergence"]

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from reshard.errors import ReshardError
 from reshard.verification.forward import cohere_ops, llama4_layer
 from reshard.verification.forward import gpt_oss_ops
+from reshard.verification.forward import gated_deltanet
 from reshard.verification.forward.layer_checks import ACTIVATION_FUNCTIONS, check_features
 from reshard.verification.forward.rank_weights import DecoderConfig, LayerWeights, RankWeights
 from reshard.verification.forward.rope import apply_rope, mla_softmax_scale, rope_cos_sin, rotate_pairs
@@ -185,6 +186,8 @@ def mla_attention(x: torch.Tensor, w: LayerWeights, config: DecoderConfig, cos, 
 
 
 def attention(x: torch.Tensor, w: LayerWeights, config: DecoderConfig, cos, sin, mask, tp: TPGroup) -> torch.Tensor:
+    if config.gdn and (gated_deltanet.is_gdn(w) or gated_deltanet.gated(w, config)):  # Qwen3-Next
+        return gated_deltanet.mixer(x, w, config, cos, sin, mask, tp, attention)
     if config.mla:
         return mla_attention(x, w, config, cos, sin, mask, tp)
     if w.sinks is not None:  # gpt-oss: a sink logit per head joins the softmax

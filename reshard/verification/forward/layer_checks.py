@@ -38,6 +38,8 @@ def check_layer(config: DecoderConfig, i: int, layer: LayerWeights) -> None:
     """Refuse layer ``i``'s weights where they do not fit the features: every projection present; a gated MLP
     needs ``gate``, a plain one has none; only LayerNorm has norm biases; q/k norms exactly with ``qk_norm``;
     sandwich norms exactly with ``sandwich_norm``."""
+    if layer.gdn_qkvz is not None:  # a Gated DeltaNet layer (forward/gated_deltanet.py): its own roles
+        return check_gdn_layer(i, layer)
     if config.mla:
         attention_roles = ("kv_a", "kv_a_norm", "kv_b", "o") + (("q_a", "q_a_norm", "q_b") if config.q_lora_rank
                                                                  else ("q",))
@@ -70,6 +72,13 @@ def check_layer(config: DecoderConfig, i: int, layer: LayerWeights) -> None:
     if (layer.q_norm is None or layer.k_norm is None) == config.qk_norm:
         raise ReshardError(f"layer {i}: " + ("per-head q/k norms need q_norm and k_norm weights" if config.qk_norm
                            else "the checkpoint holds q/k norms, but the config has none"))
+
+
+def check_gdn_layer(i: int, layer: LayerWeights) -> None:
+    missing = [n for n in ("input_norm", "post_norm", "gdn_ba", "gdn_conv", "gdn_a_log", "gdn_dt_bias", "gdn_norm",
+                           "gdn_out") if getattr(layer, n) is None]
+    if missing:
+        raise ReshardError(f"layer {i}: the checkpoint has no {missing[0]} weight for its Gated DeltaNet")
 
 
 def check_features(weights: RankWeights) -> None:

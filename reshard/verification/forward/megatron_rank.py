@@ -25,6 +25,7 @@ from reshard.verification.forward.rank_weights import expert_parts
 from reshard.layouts import megatron
 from reshard.layouts.base import Options
 from reshard.mapping import config_condition
+from reshard.verification.forward import gated_deltanet
 from reshard.verification.forward.rank_stream import RankStream, whole_rank_loader
 from reshard.verification.forward.rank_weights import (DecoderConfig, LayerWeights, check_world, split_grouped_qkv,
                                                        split_halves, unpack)
@@ -128,6 +129,8 @@ class MegatronRankStream(RankStream):
         root = megatron._checkpoint_root(path, folder)
         meaning, family, hf_config = megatron.read_args(args, opts, root, folder)
         self.config = config = DecoderConfig.from_meaning(meaning)
+        config.gdn = gated_deltanet.decoder_fields(hf_config, family)
+        self.mixer_held = gated_deltanet.layer_filter(family, hf_config, config.layers)
         check_world(config, self.world, meaning.ffn)
         all_keys = {k for f in files for c in _chunks(f) for k in f.structure[c]}
         self.spec_name = "te" if any(k.endswith(".layer_norm_weight") for k in all_keys) else "local"
@@ -181,7 +184,7 @@ class MegatronRankStream(RankStream):
             if expert is None:  # a routed expert has one copy (its EP folder's); dense tensors one per EP folder
                 self._check_dense_copies(f, key)
         config = self.config
-        q_per_group = config.heads // config.kv_heads
+        q_per_group = config.heads // config.kv_heads * (2 if gated_deltanet.dims(config).get("gated_query") else 1)
         return unpack(spec, self._cache[(f.path, key)],
                       lambda t: split_grouped_qkv(t, q_per_group, config.head_dim))
 
@@ -201,8 +204,9 @@ class MegatronRankStream(RankStream):
     def layer(self, index: int) -> LayerWeights:
         chunk, stage, i = self.places[index]
         f, sparse = self.stage_files[stage], index in self.sparse_layers
-        held = [s for s in self.layer_specs if s.on_layer(sparse)]
+        held = self.mixer_held([s for s in self.layer_specs if s.on_layer(sparse)], index)
         weights = LayerWeights(**{s.role: self._get(f, chunk, s, i, global_layer=index) for s in held})
+        gated_deltanet.from_megatron(weights, held, self.config)
         computes = self.rank < self.etp
         copies = self.etp < self.world  # every TP rank sharing an expert-TP shard holds (and runs) a copy
         if sparse and (computes or copies):

@@ -83,6 +83,7 @@ class DecoderConfig:
     attention_multiplier: float | None = None  # Granite: the absolute softmax scale (replaces query_scale's)
     residual_multiplier: float = 1.0  # Granite: every block's output times this before the residual add
     logits_scaling: float = 1.0  # Granite: the logits divided by this
+    gdn: tuple | None = None  # Gated DeltaNet dims and the gated query (forward/gated_deltanet.py decoder_fields)
     cohere: tuple | None = None  # Command-R / Cohere2 rules (ModelConfig.cohere; forward/cohere_ops.py)
     llama4: tuple | None = None  # Llama 4 text's per-layer rules (ModelConfig.llama4; forward/llama4_layer.py)
     gpt_oss: tuple | None = None  # swiglu_alpha / swiglu_limit (ModelConfig.gpt_oss; forward/gpt_oss_ops.py)
@@ -241,6 +242,13 @@ class LayerWeights:
     kv_a: torch.Tensor | None = None  # [rkv + dr, H] whole, or the rank's row block
     kv_a_norm: torch.Tensor | None = None  # [rkv]
     kv_b: torch.Tensor | None = None  # [nh/world * (dn + dv), rkv]; ``o`` is then [H, nh/world * dv]
+    gdn_qkvz: torch.Tensor | None = None  # Gated DeltaNet (forward/gated_deltanet.py): the rank's whole key heads
+    gdn_ba: torch.Tensor | None = None
+    gdn_conv: torch.Tensor | None = None
+    gdn_a_log: torch.Tensor | None = None
+    gdn_dt_bias: torch.Tensor | None = None
+    gdn_norm: torch.Tensor | None = None
+    gdn_out: torch.Tensor | None = None
     sinks: torch.Tensor | None = None  # gpt-oss: one softmax sink logit per local query head
     router_linear_bias: torch.Tensor | None = None  # gpt-oss: [E] added to the router logits
 

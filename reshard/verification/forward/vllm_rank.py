@@ -19,7 +19,7 @@ from reshard.layouts.base import Options
 from reshard.layouts.hf_config import read_meaning
 from reshard.mapping_vlm import family_for_architecture, flat_view
 from reshard.mapping import REPLICATED_PACK, config_condition
-from reshard.verification.forward import llama4_layer
+from reshard.verification.forward import gated_deltanet, llama4_layer
 from reshard.io.pair_rows import end_to_end
 from reshard.verification.forward.rank_stream import RankStream, whole_rank_loader
 from reshard.verification.forward.rank_weights import expert_parts
@@ -101,10 +101,13 @@ class VllmRankStream(RankStream):
         meaning = self.meaning = read_meaning(hf_config, family, hf.architecture_of(hf_config, opts), dims, present,
                                               self.tied, path)
         self.config = config = DecoderConfig.from_meaning(meaning)
+        config.gdn = gated_deltanet.decoder_fields(hf_config, family)
+        self.mixer_held = gated_deltanet.layer_filter(family, hf_config, dims["L"])
         check_world(config, self.world, dims["F"])
         d = config.head_dim
         self.q_rows = config.heads // self.world * d
         self.kv_rows = max(config.kv_heads // self.world, 1) * d
+        self.q_rows *= 2 if gated_deltanet.dims(config).get("gated_query") else 1  # Qwen3-Next: per head [q; gate]
         self.table = vllm.kept_tied_name([emb_name, head_name], family) if self.tied else emb_name
         if self.table not in where:
             raise CheckpointError(f"{path}: rank {self.rank} holds neither '{emb_name}' nor '{head_name}'")
@@ -136,7 +139,7 @@ class VllmRankStream(RankStream):
         return unpack(spec, stored, lambda t: split_stacked_qkv(t, self.q_rows, self.kv_rows))
 
     def layer(self, index: int) -> LayerWeights:
-        held = [s for s in self.layer_specs if s.on_layer(index in self.sparse_layers)]
+        held = self.mixer_held([s for s in self.layer_specs if s.on_layer(index in self.sparse_layers)], index)
         weights = LayerWeights(**{s.role: self._get(s, index) for s in held})
         if self.meaning.llama4:  # vLLM permuted Llama 4's q / k rows to rotate-half order
             llama4_layer.unpermute_qk(weights, self.config.head_dim)
