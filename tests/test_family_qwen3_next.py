@@ -12,6 +12,8 @@ layer with a gated shared expert) with seeded noise on every 1-D parameter (norm
 - the forward verifier (GDN recurrence, gated query, zero-centred norms) equals transformers at TP 1 within 1e-5;
   ``verify --forward`` passes at tp2 against the megatron, torch_dist and vllm outputs, and fails naming layer 0 on
   a perturbed layer-0 conv1d channel (vLLM rank 1) or out_norm (Megatron rank 0).
+- megatron-core 0.16.1 loads reshard's torch_dist strictly (tp2 ep2 etp1, tp2 etp2, tp1; FLA stand-ins as the
+  probe's) and computes transformers' logits within 1e-5 (slow).
 - section 17's refusals (local spec; key heads not dividing tp for vllm and megatron): one line, exit 2, nothing
   written.
 - ``inspect``, ``plan``, ``load_rank`` and ``live.plan``.
@@ -305,3 +307,26 @@ def test_verify_forward_names_a_perturbed_layer0_megatron_norm(qn, chain, tmp_pa
                           lambda t, blob, path: torch.save(blob, str(path)))
     r = verify_forward(qn, bad, nproc=2)
     assert not r["ok"] and r["first_divergence"].startswith("layer 0"), r["first_divergence"]
+
+
+# ------------------------------------------------------------------------------- megatron-core 0.16.1 itself
+
+@pytest.mark.slow
+@pytest.mark.parametrize("grid", [(2, 2, 1), (2, 1, 2), (1, 1, 1)], ids=["tp2_ep2_etp1", "tp2_etp2", "tp1"])
+def test_megatron_core_loads_and_matches(qn, ref, tmp_path, grid):
+    """Section 15 check 3: megatron-core 0.16.1 (tests/mcore_qwen3_next_harness.py: its GPTModel built from the
+    checkpoint's own args with its GatedDeltaNet module, FLA's kernels replaced by transformers' torch reference as
+    in the probe) loads reshard's torch_dist strictly at (tp, ep, etp) and computes transformers' logits within
+    1e-5."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'reshard[test]')")
+    from test_mcore_dist_fixtures import run_harness
+
+    tp, ep, etp = grid
+    reshard.convert(qn, str(tmp_path / "d"), to="torch_dist", tp=2, ep=2, etp=1)
+    torch.save(IDS, tmp_path / "ids.pt")
+    harness = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mcore_qwen3_next_harness.py")
+    run_harness(harness, "load", "--ids", tmp_path / "ids.pt", "--tp", tp, "--ep", ep, "--etp", etp,
+                tmp_path / "d", tmp_path / "out.pt", timeout=300)
+    got = torch.load(tmp_path / "out.pt", weights_only=True)["logits"][0]
+    err = (got - ref).abs().max().item()
+    assert err <= 1e-5, f"megatron-core vs transformers max |logit diff| {err:.3g}"

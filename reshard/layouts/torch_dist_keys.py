@@ -38,7 +38,7 @@ _NORM_SPELLINGS = ((".pre_mlp_layernorm.", ".mlp.linear_fc1.layer_norm_"),
 _VISION_NORM_SPELLINGS = ((".input_layernorm.", ".self_attention.linear_qkv.layer_norm_"),)
 #: modules holding a weight whose ``_extra_state`` a load requests though they are not named ``linear_*``
 #: (an MTP layer's embedding / hidden projection; vision towers' Transformer Engine norms and Gemma 3's projection)
-_EXTRA_STATE_LINEARS = ("eh_proj", "patch_norm", "ln_pre", "proj", "mm_soft_embed_norm")
+_EXTRA_STATE_LINEARS = ("eh_proj", "patch_norm", "ln_pre", "proj", "mm_soft_embed_norm", "in_proj", "out_proj")
 #: modules whose ``_extra_state`` a load may request besides every ``linear_*`` module of the model: attention
 #: (Transformer Engine <= 0.14), and norms (Transformer Engine norm modules, version-dependent). Megatron-Core
 #: ignores byte items it does not request, and fails on requested ones that are missing: write a superset.
@@ -112,9 +112,10 @@ def extra_state_keys(locations: list[Location], sizes: dict[str, int], num_layer
     vision tower's). ``sizes``: the prepended axes' lengths by name."""
     keys = {}
     for loc in locations:
-        if not loc.key.endswith(".weight"):
+        key = loc.key.split(".weight.")[0] + ".weight" if ".weight." in loc.key else loc.key  # in_proj.weight.query
+        if not key.endswith(".weight"):
             continue
-        module = loc.key.removesuffix(".weight")
+        module = key.removesuffix(".weight")
         last = module.rsplit(".", 1)[-1]
         if last.startswith("linear_") or last.endswith("layernorm") or last in _EXTRA_STATE_LINEARS:
             keys.setdefault(object_key(module, loc.index, tuple(sizes[a] for a in loc.axes)))
