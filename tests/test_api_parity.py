@@ -99,6 +99,9 @@ CONVERT_CASES = [
     ("dense", ["--to", "megatron", "--megatron-vision", "native"], dict(to="megatron", megatron_vision="native")),
     ("dense", ["--to", "vllm", "--allow-missing", "vision"], dict(to="vllm", allow_missing=["vision"])),
     ("dense", ["--to", "hf", "--vllm-vision", "none"], dict(to="hf", vllm_vision="none")),
+    # Llama 4's Megatron length limit: accepted by megatron (nothing to limit on a Llama), refused for vllm
+    ("dense", ["--to", "megatron", "--max-seq", "4"], dict(to="megatron", max_seq=4)),
+    ("dense", ["--to", "vllm", "--max-seq", "4"], dict(to="vllm", max_seq=4)),
 ]
 
 
@@ -112,7 +115,8 @@ REFUSED = {("--to", "hf", "--allow-lossy-config", "nonsense"): "nonsense",
            ("--to", "hf", "--hf-spelling", "v5"): "--hf-spelling v5 is for vision-language models",
            ("--to", "megatron", "--megatron-vision", "native"): "--megatron-vision is for vision-language models",
            ("--to", "vllm", "--allow-missing", "vision"): "for vision-language models",
-           ("--to", "hf", "--vllm-vision", "none"): "--vllm-vision"}
+           ("--to", "hf", "--vllm-vision", "none"): "--vllm-vision",
+           ("--to", "vllm", "--max-seq", "4"): "--max-seq does not apply"}
 
 
 def test_the_cases_cover_every_convert_option():
