@@ -51,7 +51,7 @@ def load(folder: str) -> dict:
 
 @pytest.mark.parametrize("case,scan", cases("reader"))
 def test_reader_equals_maxtext_to_huggingface(case, scan, tmp_path):
-    path = case_dir(case, f"maxtext_{scan}/0/_CHECKPOINT_METADATA", f"to_hf_{scan}", "hf/config.json")
+    path = case_dir(case, f"maxtext_{scan}/0/_CHECKPOINT_METADATA", f"to_hf_{scan}", "hf/config.json", "maxtext.json")
     out = tmp_path / "hf"
     reshard.convert(os.path.join(path, f"maxtext_{scan}", "0"), str(out), to="hf",
                     config=os.path.join(path, "hf", "config.json"), maxtext_model=model_name(path))
@@ -68,7 +68,7 @@ def test_writer_equals_maxtext_to_maxtext(case, scan, tmp_path):
     ``to_maxtext``'s (chunking may differ; rows MaxText pads the vocab with are zeros)."""
     from reshard.io.orbax_store import Item
 
-    path = case_dir(case, f"maxtext_{scan}/0/_CHECKPOINT_METADATA", "hf/config.json")
+    path = case_dir(case, f"maxtext_{scan}/0/_CHECKPOINT_METADATA", "hf/config.json", "maxtext.json")
     out = tmp_path / "mt"
     reshard.convert(os.path.join(path, "hf"), str(out), to="maxtext", maxtext_model=model_name(path),
                     scan_layers=scan == "scan", maxtext_match_converter=True)
@@ -84,3 +84,57 @@ def test_writer_equals_maxtext_to_maxtext(case, scan, tmp_path):
         if a.dtype != b.dtype or a.shape != b.shape or a.tobytes() != b.tobytes():
             differ.append(name)
     assert differ == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scan", ["scan", "unscan"])
+def test_trainer_checkpoint_logits(scan, tmp_path):
+    """Spec 7.7.4: a checkpoint MaxText's trainer wrote (2 steps, fp32; the run's checkpoints/ folder, newest step)
+    -> HF; transformers' logits equal MaxText's own forward of that checkpoint within 1e-5."""
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+
+    path = case_dir("train_default", f"{scan}/checkpoints", "logits.safetensors", "maxtext.json")
+    out = tmp_path / "hf"
+    result = reshard.convert(os.path.join(path, scan), str(out), to="hf", maxtext_model=model_name(path),
+                             config=os.path.join(path, "tiny_default_config.json"))
+    assert any("optimizer state is not converted" in n for n in result.notes)
+    oracle = load_file(os.path.join(path, "logits.safetensors"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    assert next(model.parameters()).dtype == torch.float32  # fp32 leaves, fp32 output: nothing rounded
+    with torch.no_grad():
+        logits = model(oracle["input_ids"]).logits[0]
+    assert (logits - oracle[f"maxtext_{scan}"]).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("variant", ["ocdbt_zarr3", pytest.param("ocdbt_zarr2", marks=pytest.mark.slow),
+                                     pytest.param("file_zarr3", marks=pytest.mark.slow), "file_zarr2"])
+def test_storage_variants_made_by_orbax(variant, tmp_path):
+    """Spec 7.7.5: the four storage variants Orbax writes (OCDBT or per-array, zarr3 or zarr2, 2 devices): every
+    leaf reads back as saved (values.safetensors: the saved bf16 values widened), and converts to HF."""
+    from safetensors.torch import load_file
+
+    from reshard.io.orbax_store import Item
+
+    path = case_dir("orbax_variants", variant, "values.safetensors")
+    oracle = load_file(os.path.join(path, "values.safetensors"))
+    item = Item(os.path.join(path, variant, "7", "items"))
+    for name, want in oracle.items():
+        got = item.read(name)
+        assert got.dtype.name == "bfloat16" and np_of_f32(got).tobytes() == want.numpy().tobytes(), name
+    with open(os.path.join(path, "maxtext.json")) as f:
+        d = json.load(f)["dims"]
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": d["H"],
+              "num_hidden_layers": d["L"], "num_attention_heads": d["NH"], "num_key_value_heads": d["NKV"],
+              "head_dim": d["HD"], "intermediate_size": d["F"], "vocab_size": d["V"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    reshard.convert(os.path.join(path, variant), str(tmp_path / "hf"), to="hf", config=str(tmp_path / "config.json"),
+                    maxtext_model="llama2-7b", dtype="fp32")
+    got = load(str(tmp_path / "hf"))
+    wi0 = oracle["params.params.decoder.layers.mlp.wi_0.kernel"][:, 2].t()
+    assert got["model.layers.2.mlp.gate_proj.weight"].equal(wi0)
+
+
+def np_of_f32(x):
+    return x.astype("float32")

@@ -44,7 +44,7 @@ def convert_hf(src, out, config, **kw):
     (True, True, True, 2, None),    # MaxText's default storage; chunks span all layers (unstack pass)
     pytest.param(True, False, False, 1, None, marks=pytest.mark.slow),  # OCDBT + zarr2, unscanned
     pytest.param(False, True, True, 1, 1, marks=pytest.mark.slow),  # per-array zarr3, one layer per chunk
-    (False, False, True, 4, 2),     # per-array zarr2, chunks of 2 layers over 3 (a partial last chunk)
+    pytest.param(False, False, True, 4, 2, marks=pytest.mark.slow),  # per-array zarr2, 2-layer chunks over 3
 ])
 def test_storage_variants_read_bit_exact(llama, tmp_path, ocdbt, zarr3, scan, split, layer_chunk):
     tmp, cfg, sd = llama
