@@ -31,7 +31,7 @@ from mcore_cpu import prepare_cpu  # noqa: E402
 os.environ["TORCHDYNAMO_DISABLE"] = "1"
 torch = prepare_cpu()
 import torch.nn.functional as F  # noqa: E402
-from mcore_dist_harness import _cpu_shims, _die_with_parent, init_expert_parallel, read_common  # noqa: E402
+from mcore_dist_harness import read_common  # noqa: E402
 import mcore_glm_harness  # noqa: E402
 from mcore_mla_harness import forward, iteration_dir, padded_vocab  # noqa: E402
 
@@ -119,6 +119,7 @@ def load_one(cli, ckpt: str, out: str, input_ids: torch.Tensor) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
+    fla_stand_ins()
     folder = iteration_dir(ckpt)
     common = read_common(folder)
     args = common["args"]
@@ -142,25 +143,10 @@ def load_one(cli, ckpt: str, out: str, input_ids: torch.Tensor) -> None:
     dist.barrier()
 
 
-def worker(local_rank: int, cli, init_method: str) -> None:
-    import torch.distributed as dist
-
-    _die_with_parent()
-    _cpu_shims()
-    fla_stand_ins()
-    dist.init_process_group(backend="gloo", init_method=init_method, rank=local_rank, world_size=cli.world)
-    try:
-        from megatron.core import parallel_state
-
-        init_expert_parallel(cli.tp, cli.ep, cli.etp)
-        input_ids = torch.load(cli.ids, map_location="cpu", weights_only=True).long()
-        for ckpt, out in zip(cli.pairs[::2], cli.pairs[1::2]):
-            load_one(cli, ckpt, out, input_ids)
-        parallel_state.destroy_model_parallel()
-    finally:
-        dist.destroy_process_group()
+# mcore_glm_harness's command line, spawning, workers and reaping run this model's load_one: patched at import, so
+# the spawned workers (which import this script as __mp_main__ first) see it too
+mcore_glm_harness.load_one = load_one
 
 
 if __name__ == "__main__":
-    mcore_glm_harness.worker = worker  # its command line, spawning and reaping, with this model's worker
     sys.exit(mcore_glm_harness.main())
