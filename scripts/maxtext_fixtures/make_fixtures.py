@@ -25,10 +25,11 @@ OLD_VERSION, OLD_COMMIT = "0.2.4", "e591f30"  # only where 0.2.5 fails (see CASE
 DEVICES = 2  # simulated CPU devices for to_maxtext: every array is chunked in 2 (axis 0 when it divides)
 
 # ---------------------------------------------------------------------------------------------------------------
-# The tiny models. hidden 48, 3 layers (Gemma 2: 4 HF layers = 2 MaxText pairs), vocab 256 (Gemma 2 MaxText: 320).
-# head_dim 8 where MaxText pre-scales the query (1/sqrt(8) is not a power of two, so the scale rounds in bf16).
-COMMON = dict(vocab_size=256, hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=8, max_position_embeddings=131072, hidden_act="silu")
+# The tiny models: hidden 32, 4 query heads x head_dim 12 (q 48 != hidden), 2 kv heads, ffn 40, 3 layers (Gemma 2:
+# 4 HF layers = 2 MaxText pairs), vocab 256 (Gemma 2 MaxText: 320). 1/sqrt(12) and sqrt(32) are not powers of two,
+# so MaxText's bf16 q pre-scale and Gemma embedding scale round.
+COMMON = dict(vocab_size=256, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=12, max_position_embeddings=131072, hidden_act="silu")
 DEEPSEEK_YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
                  "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
 CASES = {
@@ -44,13 +45,13 @@ CASES = {
                   hf=dict(COMMON, model_type="qwen3", rms_norm_eps=1e-6, rope_theta=1000000.0,
                           tie_word_embeddings=True),
                   extra=["rope_max_timescale=1000000", "normalization_layer_epsilon=1e-6"]),
-    # mixtral-*: experts [E, (L,) H, F]; MaxText's HF shape table needs head_dim = hidden / heads (12 here)
+    # mixtral-*: experts [E, (L,) H, F]; MaxText's HF shape table needs head_dim = hidden / heads (8 here)
     "mixtral": dict(arch="MixtralForCausalLM", mt="mixtral-8x7b",
-                    hf=dict(COMMON, model_type="mixtral", head_dim=12, intermediate_size=32, rms_norm_eps=1e-5,
+                    hf=dict(COMMON, model_type="mixtral", head_dim=8, intermediate_size=24, rms_norm_eps=1e-5,
                             rope_theta=1000000.0, num_local_experts=4, num_experts_per_tok=2,
                             tie_word_embeddings=False, sliding_window=None),
                     extra=["rope_max_timescale=1000000", "normalization_layer_epsilon=1e-5", "num_experts=4",
-                           "num_experts_per_tok=2", "base_moe_mlp_dim=32", "sparse_matmul=False", "megablox=False",
+                           "num_experts_per_tok=2", "base_moe_mlp_dim=24", "sparse_matmul=False", "megablox=False",
                            "capacity_factor=-1"],
                     # maxtext 0.2.5's to_maxtext stacks the scanned MoeBlock_0.gate.kernel on axis 0 ([L, H, E]
                     # instead of [H, L, E]: `is_unscanned_moe` in _build_single_axis_stacked_tensor matches every
@@ -61,7 +62,7 @@ CASES = {
     "gemma2": dict(arch="Gemma2ForCausalLM", mt="gemma2-2b",
                    hf=dict(COMMON, model_type="gemma2", num_hidden_layers=4, rms_norm_eps=1e-6, rope_theta=10000.0,
                            hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
-                           query_pre_attn_scalar=8, sliding_window=4096, final_logit_softcapping=30.0,
+                           query_pre_attn_scalar=12, sliding_window=4096, final_logit_softcapping=30.0,
                            attn_logit_softcapping=50.0, tie_word_embeddings=True),
                    tweaks={"base_num_decoder_layers": 2, "vocab_size": 320},
                    extra=["normalization_layer_epsilon=1e-6"]),
@@ -88,10 +89,10 @@ CASES = {
 FAMILIES = list(CASES)
 
 # MaxText's trainer, model_name=default (the llama2 decoder block), fp32, synthetic data
-TRAIN_DIMS = dict(base_emb_dim=48, base_num_query_heads=4, base_num_kv_heads=2, base_mlp_dim=64,
+TRAIN_DIMS = dict(base_emb_dim=32, base_num_query_heads=4, base_num_kv_heads=2, base_mlp_dim=40,
                   base_num_decoder_layers=3, head_dim=8, vocab_size=256)
 TRAIN_HF_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256,
-                   "hidden_size": 48, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+                   "hidden_size": 32, "intermediate_size": 40, "num_hidden_layers": 3, "num_attention_heads": 4,
                    "num_key_value_heads": 2, "head_dim": 8, "hidden_act": "silu", "max_position_embeddings": 2048,
                    "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "tie_word_embeddings": False,
                    "attention_bias": False, "mlp_bias": False}
@@ -210,7 +211,7 @@ def mt_train(a: dict) -> None:
     runpy.run_module("maxtext.trainers.pre_train.train", run_name="__main__")
 
 
-ORBAX_DIMS = dict(V=256, H=48, L=3, NH=4, NKV=2, HD=8, F=64)
+ORBAX_DIMS = dict(V=256, H=32, L=3, NH=4, NKV=2, HD=8, F=40)
 
 
 def mt_orbax_save(a: dict) -> None:
