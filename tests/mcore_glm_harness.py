@@ -108,14 +108,14 @@ def load_one(cli, ckpt: str, out: str, input_ids: torch.Tensor) -> None:
     folder = iteration_dir(ckpt)
     common = read_common(folder)
     args = common["args"]
-    model = build_model(args, cli.tp, cli.ep, cli.etp)
+    model = cli.build(args, cli.tp, cli.ep, cli.etp)
     metadata = dict(common.get("content_metadata") or {})
     metadata["dp_cp_group"] = ps.get_data_parallel_group(with_context_parallel=True)
     loaded = dist_checkpointing.load({"model": model.sharded_state_dict(metadata=metadata)}, folder,
                                      strict=StrictHandling.ASSUME_OK_UNEXPECTED)["model"]
     result = model.load_state_dict(loaded, strict=True)
     assert not result.missing_keys and not result.unexpected_keys, result
-    check_built(model, args)
+    cli.check(model, args)
     args.mtp_num_layers = None
     logits = forward(model, args, input_ids)
     if dist.get_rank() == 0:
@@ -141,8 +141,9 @@ def worker(local_rank: int, cli, init_method: str) -> None:
         dist.destroy_process_group()
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(build=build_model, check=check_built, doc: str = __doc__) -> int:
+    """The command line; ``build`` / ``check`` build and check another family's model (mcore_llama4_harness.py)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     load = sub.add_parser("load", help="load torch_dist checkpoints strictly and write their logits")
     load.add_argument("--ids", required=True, help="a torch file holding a LongTensor [batch, seq]")
@@ -152,6 +153,7 @@ def main() -> int:
     load.add_argument("--etp", type=int, default=None, help="expert tensor parallel (default: tp)")
     cli = parser.parse_args()
     cli.etp = cli.tp if cli.etp is None else cli.etp
+    cli.build, cli.check = build, check
     cli.world = max(cli.tp, cli.ep * cli.etp)
     if cli.world % cli.tp or cli.world % (cli.ep * cli.etp) or cli.world > 2 or len(cli.pairs) % 2:
         parser.error("need max(tp, ep*etp) <= 2 divisible by both, and CKPT OUT.pt pairs")
