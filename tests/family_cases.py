@@ -130,3 +130,16 @@ def verify_perturbed_vllm(capsys, case: FamilyCase, tmp_path, name: str, index, 
     tensors[name][index] *= 3.0
     save_file(tensors, str(path), metadata=metadata)
     return verify_forward(capsys, case.src, bad)
+
+
+def assert_hf_back(transformers, case: FamilyCase, folder, ids) -> None:
+    """``folder`` (hf) holds ``case``'s tensors bit for bit and its config.json verbatim, and transformers' logits of
+    it on ``ids`` equal the source model's exactly."""
+    got, config = load_hf_dir(folder)
+    problems = diff_states(got, case.hf, "hf")
+    assert not problems, "\n".join(problems[:40])
+    assert config == case.config
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert type(loaded).__name__ == type(case.model).__name__
+    with torch.no_grad():
+        assert torch.equal(loaded(ids, use_cache=False).logits, case.model(ids, use_cache=False).logits)

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 import reshard
-from family_cases import FamilyCase, verify_forward, verify_perturbed_vllm
-from family_rules import diff_states, load_hf_dir, load_vllm_rank
+from family_cases import FamilyCase, assert_hf_back, verify_forward, verify_perturbed_vllm
+from family_rules import load_hf_dir, load_vllm_rank
 from helpers import run_cli
 from reshard.layouts.base import Options
 from reshard.verification.forward.decoder import TPGroup, cast_weights, forward
@@ -41,8 +41,8 @@ CASES = {
                      rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
                                       "short_factor": SHORT, "long_factor": LONG}),
     "phi4": dict(BASE, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 250000.0}),
-    "phi4mini_plain": dict(BASE, tie_word_embeddings=True,
-                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}),
+    "phi4mini_plain": dict(BASE, tie_word_embeddings=True, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}),
 }
 ATOL = 1e-5
 
@@ -81,36 +81,25 @@ def ids(seq: int = 16) -> torch.Tensor:
     return torch.randint(0, 1003, (2, seq), generator=torch.Generator().manual_seed(1))
 
 
-def assert_back(case, folder) -> None:
-    """``folder`` (hf) holds the source's tensors bit for bit, its config.json verbatim, and transformers' logits."""
-    got, config = load_hf_dir(folder)
-    problems = diff_states(got, case.hf, "hf")
-    assert not problems, "\n".join(problems[:40])
-    assert config == case.config
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with torch.no_grad():
-        assert torch.equal(loaded(ids(), use_cache=False).logits, case.model(ids(), use_cache=False).logits)
-
-
 @pytest.mark.parametrize("name", ["phi4mini", "phi4"])
 def test_vllm_round_trip_is_exact(phi, capsys, name):
     case = phi(name)
     v = case.vllm(capsys)
     assert json.loads((v / "config.json").read_text()) == case.config
-    assert_back(case, case.convert(capsys, "hf_from_vllm", v, "--to", "hf"))
+    assert_hf_back(transformers, case, case.convert(capsys, "hf_from_vllm", v, "--to", "hf"), ids())
 
 
 @pytest.mark.parametrize("name", ["phi4", "phi4mini_plain"])
 def test_megatron_round_trip_is_exact(phi, capsys, name):
     case = phi(name)
     m = case.convert(capsys, "megatron_tp2", case.src, "--to", "megatron", "--tp", 2)
-    assert_back(case, case.convert(capsys, "hf_from_megatron", m, "--to", "hf"))
+    assert_hf_back(transformers, case, case.convert(capsys, "hf_from_megatron", m, "--to", "hf"), ids())
 
 
 @pytest.mark.slow
 def test_plain_mini_vllm_round_trip_is_exact(phi, capsys):
     case = phi("phi4mini_plain")
-    assert_back(case, case.convert(capsys, "hf_from_vllm", case.vllm(capsys), "--to", "hf"))
+    assert_hf_back(transformers, case, case.convert(capsys, "hf_from_vllm", case.vllm(capsys), "--to", "hf"), ids())
 
 
 @pytest.mark.parametrize("name, tied", [("phi4mini", True), ("phi4", False)])

@@ -37,6 +37,7 @@ from reshard.layouts.megatron_folders import (  # noqa: F401  (_checkpoint_root,
 from reshard.layouts.megatron_args import RECORD_ONLY, args_from_meaning, meaning_from_args
 from reshard.layouts import gdn_rules
 from reshard.layouts import llama4_rules
+from reshard.layouts import ministral3_rules
 from reshard.layouts.vision import check_megatron_tower, megatron_vision, tower_views, unused_tower_tensor
 from reshard.mapping import Family, WeightSpec
 from reshard.mapping_vlm import family_for_architecture, flat_view, nested
@@ -519,6 +520,7 @@ def output_args(source: Source, opts: Options, dtype: str) -> OutputArgs:
     check_megatron_tower(model, opts)
     check_expert_degrees(model, opts)
     llama4_rules.check_megatron_target(model, opts.max_seq)
+    ministral3_rules.check_megatron_target(model, opts.max_seq)
     divisor = opts.vocab_divisor or source.info.get("vocab_divisor") or 128
     padded = megatron_padded_vocab(model.vocab_size, opts.tp, divisor)
     iteration = source.info.get("iteration", "release")

@@ -51,7 +51,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from reshard.errors import ReshardError
-from reshard.verification.forward import cohere_ops, llama4_layer
+from reshard.verification.forward import cohere_ops, llama4_layer, ministral3_ops
 from reshard.verification.forward import gpt_oss_ops
 from reshard.verification.forward import gated_deltanet
 from reshard.verification.forward.layer_checks import ACTIVATION_FUNCTIONS, check_features
@@ -208,6 +208,7 @@ def attention(x: torch.Tensor, w: LayerWeights, config: DecoderConfig, cos, sin,
     v = _linear(x, w.v, w.v_bias).view(b, s, -1, d).transpose(1, 2)
     if config.position == "rope":
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = ministral3_ops.scale_queries(config, q)  # Ministral 3's llama_4_scaling_beta
     local_q, local_kv = q.shape[1], k.shape[1]
     if local_q % local_kv:
         raise ReshardError(f"rank holds {local_q} query heads and {local_kv} KV heads: not a GQA grouping")
