@@ -330,3 +330,22 @@ def test_megatron_core_loads_and_matches(qn, ref, tmp_path, grid):
     got = torch.load(tmp_path / "out.pt", weights_only=True)["logits"][0]
     err = (got - ref).abs().max().item()
     assert err <= 1e-5, f"megatron-core vs transformers max |logit diff| {err:.3g}"
+
+
+def test_release_mtp_tensors_are_dropped_with_a_note(qn, tmp_path, capsys):
+    """The release stores a multi-token-prediction head under ``mtp.`` (transformers ignores it on load,
+    ``_keys_to_ignore_on_load_unexpected``): read as absent, named in a note, the rest converted bit-exact."""
+    import shutil
+
+    src = tmp_path / "release"
+    shutil.copytree(qn, src)
+    tensors = hf_state(qn)
+    extra = {"mtp.fc.weight": torch.ones(H, 2 * H), "mtp.norm.weight": torch.ones(H),
+             "mtp.layers.0.self_attn.q_proj.weight": torch.ones(2 * NH * D, H)}
+    save_file({**tensors, **extra}, str(src / "model.safetensors"), metadata={"format": "pt"})
+    code, _, err = run_cli(capsys, "convert", src, tmp_path / "v", "--to", "vllm", "--tp", 2)
+    assert code == 0 and "dropped 3 tensors under 'mtp.'" in err, err
+    code, _, err = run_cli(capsys, "convert", tmp_path / "v", tmp_path / "back", "--to", "hf")
+    back = hf_state(tmp_path / "back")
+    assert code == 0 and sorted(back) == sorted(tensors), err
+    assert all(torch.equal(back[k], tensors[k]) for k in tensors)

@@ -151,15 +151,22 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
     file_names.update(llama4_text.text_names(where, notes) if text_only else {})
     fused = any(match_template(family, n, fused=True) is not None and match_template(family, n, stored=True) is None
                 for n in where)
-    matched = {}
+    matched, dropped = {}, []
     for name in where:
         m = match_template(family, name, stored=True, fused=fused)
+        if m is None and family.hf_drop_prefix and name.startswith(family.hf_drop_prefix):
+            dropped.append(name)
+            continue
         if m is None:
             if name.endswith(IGNORED_SUFFIXES) or any(template_layer(t, name) is not False for t in family.hf_ignore):
                 continue
             raise CheckpointError(f"{path}: tensor '{name}' is not a weight of mapping '{family.name}'; "
                                   "pass --mapping FILE for this architecture")
         matched[name] = m
+    if dropped:
+        notes.append(f"dropped {len(dropped)} tensors under '{family.hf_drop_prefix}' (e.g. {dropped[0]}): mapping "
+                     f"'{family.name}' does not carry them")
+        where = {n: i for n, i in where.items() if n not in set(dropped)}
     check_counts(family, config, {layer for _, layer in matched.values()},  # before anything per layer is built
                  {n: files[where[n]].tensors[file_names.get(n, n)].shape for n in matched},
                  os.path.join(path, "config.json"))

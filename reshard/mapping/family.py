@@ -33,6 +33,7 @@ class Family:
     config: ConfigSpelling = ConfigSpelling()
     hf_ignore: tuple[str, ...] = ()  # HF tensor templates dropped on read (buffers old files saved)
     hf_optional_prefix: str = ""  # a name prefix old files omit (GPT-2's "transformer."): read either way
+    hf_drop_prefix: str = ""  # tensors under it are not carried: dropped on read with a note (Qwen3-Next's "mtp.")
     moe: dict = field(default_factory=dict)  # the [moe] table (MOE_KEYS)
     mla: dict = field(default_factory=dict)  # the [mla] table (MLA_KEYS): dims symbols
     mtp: dict = field(default_factory=dict)  # the [mtp] table (MTP_KEYS)

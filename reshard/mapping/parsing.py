@@ -46,6 +46,7 @@ def parse_family(data: dict, source: str) -> Family:
                     extra_state=extra_state, source=source, vllm_scales=vllm_scales, decoder=decoder,
                     config=config, hf_ignore=tuple(hf_table.get("ignore", ())), moe=dict(moe),
                     hf_optional_prefix=hf_table.get("optional_prefix", ""),
+                    hf_drop_prefix=hf_table.get("drop_prefix", ""),
                     vllm_tied_name=vllm.get("tied_name"), mla=dict(mla), mtp=dict(mtp), layer_kinds=layers)
     check_defaults(family)
     return family

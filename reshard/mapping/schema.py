@@ -51,7 +51,7 @@ MLA_KEYS = {"q_lora_rank", "kv_lora_rank", "nope_dim", "rope_dim", "v_dim"}
 #: decoder layers (``model.layers.{L + k}``) and holding every MoE-layer weight plus the ``layers = "mtp"`` ones.
 MTP_KEYS = {"layers"}
 LAYER_KINDS = ("all", "sparse", "dense", "mtp")
-HF_KEYS = {"ignore", "optional_prefix"}
+HF_KEYS = {"ignore", "optional_prefix", "drop_prefix"}  # drop_prefix: tensors read as absent, with a note
 #: What a weight is to the forward verifier's decoder (verification/forward/rank_weights.py): per-layer roles
 #: are LayerWeights fields, the others RankWeights fields. A plain (ungated) MLP's first linear is ``up``.
 LAYER_ROLES = ("input_norm", "input_norm_bias", "q", "k", "v", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm",
