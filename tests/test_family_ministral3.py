@@ -11,7 +11,8 @@ scale (``ministral3_plain``: beta 0):
   - Megatron refused (section 17, as Llama 4's temperature tuning) unless --max-seq <= 8, then for yarn (reshard's
     Megatron args spell yarn only for latent attention), and with beta 0 for the RoPE keys transformers needs; one
     line, exit 2, nothing written;
-  - inspect, plan and load_rank.
+  - inspect, plan and load_rank;
+  - Ministral (2410, ``MinistralForCausalLM``: typed sliding window) through vllm tp2 and megatron tp2 and back.
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ YARN = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_po
 CASES = {"ministral3": ("Ministral3Config", dict(BASE, rope_parameters=YARN)),
          "ministral3_plain": ("Ministral3Config", dict(BASE, rope_parameters={
              "rope_type": "default", "rope_theta": 1e6, "llama_4_scaling_beta": 0.0,
-             "original_max_position_embeddings": 8}))}
-ARCHS = dict.fromkeys(CASES, "Ministral3ForCausalLM")
+             "original_max_position_embeddings": 8})),
+         "ministral": ("MinistralConfig", dict(BASE, sliding_window=4,
+                                               layer_types=["sliding_attention", "full_attention"]))}
+ARCHS = dict(dict.fromkeys(CASES, "Ministral3ForCausalLM"), ministral="MinistralForCausalLM")
 ATOL = 1e-5
 REFUSAL = ("Ministral 3 scales its queries by 1 + 0.1 * ln(1 + floor(pos / 8)) (llama_4_scaling_beta); megatron-core "
            "0.16.1 has no such scale, so the converted model matches only on sequences shorter than 9 tokens. Pass "
@@ -61,6 +64,20 @@ def test_vllm_round_trip_is_exact(ministral, capsys):
     v = ministral.vllm(capsys)
     assert json.loads((v / "config.json").read_text()) == ministral.config
     assert_hf_back(transformers, ministral, ministral.convert(capsys, "hf_from_vllm", v, "--to", "hf"), ids())
+
+
+@pytest.mark.parametrize("to", ["vllm", "megatron"])
+def test_ministral_2410_round_trips_are_exact(families, capsys, to):
+    """Ministral (2410): Llama's tensors with a window of 4 on layer 0 (layer_types); through vllm tp2 or megatron tp2
+    and back, bit-equal, config.json verbatim, transformers' logits equal; the verifier = transformers past the
+    window."""
+    case = families("ministral")
+    out = case.convert(capsys, f"{to}_tp2", case.src, "--to", to, "--tp", 2)
+    assert_hf_back(transformers, case, case.convert(capsys, f"hf_from_{to}", out, "--to", "hf"), ids())
+    weights = cast_weights(load_hf_rank(str(case.src), 0, 1, Options()), torch.float32, "cpu")
+    with torch.no_grad():
+        got, expected = forward(weights, ids(), TPGroup()).logits, case.model(ids(), use_cache=False).logits
+    assert (got[..., :1003] - expected).abs().max().item() <= ATOL
 
 
 def test_plain_megatron_refused(families, capsys, tmp_path):
