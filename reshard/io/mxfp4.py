@@ -224,17 +224,18 @@ class Mxfp4File(WrappedFile):
                 for e in whole_extents(self.files[i], n)]
 
     def expert(self, name: str, index: int):
-        """Expert ``index`` of MXFP4 tensor ``name`` in the HF form ``[C, R]``, dequantised."""
-        import torch
-
+        """Expert ``index`` of MXFP4 tensor ``name`` in the HF form ``[C, R]``, dequantised (the last one kept: a
+        fused gate / up expert is read once per slot)."""
         from reshard.io import dtypes
 
+        last = getattr(self, "_last", None)
+        if last is not None and last[0] == (name, index):
+            return last[1]
         p = self.packed[name]
         blocks = self.files[p.blocks_file].read_block(p.blocks, index)
         scales = self.files[p.scales_file].read_block(p.scales, index)
-        _, c, r = p.shape
-        out = torch.empty((c, r), dtype=dtypes.to_torch(self.dtype))
-        dequantize(blocks, scales, out=out.transpose(0, 1))
+        out = dequantize(blocks, scales, dtypes.to_torch(self.dtype)).t()  # [R, C] contiguous, read as [C, R]
+        self._last = ((name, index), out)
         return out
 
     def read(self, name: str, axis: int = 0, start: int = 0, length: int | None = None,
@@ -255,9 +256,9 @@ class Mxfp4File(WrappedFile):
                    rows: tuple[int, int] | None = None):
         if name not in self.packed:
             return self.base.read_block(name, index, axis, start, length, rows)
-        data = self.expert(name, index)
+        data = self.expert(name, index)  # a view: the readers copy it where it goes
         data = data[rows[0]:rows[1]] if rows else data
-        return data.narrow(axis, start, data.shape[axis] - start if length is None else length).contiguous()
+        return data.narrow(axis, start, data.shape[axis] - start if length is None else length)
 
 
 def wrap(files: list[TensorFile], view: Mxfp4View) -> list[TensorFile]:
