@@ -38,6 +38,11 @@ repeats and operations).  Its siblings in scripts/:
 
     python scripts/bench.py --sizes 1 --repeat 2 --ops cp deepspeed_zero3_to_hf deepspeed_zero3_to_fp32_hf \
         zero_to_fp32 fsdp2_dcp_to_hf fsdp2_dcp_to_bf16_hf dcp_to_torch_save --out bench-out
+
+- ``bench_mxfp4.py``: the gpt-oss MXFP4 source of ``hf_mxfp4_to_bf16_hf`` (generated as released, its bf16 output
+  the model's size), named with ``--ops``::
+
+    python scripts/bench.py --sizes 1 --repeat 2 --ops cp hf_mxfp4_to_bf16_hf --out bench-out
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ from bench_ops import (  # noqa: E402,F401 - REPO_ROOT, SRC_DIR, OPS: re-exporte
     CONVERTER_OPS,
     CAST_OPS,
     DEEPSEEK_OPS,
+    MXFP4_OPS,
     DERIVED_SOURCES,
     MOE_OPS,
     OPS,
@@ -156,6 +162,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if any(not s > 0 for s in args.sizes):
         ap.error("--sizes must be positive")
     args.sizes = list({fmt_size(s): s for s in args.sizes}.values())
+    default_ops = args.ops is None
     if args.ops is None:
         if args.model == "mixtral":
             args.ops = [*REFERENCES, *MOE_OPS]
@@ -167,6 +174,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.ops = [*REFERENCES, *VLM_OPS]
         else:
             args.ops = [op for op in OPS if op not in (*MOE_OPS, *PREPARE_ONLY, *CAST_OPS, *TRAIN_OPS, *VLM_OPS)]
+    if default_ops:  # gpt-oss's MXFP4 row: named with --ops only
+        args.ops = [op for op in args.ops if op not in MXFP4_OPS]
     args.ops = [op for op in OPS if op in set(args.ops)]  # canonical order: cp, hf_to_megatron_tp8, ...
     if args.model != "llama" and any(op in TRAIN_OPS for op in args.ops):
         ap.error(f"the training-framework ops ({', '.join(TRAIN_OPS)}) train the Llama model only (--model llama)")

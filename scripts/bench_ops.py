@@ -37,6 +37,8 @@ OPS: dict[str, tuple[str, list[str] | None]] = {
     "meta_tp1_to_hf": ("meta_tp1", ["--to", "hf"]),
     "fp8_quantize": ("hf", None),  # makes the hf_fp8 source (scripts/bench_fp8.py); not timed by default
     "hf_fp8_to_bf16_hf": ("hf_fp8", ["--to", "hf"]),  # block-FP8 source (the model quantised) dequantised to bf16
+    "mxfp4_make": ("hf", None),  # makes the hf_mxfp4 source (scripts/bench_mxfp4.py); not timed by default
+    "hf_mxfp4_to_bf16_hf": ("hf_mxfp4", ["--to", "hf"]),  # gpt-oss as released (MXFP4 experts) dequantised to bf16
     "hf_to_fp32_hf": ("hf", ["--to", "hf", "--dtype", "fp32"]),  # a plain cast: twice the bytes out (not default)
     "pcp": ("hf", None),
     "naive": ("hf", None),
@@ -71,6 +73,11 @@ DERIVED_SOURCES = {"megatron_tp8": "hf_to_megatron_tp8", "torch_dist": "hf_to_to
                    "meta_tp1": "hf_to_meta_tp1", "hf_fp8": "fp8_quantize", "megatron_tp2": "vlm_hf_to_megatron_tp2"}
 #: operations that only prepare a source: left out of the default set
 PREPARE_ONLY = ("fp8_quantize",)
+#: gpt-oss as released (a generated MXFP4 checkpoint whose bf16 output is the model's size) to bf16 HF: named with
+#: --ops, not in the default set
+MXFP4_OPS = ("hf_mxfp4_to_bf16_hf",)
+DERIVED_SOURCES["hf_mxfp4"] = "mxfp4_make"
+PREPARE_ONLY += ("mxfp4_make",)
 #: the copy references each conversion is timed next to: one `cp -r`, and the same bytes in N parallel streams
 REFERENCES = ("cp", "pcp")
 #: the default operations of the "wide" model (1 layer, 1 GiB MLP weights)
@@ -211,6 +218,8 @@ def build_cmd(op: str, src: Path, dst: Path, workers: int | None, reshard: list[
         return dcp_to_torch_save_cmd(src, dst)
     if op == "fp8_quantize":
         return [sys.executable, str(Path(__file__).resolve().parent / "bench_fp8.py"), str(src), str(dst)]
+    if op == "mxfp4_make":
+        return [sys.executable, str(Path(__file__).resolve().parent / "bench_mxfp4.py"), str(src), str(dst)]
     cmd = [*(reshard or default_reshard()), "convert", str(src), str(dst), *OPS[op][1], *source_args(op, src),
            "--overwrite"]
     if workers is not None:

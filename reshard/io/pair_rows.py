@@ -51,9 +51,17 @@ class PairFile(WrappedFile):
         if name not in self.paired:
             return self.base.read_block(name, index, axis, start, length, rows)
         inner, unit = self.paired[name]
-        data = deinterleave(self.base.read_block(name, index), inner, unit)
+        last = getattr(self, "_last", None)  # the gate and up slots read one block after the other: reorder once
+        if last is None or last[0] != (name, index):
+            block = self.base.read_block(name, index)
+            if block.dim() == 2 and inner == 1 and block.t().is_contiguous():  # an [R, C] buffer read as [C, R]
+                block = deinterleave(block.t(), 0, unit).t()  # reorder whole rows of the buffer
+            else:
+                block = deinterleave(block, inner, unit)
+            last = self._last = ((name, index), block)
+        data = last[1]
         data = data[rows[0]:rows[1]] if rows else data
-        return data.narrow(axis, start, data.shape[axis] - start if length is None else length).contiguous()
+        return data.narrow(axis, start, data.shape[axis] - start if length is None else length)
 
     def read(self, name: str, axis: int = 0, start: int = 0, length: int | None = None,
              rows: tuple[int, int] | None = None):
