@@ -193,3 +193,17 @@ def test_inspect_plan_load_rank(phi, capsys):
                        case.hf["model.layers.1.mlp.down_proj.weight"][:, 48:])
     gate_up = case.hf["model.layers.0.mlp.gate_up_proj.weight"]
     assert torch.equal(rank["model.layers.0.mlp.gate_up_proj.weight"], torch.cat([gate_up[48:96], gate_up[144:]]))
+
+
+@pytest.mark.parametrize("arch", ["Phi4MMForCausalLM", "Phi4FlashForCausalLM"])
+def test_other_phi4_architectures_refused_by_name(capsys, tmp_path, arch):
+    """Section 17: Phi-4-multimodal and Phi-4-flash are other architectures: refused by name, nothing written."""
+    from safetensors.torch import save_file
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"architectures": [arch], "model_type": arch.lower()}))
+    save_file({"model.embed_tokens.weight": torch.zeros(4, 4)}, str(src / "model.safetensors"))
+    code, _, err = run_cli(capsys, "convert", src, out, "--to", "vllm", "--tp", 2)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and f"unknown architecture '{arch}'" in err, err
+    assert not out.exists()
