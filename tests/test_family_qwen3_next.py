@@ -11,7 +11,8 @@ layer with a gated shared expert) with seeded noise on every 1-D parameter (norm
 - vLLM 0.32's per-rank names and shapes at tp2 (section 13 / NOTES.md: 64 keys per rank).
 - the forward verifier (GDN recurrence, gated query, zero-centred norms) equals transformers at TP 1 within 1e-5;
   ``verify --forward`` passes at tp2 against the megatron, torch_dist and vllm outputs, and fails naming layer 0 on
-  a perturbed layer-0 conv1d channel (vLLM rank 1) or out_norm (Megatron rank 0).
+  a perturbed layer-0 conv1d channel (vLLM rank 1) or out_norm (Megatron rank 0); vLLM tp2 computes what vLLM tp1
+  computes (slow); ``verify`` (digest) compares through Megatron's out_norm offset.
 - megatron-core 0.16.1 loads reshard's torch_dist strictly (tp2 ep2 etp1, tp2 etp2, tp1; FLA stand-ins as the
   probe's) and computes transformers' logits within 1e-5 (slow).
 - section 17's refusals (local spec; key heads not dividing tp for vllm and megatron): one line, exit 2, nothing
@@ -98,6 +99,13 @@ def test_chain_through_megatron_torch_dist_vllm_is_bit_exact(qn, chain, ref):
                                                         if cb.get(k) != ca.get(k)]
     assert (cb["architectures"], cb["model_type"]) == (["Qwen3NextForCausalLM"], "qwen3_next")
     torch.testing.assert_close(logits(chain["hf"]), ref, rtol=0, atol=0)
+
+
+def test_verify_digest_compares_through_the_out_norm_offset(qn, chain, capsys):
+    """Megatron stores the GDN out_norm as w - 1 (families-2.md section 14.2 G): the digest check reads it back
+    through the offset."""
+    code, text, err = run_cli(capsys, "verify", qn, chain["megatron"])
+    assert code == 0 and "EQUAL" in text, text + err
 
 
 # ------------------------------------------------------------------ Megatron: the probe's packing, then its rules
@@ -349,3 +357,14 @@ def test_release_mtp_tensors_are_dropped_with_a_note(qn, tmp_path, capsys):
     back = hf_state(tmp_path / "back")
     assert code == 0 and sorted(back) == sorted(tensors), err
     assert all(torch.equal(back[k], tensors[k]) for k in tensors)
+
+
+@pytest.mark.slow
+def test_tp2_ranks_compute_what_tp1_computes(qn, chain, tmp_path):
+    """vLLM at tp 1 (read whole: vLLM files cannot be re-sliced) against vLLM at tp 2: the verifier's per-rank GDN
+    (whole key heads per rank, out_proj all-reduced) and gated attention equal its TP 1 run, which equals
+    transformers (test above)."""
+    reshard_convert(qn, tmp_path / "v1", "--to", "vllm", "--tp", "1")
+    r = verify_forward(str(tmp_path / "v1"), chain["vllm"], nproc=2)
+    assert (r["a"]["run_tp"], r["b"]["run_tp"]) == (1, 2), (r["a"], r["b"])
+    assert r["ok"] and r["max_abs"] <= 1e-5 and r["first_divergence"] is None, r["problems"]
