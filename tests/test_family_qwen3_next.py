@@ -260,7 +260,14 @@ def test_inspect_plan_load_rank_live_plan(qn, capsys):
 
     plan = live.plan(qn, source={"layout": "megatron", "tp": 2, "ep": 2}, target={"layout": "vllm", "tp": 2},
                      source_ranks=range(4), target_ranks=range(4, 6))
-    assert plan is not None
+    norms = [t for rank in plan.targets for t in rank if t.name.endswith("linear_attn.norm.weight")]
+    assert len(norms) == 2 * 3 and all(op.shift == 1.0 for t in norms for op in t.reads)  # Megatron's w - 1 back
+    from reshard.live.transfer import place
+
+    stored = torch.arange(16) / 16 - 0.5  # what a Megatron rank holds
+    dest = torch.zeros(16)
+    place(dest, norms[0].reads[0], 0, stored)
+    assert torch.equal(dest, stored + 1)
 
 
 # ----------------------------------------------------------------------------------------- forward verifier

@@ -64,6 +64,8 @@ def place(dest, op, axis: int, data) -> None:
         data = data.t()
     if op.interleave:
         data = rope_rows(data, op.interleave)
+    if op.shift:  # a stored value offset (Megatron's zero-centred GDN norm), as reshard.io.assemble.read_op adds it
+        data = data + op.shift
     target_part(dest, op, axis).copy_(data)
 
 
@@ -333,7 +335,7 @@ def _recv_target(plan, msg, dests, targets, buffer, device):
         chunk = msg.chunks[0]
         tensor = targets[chunk.tensor]
         part = target_part(dests[tensor.name], chunk.op, tensor.axis)
-        if not (chunk.op.transposed or chunk.op.interleave) and part.is_contiguous() and \
+        if not (chunk.op.transposed or chunk.op.interleave or chunk.op.shift) and part.is_contiguous() and \
                 dtypes.from_torch(part.dtype) == chunk.wire and _on(part, device):
             return _flat_bytes(part), None
     buf = buffer("recv", msg.nbytes)
