@@ -21,6 +21,7 @@ parameter, the sinks and every bias (attention, router, experts), and noise on t
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -199,9 +200,11 @@ def test_vllm_rank_names_shapes_and_tensors(oss, chain):
         assert torch.equal(tensors[h + "attn.o_proj.bias"], hf[h + "self_attn.o_proj.bias"])
 
 
-def verifier_logits(folder, layer_changes: dict | None = None, **changes) -> torch.Tensor:
-    """The forward verifier's TP 1 logits on an HF folder (its decoder config, or every layer, changed)."""
-    weights = cast_weights(load_hf_rank(str(folder), 0, 1, Options()), torch.float32, "cpu")
+def verifier_logits(folder, layer_changes: dict | None = None, loaded=None, **changes) -> torch.Tensor:
+    """The forward verifier's TP 1 logits on an HF folder, or on a copy of its ``loaded`` weights (the decoder config,
+    or every layer, changed)."""
+    weights = copy.deepcopy(loaded) if loaded is not None else \
+        cast_weights(load_hf_rank(str(folder), 0, 1, Options()), torch.float32, "cpu")
     weights.config = dataclasses.replace(weights.config, **changes)
     for layer in weights.layers:
         for name, value in (layer_changes or {}).items():
@@ -211,16 +214,24 @@ def verifier_logits(folder, layer_changes: dict | None = None, **changes) -> tor
 
 
 def test_forward_verifier_computes_gpt_oss_as_transformers(oss):
-    """Sinks, the router bias, the window on even layers and alpha each change the logits; with all of them the
-    verifier equals transformers (fp32)."""
+    """Sinks, router bias, expert biases, clamped SwiGLU, the window on even layers, yarn: the verifier's TP 1 logits
+    equal transformers' (fp32)."""
+    assert (verifier_logits(oss) - logits(oss)).abs().max().item() <= ATOL
+
+
+@pytest.mark.slow
+def test_forward_verifier_controls(oss):
+    """Without the sinks, the router bias, the window or with another alpha the logits differ: the case exercises
+    each."""
     expected = logits(oss)
-    assert (verifier_logits(oss) - expected).abs().max().item() <= ATOL
+    loaded = cast_weights(load_hf_rank(oss, 0, 1, Options()), torch.float32, "cpu")
+    assert (verifier_logits(oss, loaded=loaded) - expected).abs().max().item() <= ATOL
     controls = [({"sinks": lambda t: torch.full_like(t, -1e4)}, {}),
                 ({"router_linear_bias": torch.zeros_like}, {}),
                 ({}, {"window_layers": ()}),
                 ({}, {"gpt_oss": (("swiglu_alpha", 1.0), ("swiglu_limit", 7.0))})]
     for layer_changes, changes in controls:
-        err = (verifier_logits(oss, layer_changes, **changes) - expected).abs().max().item()
+        err = (verifier_logits(oss, layer_changes, loaded, **changes) - expected).abs().max().item()
         assert err > 1e-3, f"the decoder without {layer_changes or changes} also matches: the case tests nothing"
 
 
@@ -228,8 +239,9 @@ def test_forward_verifier_clamps_as_transformers(tmp_path):
     """swiglu_limit 0.05 (the release's 7 never binds at this scale): equal to transformers, and not unclamped."""
     src = save_gpt_oss(tmp_path / "clamped", swiglu_limit=0.05, num_hidden_layers=2)
     expected = logits(src)
-    assert (verifier_logits(src) - expected).abs().max().item() <= ATOL
-    loose = verifier_logits(src, gpt_oss=(("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)))
+    loaded = cast_weights(load_hf_rank(src, 0, 1, Options()), torch.float32, "cpu")
+    assert (verifier_logits(src, loaded=loaded) - expected).abs().max().item() <= ATOL
+    loose = verifier_logits(src, loaded=loaded, gpt_oss=(("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)))
     assert (loose - expected).abs().max().item() > 1e-3
 
 
@@ -276,11 +288,16 @@ def released(src, dst, quant: dict | None = None) -> str:
     return str(dst)
 
 
-def test_mxfp4_release_converts_to_bf16_exactly(oss, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def release(oss, tmp_path_factory):
+    return released(oss, tmp_path_factory.mktemp("gpt_oss_mxfp4") / "release")
+
+
+def test_mxfp4_release_converts_to_bf16_exactly(release, tmp_path, capsys):
     """Section 15 row 2: every expert equals transformers' convert_moe_packed_tensors (the section 2.2 rule, already
     in HF's [E, in, out] form) bit for bit; the rest unchanged; quantization_config dropped, the info line printed."""
     convert_packed = pytest.importorskip("transformers.integrations.mxfp4").convert_moe_packed_tensors
-    src = released(oss, tmp_path / "release")
+    src = release
     code, _, err = run_cli(capsys, "convert", src, tmp_path / "bf16", "--to", "hf")
     assert code == 0, err
     assert "writing MXFP4 is not supported; the output is bfloat16 (dequantised exactly)" in err
@@ -306,14 +323,15 @@ def refused(capsys, src, dst, *args) -> str:
     return lines[0]
 
 
-def test_mxfp4_wrong_block_shape_and_unknown_method_are_one_line(oss, tmp_path, capsys):
-    src = released(oss, tmp_path / "release")
-    state = hf_state(src)
+def test_mxfp4_wrong_block_shape_and_unknown_method_are_one_line(release, tmp_path, capsys):
+    os.makedirs(tmp_path / "shape")
+    shutil.copy(os.path.join(release, "config.json"), tmp_path / "shape")
+    state = hf_state(release)
     name = "model.layers.0.mlp.experts.down_proj_blocks"
     state[name] = state[name].reshape(E, H, 8, 8).contiguous()
-    save_file(state, os.path.join(src, "model.safetensors"), metadata={"format": "pt"})
-    assert "not [E, R, C/32, 16]" in refused(capsys, src, tmp_path / "out", "--to", "hf")
-    other = released(oss, tmp_path / "other", {"quant_method": "bitsandbytes_4bit"})
+    save_file(state, str(tmp_path / "shape" / "model.safetensors"), metadata={"format": "pt"})
+    assert "not [E, R, C/32, 16]" in refused(capsys, tmp_path / "shape", tmp_path / "out", "--to", "hf")
+    other = with_config(release, tmp_path / "other", quantization_config={"quant_method": "bitsandbytes_4bit"})
     assert "bitsandbytes_4bit" in refused(capsys, other, tmp_path / "out2", "--to", "hf")
 
 
