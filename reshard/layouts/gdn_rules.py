@@ -79,3 +79,12 @@ def _members(model, tensor: StoredTensor):
     if not members or any(m.spec.split_in("megatron") != "sections" for m in members):
         return []
     return members
+
+
+def offset_notes(model) -> list[str]:
+    """The plan's word on the values Megatron stores offset (``megatron_offset``: the zero-centred GDN norm)."""
+    shifted = [s for s in model.family.weights if s.megatron_offset and any(model.get(s, i) for i in range(
+        model.num_layers))]
+    return [f"{s.megatron_te.rsplit('.', 2)[-2]} stored as w {'+' if s.megatron_offset > 0 else '-'} "
+            f"{abs(s.megatron_offset):g} (megatron-core's zero-centred norm; read back as w, exact for weights in "
+            "[0.5, 2])" for s in shifted]

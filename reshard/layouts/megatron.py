@@ -526,7 +526,8 @@ def output_args(source: Source, opts: Options, dtype: str) -> OutputArgs:
     iteration = source.info.get("iteration", "release")
     loss = ConfigLoss("Megatron", opts.allow_lossy_config)
     args = build_args(model, opts, padded, divisor, dtype, source.info.get("args"), loss)
-    return OutputArgs(args, padded, iteration, iteration_folder_name(iteration), loss.check())
+    return OutputArgs(args, padded, iteration, iteration_folder_name(iteration),
+                      loss.check() + gdn_rules.offset_notes(model))
 
 
 def targets(model: CanonicalModel, opts: Options, source: Source, dtype: str
