@@ -163,6 +163,7 @@ def test_verify_forward_megatron_tp2(phi, capsys):
     assert r["ok"] and r["max_abs"] <= ATOL, r["problems"]
 
 
+@pytest.mark.slow
 def test_verify_forward_perturbed_layer0_fails(phi, capsys, tmp_path):
     """Row 3 of layer 0's down_proj tripled on vLLM rank 1: verify --forward exits 1 naming layer 0's MLP."""
     code, r, err = verify_perturbed_vllm(capsys, phi("phi4mini"), tmp_path, "model.layers.0.mlp.down_proj.weight", 3)
