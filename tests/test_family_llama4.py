@@ -302,8 +302,10 @@ def reshard_convert(src, dst, *args) -> str:
 
 
 @pytest.fixture(scope="module")
-def src(tmp_path_factory):
-    return save_tiny(tmp_path_factory.mktemp("llama4") / "hf", ACTIVE)
+def src(active, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama4") / "hf"
+    active.save_pretrained(folder)
+    return str(folder)
 
 
 @pytest.fixture(scope="module")
@@ -399,31 +401,39 @@ def test_vllm_ranks_are_vllms_with_qk_rows_permuted(src, chain):
         assert torch.equal(tensors[f + "router.weight"], hf[f + "router.weight"])
 
 
-def verifier_logits(folder, **changes) -> torch.Tensor:
-    """The forward verifier's TP 1 logits on an HF folder (its Llama 4 rules changed by ``changes``)."""
+def verifier_logits(weights, **changes) -> torch.Tensor:
+    """The forward verifier's TP 1 logits from ``weights`` (an HF folder's rank, read once) with its Llama 4
+    rules changed by ``changes``."""
     import dataclasses
 
-    from reshard.layouts.base import Options
-    from reshard.verification.forward.decoder import TPGroup, cast_weights, forward
-    from reshard.verification.forward.sliced_rank import load_rank as load_hf_rank
+    from reshard.verification.forward.decoder import TPGroup, forward
 
-    weights = cast_weights(load_hf_rank(str(folder), 0, 1, Options()), torch.float32, "cpu")
-    weights.config = dataclasses.replace(weights.config,
-                                         llama4=tuple(sorted({**dict(weights.config.llama4), **changes}.items())))
-    with torch.no_grad():
-        return forward(weights, IDS, TPGroup()).logits[0]
+    config = weights.config
+    weights.config = dataclasses.replace(config, llama4=tuple(sorted({**dict(config.llama4), **changes}.items())))
+    try:
+        with torch.no_grad():
+            return forward(weights, IDS, TPGroup()).logits[0]
+    finally:
+        weights.config = config
 
 
-def test_forward_verifier_computes_llama4_as_transformers(src):
+def test_forward_verifier_computes_llama4_as_transformers(src, active):
     """NoPE layer 3, L2 q/k norm, chunk 8 and temperature tuning (floor 4) all acting at 16 tokens, on-input top-1
     routing: the verifier's TP 1 logits equal transformers'; without the chunk or the temperature they do not."""
-    expected = hf_logits(src)
-    assert (verifier_logits(src) - expected).abs().max().item() <= 1e-5
+    from reshard.layouts.base import Options
+    from reshard.verification.forward.decoder import cast_weights
+    from reshard.verification.forward.sliced_rank import load_rank as load_hf_rank
+
+    weights = cast_weights(load_hf_rank(src, 0, 1, Options()), torch.float32, "cpu")
+    with torch.no_grad():
+        expected = active(input_ids=IDS, use_cache=False).logits[0]  # transformers' own model, saved as src
+    assert (verifier_logits(weights) - expected).abs().max().item() <= 1e-5
     for control in (dict(chunk=None), dict(temperature=False), dict(qk_l2_norm=False), dict(nope_layers=())):
-        err = (verifier_logits(src, **control) - expected).abs().max().item()
+        err = (verifier_logits(weights, **control) - expected).abs().max().item()
         assert err > 1e-4, f"the verifier without {control} also matches: the case tests nothing"
 
 
+@pytest.mark.slow
 def test_verify_digest(src, chain, capsys):
     for name in ("megatron", "torch_dist", "vllm", "hf"):
         code, text, err = run_cli(capsys, "verify", src, chain[name])
