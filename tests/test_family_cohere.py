@@ -176,3 +176,22 @@ def test_cohere2_release_spelling_kept(families, capsys, tmp_path):
         assert code == 0, err
     got, written = load_hf_dir(back)
     assert written == config and not diff_states(got, case.hf, "hf")
+
+
+@pytest.mark.slow
+def test_command_r_with_attention_bias(capsys, tmp_path):
+    """attention_bias (q/k/v/o biases) without q/k norms: vllm tp2 and back bit-equal, the verifier = transformers,
+    verify --forward passes."""
+    from family_cases import FamilyCase, assert_hf_back
+
+    case = FamilyCase(transformers, "cohere_bias", tmp_path, "CohereConfig",
+                      dict(BASE, num_hidden_layers=2, attention_bias=True), "CohereForCausalLM")
+    assert "model.layers.1.self_attn.o_proj.bias" in case.hf
+    v = case.vllm(capsys)
+    assert_hf_back(transformers, case, case.convert(capsys, "hf_from_vllm", v, "--to", "hf"), ids())
+    weights = cast_weights(load_hf_rank(str(case.src), 0, 1, Options()), torch.float32, "cpu")
+    with torch.no_grad():
+        got, expected = forward(weights, ids(), TPGroup()).logits, case.model(ids(), use_cache=False).logits
+    assert (got[..., :1003] - expected).abs().max().item() <= ATOL
+    code, r, err = verify_forward(capsys, case.src, v)
+    assert code == 0 and r is not None and r["ok"], err[-2000:]
