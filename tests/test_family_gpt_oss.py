@@ -83,27 +83,6 @@ def logits(folder) -> torch.Tensor:
         return model(input_ids=IDS, use_cache=False).logits[0]
 
 
-def reshard_convert(src, dst, *args) -> str:
-    """``reshard convert`` in this process (module fixtures have no capsys): its stderr."""
-    import contextlib
-    import io
-    import sys
-
-    from reshard import cli
-
-    err, argv = io.StringIO(), sys.argv
-    sys.argv = ["reshard", "convert", str(src), str(dst), *map(str, args)]
-    try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            try:
-                cli.main()
-            except SystemExit as exc:
-                assert not exc.code, err.getvalue()
-    finally:
-        sys.argv = argv
-    return err.getvalue()
-
-
 @pytest.fixture(scope="module")
 def oss(tmp_path_factory):
     return save_gpt_oss(tmp_path_factory.mktemp("gpt_oss") / "hf")
@@ -114,10 +93,10 @@ def chain(oss, tmp_path_factory):
     """hf -> megatron tp2 ep2 etp1 -> torch_dist (tp2 ep2 etp1) -> vllm tp2 -> hf."""
     root = tmp_path_factory.mktemp("gpt_oss_chain")
     out = {k: str(root / k) for k in ("megatron", "torch_dist", "vllm", "hf")}
-    reshard_convert(oss, out["megatron"], "--to", "megatron", "--tp", 2, "--ep", 2, "--etp", 1)
-    reshard_convert(out["megatron"], out["torch_dist"], "--to", "torch_dist", "--tp", 2, "--ep", 2, "--etp", 1)
-    reshard_convert(out["torch_dist"], out["vllm"], "--to", "vllm", "--tp", 2)
-    reshard_convert(out["vllm"], out["hf"], "--to", "hf")
+    reshard.convert(oss, out["megatron"], to="megatron", tp=2, ep=2, etp=1)
+    reshard.convert(out["megatron"], out["torch_dist"], to="torch_dist", tp=2, ep=2, etp=1)
+    reshard.convert(out["torch_dist"], out["vllm"], to="vllm", tp=2)
+    reshard.convert(out["vllm"], out["hf"], to="hf")
     return out
 
 
@@ -246,7 +225,7 @@ def test_forward_verifier_clamps_as_transformers(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["megatron", "torch_dist", "vllm"])
+@pytest.mark.parametrize("name", ["megatron", "torch_dist", "vllm", "hf"])
 def test_verify_forward_at_tp2(oss, chain, name, capsys):
     code, text, err = run_cli(capsys, "verify", oss, chain[name], "--forward", "--nproc", 2)
     assert code == 0 and "FORWARD EQUAL" in text, text + err
