@@ -229,12 +229,17 @@ def check_vllm_target(model) -> None:
 
 
 def vllm_notes(model) -> list[str]:
-    """Families-2.md section 18.5: vLLM 0.32 takes ``attn_temperature_tuning`` from ``generation_config.json``
-    (default on only when ``max_model_len > 32768``), not from config.json."""
+    """The plan's words on a vLLM target: the q/k row permutation (families-2.md section 14.2 G: a transform is
+    listed in the plan) and, section 18.5, that vLLM 0.32 takes ``attn_temperature_tuning`` from
+    ``generation_config.json`` (default on only when ``max_model_len > 32768``), not from config.json."""
+    notes = []
+    if any(s.vllm_qk_permute for s in model.family.weights):
+        notes.append("q and k rows permuted per head from interleaved to rotate-half order in qkv_proj (vLLM's "
+                      "permute_qk_weight_for_rotary; read back un-permuted)")
     rules = dict(model.meaning.llama4 or ()) if model.meaning is not None else {}
     if not (rules.get("temperature") and rules.get("nope_layers")):
-        return []
-    return [f"vLLM 0.32 reads Llama 4's attn_temperature_tuning from generation_config.json (default: on only when "
+        return notes
+    return notes + [f"vLLM 0.32 reads Llama 4's attn_temperature_tuning from generation_config.json (default: on only when "
             f"max_model_len > 32768), not from config.json: set it there to match transformers on sequences of "
             f"{_number(rules['floor_scale'])} tokens (floor_scale) or more"]
 
