@@ -23,8 +23,7 @@ def assemble(tensor: TargetTensor, files: list[TensorFile], allow_overflow: bool
     import torch
 
     if tensor.pair_interleaved:  # slots alternating row by row (gpt-oss gate/up): built end to end, then reordered
-        return pair_rows.interleave(assemble(replace(tensor, pair_interleaved=0), files, allow_overflow), tensor.axis,
-                                    tensor.pair_interleaved)
+        return pair_rows.assemble_paired(tensor, files, allow_overflow, assemble)
     dtype = dtypes.to_torch(tensor.dtype)
     if tensor.fill is not None:
         return torch.full(tensor.shape, tensor.fill, dtype=dtype)

@@ -77,6 +77,49 @@ class PairFile(WrappedFile):
         return whole if axis == 0 else whole.narrow(axis, start, length).contiguous()
 
 
+def assemble_paired(tensor, files: list[TensorFile], allow_overflow: bool, assemble):
+    """An alternating target (``tensor.pair_interleaved``) as torch: block by block straight from a source stored
+    with the same alternation (:func:`same_blocks`: HF -> HF, vLLM -> vLLM at one TP, an MXFP4 release -> bf16), else
+    built end to end by ``assemble`` and reordered."""
+    import torch
+
+    from reshard.io import casts, dtypes
+
+    blocks = same_blocks(tensor, files)
+    if blocks is None:
+        return interleave(assemble(replace(tensor, pair_interleaved=0), files, allow_overflow), tensor.axis,
+                          tensor.pair_interleaved)
+    out = torch.empty(tensor.shape, dtype=dtypes.to_torch(tensor.dtype))
+    for block, (source, name, src_block) in blocks.items():
+        data = files[source].base.read_block(name, src_block)
+        out[block].copy_(data)
+        if not allow_overflow:
+            casts.check_cast(tensor.name, data, out[block])
+    return out
+
+
+def same_blocks(tensor, files: list[TensorFile]) -> dict[int, tuple[int, str, int]] | None:
+    """dst block -> (source file, tensor, src block) when every block of the alternating target ``tensor`` is one
+    whole block of a :class:`PairFile` tensor alternating in the same unit along the same axis, read slot after slot
+    in place (so the two reorders cancel); else None."""
+    unit, inner = tensor.pair_interleaved, tensor.axis - 1
+    found: dict[int, tuple[int, str, int]] = {}
+    covered: dict[int, int] = {}
+    for op in tensor.reads:
+        file = files[op.source]
+        if op.dst_block is None or op.src_block is None or op.transposed or op.interleave or op.rows is not None \
+                or not isinstance(file, PairFile) or file.paired.get(op.tensor) != (inner, unit) \
+                or op.src_start != op.dst_start:
+            return None
+        key = (op.source, op.tensor, op.src_block)
+        if found.setdefault(op.dst_block, key) != key:
+            return None
+        covered[op.dst_block] = covered.get(op.dst_block, 0) + op.length
+    if tensor.has_padding or any(n != unit for n in covered.values()) or len(found) != tensor.shape[0]:
+        return None
+    return found
+
+
 def whole_extents(file: TensorFile, name: str) -> list[tuple[int, int, int]]:
     """``(fd, offset, length)`` of tensor ``name`` of ``file``, whole (the base's own extents when it has no direct
     bytes)."""
