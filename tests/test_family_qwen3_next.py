@@ -17,7 +17,8 @@ layer with a gated shared expert) with seeded noise on every 1-D parameter (norm
   probe's) and computes transformers' logits within 1e-5 (slow).
 - section 17's refusals (local spec; key heads not dividing tp for vllm and megatron): one line, exit 2, nothing
   written.
-- ``inspect``, ``plan``, ``load_rank`` and ``live.plan``.
+- ``inspect``, ``plan``, ``load_rank`` and ``live.plan``; the release's MTP head dropped with a note; the release's
+  config.json spelling (no layer_types: full_attention_interval; top-level rope keys) converts (slow).
 """
 
 from __future__ import annotations
@@ -375,3 +376,40 @@ def test_tp2_ranks_compute_what_tp1_computes(qn, chain, tmp_path):
     r = verify_forward(str(tmp_path / "v1"), chain["vllm"], nproc=2)
     assert (r["a"]["run_tp"], r["b"]["run_tp"]) == (1, 2), (r["a"], r["b"])
     assert r["ok"] and r["max_abs"] <= 1e-5 and r["first_divergence"] is None, r["problems"]
+
+
+# ------------------------------------------------------------------- the release's config.json spelling
+
+def test_layer_kinds_without_layer_types_are_transformers():
+    """A config.json without layer_types (the release's, with full_attention_interval) means the layers
+    Qwen3NextConfig derives; the mapping's [layers] every rule says the same."""
+    from reshard.mapping import load_shipped
+    from reshard.mapping.sections import layer_mixers
+
+    family = load_shipped("qwen3_next")
+    kinds = family.layer_kinds["values"]
+    for spelt in ({"full_attention_interval": 2}, {"full_attention_interval": 3}, {}):
+        want = transformers.Qwen3NextConfig(num_hidden_layers=7, **spelt).layer_types
+        assert layer_mixers(family, spelt, 7) == tuple(kinds[k] for k in want), spelt
+
+
+@pytest.mark.slow
+def test_release_spelling_converts(tmp_path):
+    """transformers-4 spelling as released: no layer_types (full_attention_interval 2 here), top-level rope_theta
+    and partial_rotary_factor: hf -> megatron tp2 -> hf -> vllm tp2 -> hf keeps config.json verbatim, the tensors
+    and transformers' logits; Megatron's linear_attention_freq follows the interval."""
+    src = save_qwen3_next(tmp_path / "hf", full_attention_interval=2)
+    config = config_of(src)
+    del config["layer_types"], config["rope_parameters"]
+    config.update(full_attention_interval=2, rope_theta=10000.0, partial_rotary_factor=0.25)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    for a, b, args in [("hf", "m", ("--to", "megatron", "--tp", "2")), ("m", "h1", ("--to", "hf")),
+                       ("h1", "v", ("--to", "vllm", "--tp", "2")), ("v", "h2", ("--to", "hf"))]:
+        reshard_convert(tmp_path / a, tmp_path / b, *args)
+    assert config_of(tmp_path / "h2") == config
+    source, back = hf_state(src), hf_state(tmp_path / "h2")
+    assert sorted(back) == sorted(source) and all(torch.equal(back[k], source[k]) for k in source)
+    torch.testing.assert_close(logits(tmp_path / "h2"), logits(src), rtol=0, atol=0)
+    blob = torch.load(tmp_path / "m" / "release" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+    args = vars(blob["args"])
+    assert args["linear_attention_freq"] == [1, 0, 1, 0]

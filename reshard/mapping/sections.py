@@ -1,10 +1,13 @@
 """Hybrid layer kinds and named sections (families-2.md section 14.2 A and C; Qwen3-Next's Gated DeltaNet).
 
-``[layers]`` names the config key listing each layer's kind and maps its values to mixer kinds::
+``[layers]`` names the config key listing each layer's kind and maps its values to mixer kinds, and (``every``) the
+spelling a config without that list has: every ``key``-th layer (1-based; ``default`` when unset) of kind
+``value``, the others ``other`` (transformers' Qwen3NextConfig from ``full_attention_interval``)::
 
     [layers]
     kinds = "layer_types"
     values = { linear_attention = "gdn", full_attention = "attention" }
+    every = { key = "full_attention_interval", default = 4, value = "full_attention", other = "linear_attention" }
 
 A weight with ``mixer = "gdn"`` exists only on layers of that kind (two entries may share an HF name when their
 mixers differ: the input norm is named by the mixer that fuses it in Megatron).
@@ -24,7 +27,8 @@ from __future__ import annotations
 from reshard.errors import MappingError
 from reshard.mapping.conditions import _names_in, evaluate
 
-LAYERS_KEYS = {"kinds", "values"}
+LAYERS_KEYS = {"kinds", "values", "every"}
+EVERY_KEYS = {"key", "default", "value", "other"}
 SECTION_SPLITS = ("column", "row", "replicated", "sections")
 
 
@@ -37,7 +41,11 @@ def parse_layers(table: dict, source: str) -> dict:
         raise MappingError(f"{source}: unknown key '{sorted(unknown)[0]}' in [layers] (valid: kinds, values)")
     if not isinstance(table.get("kinds"), str) or not isinstance(table.get("values"), dict) or not table["values"]:
         raise MappingError(f"{source}: [layers] needs kinds (a config key) and values (config value -> mixer kind)")
-    return {"kinds": table["kinds"], "values": dict(table["values"])}
+    every = table.get("every")
+    if every is not None and (not isinstance(every, dict) or set(every) != EVERY_KEYS
+                              or {every["value"], every["other"]} - set(table["values"])):
+        raise MappingError(f"{source}: [layers] every needs key, default, value and other (values it names)")
+    return {"kinds": table["kinds"], "values": dict(table["values"]), **({"every": dict(every)} if every else {})}
 
 
 def check_weight(w: dict, source: str, where: str, dims: dict, layers: dict) -> None:
@@ -83,7 +91,10 @@ def layer_mixers(family, config: dict, layers: int) -> tuple[str | None, ...]:
     table = getattr(family, "layer_kinds", None) or {}
     if not table:
         return ()
-    kinds = config.get(table["kinds"])
+    kinds, every = config.get(table["kinds"]), table.get("every")
+    if kinds is None and every:
+        step = int(config.get(every["key"]) or every["default"])
+        kinds = [every["value"] if (i + 1) % step == 0 else every["other"] for i in range(layers)]
     if not isinstance(kinds, (list, tuple)) or len(kinds) < layers:
         raise MappingError(f"config.json {table['kinds']} must list the kind of each of the {layers} layers")
     out = []
