@@ -219,6 +219,7 @@ def plan(src: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int |
 def verify(a: str, b: str, *, atol: float | None = None, rtol: float | None = None, vocab_size: int | None = None,
            architecture: str | None = None, mapping: str | None = None, config: str | None = None,
            tag: str | None = None, master_weights: bool = False, forward: bool = False,
+           maxtext_model: str | None = None,
            nproc: int | None = None, backend: Literal["gloo", "nccl"] | None = None, seq_len: int | None = None,
            batch: int | None = None, seed: int | None = None, prompt_ids: str | None = None,
            compute_dtype: str | None = None, timeout: float | None = None, workers: int | None = None,
@@ -240,7 +241,7 @@ def verify(a: str, b: str, *, atol: float | None = None, rtol: float | None = No
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise ReshardError(f"workers must be a whole number of at least 1, or None to choose (got {workers!r})")
     common = dict(vocab_size=vocab_size, architecture=architecture, mapping=mapping, config=config, tag=tag,
-                  master_weights=master_weights)
+                  master_weights=master_weights, maxtext_model=maxtext_model)
     if not forward:
         if given:
             name = next(iter(given)).replace("_", "-")
@@ -270,10 +271,10 @@ def verify(a: str, b: str, *, atol: float | None = None, rtol: float | None = No
 @_in_python_terms
 def inspect(path: str, *, vocab_size: int | None = None, architecture: str | None = None,
             mapping: str | None = None, config: str | None = None, tag: str | None = None,
-            master_weights: bool = False) -> dict:
+            master_weights: bool = False, maxtext_model: str | None = None) -> dict:
     """What ``reshard inspect PATH --json`` prints: layout, architecture, degrees, dtype, parameters, bytes, files
     per rank."""
     from reshard.inspection import inspect as run_inspect
 
     return run_inspect(path, vocab_size=vocab_size, architecture=architecture, mapping=mapping, config=config,
-                       tag=tag, master_weights=master_weights)
+                       tag=tag, master_weights=master_weights, maxtext_model=maxtext_model)

@@ -70,6 +70,8 @@ MappingOpt = typer.Option(None, "--mapping", help="A mapping TOML file for your 
 ConfigOpt = typer.Option(None, "--config", help="The model's config.json, for a source that saves none "
                          "(torchtitan; DeepSpeed without a config.json beside 'latest'; an HF folder of weights "
                          "without one).")
+MaxtextModelOpt = typer.Option(None, "--maxtext-model", help="MaxText: the model name (e.g. llama3.1-8b), "
+                                "for its RoPE order and query scaling.")
 TagOpt = typer.Option(None, "--tag", help="DeepSpeed: the checkpoint tag (folder) to read instead of the one "
                       "'latest' names.")
 MasterOpt = typer.Option(False, "--master-weights", help="DeepSpeed: read the fp32 master weights from the "
@@ -247,6 +249,7 @@ def verify(
     vocab_size: Optional[int] = VocabOpt, architecture: Optional[str] = ArchOpt, mapping: Optional[str] = MappingOpt,
     config: Optional[str] = ConfigOpt, tag: Optional[str] = TagOpt, master_weights: bool = MasterOpt,
     as_json: bool = JsonOpt,
+    maxtext_model: Optional[str] = MaxtextModelOpt,
     forward: bool = typer.Option(False, "--forward", help="Run a tensor-parallel forward pass on both and compare "
                                  "logits (B at --nproc ranks, each reading only its own shard files)."),
     nproc: Optional[int] = typer.Option(None, "--nproc", help="--forward: TP degree for B (default: B's own)."),
@@ -277,6 +280,7 @@ def verify(
                         mapping=mapping, config=config, tag=tag, master_weights=master_weights, forward=forward, nproc=nproc, backend=backend, seq_len=seq_len, batch=batch,
                         seed=seed, prompt_ids=prompt_ids, compute_dtype=compute_dtype, timeout=timeout,
                         workers=workers, dry_run=dry_run, drop_mtp=drop_mtp,
+                        maxtext_model=maxtext_model,
                         progress=not as_json and sys.stderr.isatty())
     if dry_run:
         print(json.dumps(result, indent=2) if as_json else _format_estimate(result))
@@ -335,6 +339,7 @@ def _options(version: bool = typer.Option(False, "--version", is_eager=True, cal
 def inspect(path: str = typer.Argument(...), vocab_size: Optional[int] = VocabOpt,
             architecture: Optional[str] = ArchOpt, mapping: Optional[str] = MappingOpt,
             config: Optional[str] = ConfigOpt, tag: Optional[str] = TagOpt, master_weights: bool = MasterOpt,
+            maxtext_model: Optional[str] = MaxtextModelOpt,
             as_json: bool = JsonOpt, files: bool = typer.Option(False, "--files", help="List every file of every rank (--json always "
                                        "does).")):
     """Show a checkpoint's layout, architecture, degrees, dtype, parameters, size and files per rank (a table;
@@ -342,7 +347,7 @@ def inspect(path: str = typer.Argument(...), vocab_size: Optional[int] = VocabOp
     from reshard.inspection import format_inspection, inspect as run_inspect
 
     info = run_inspect(path, vocab_size=vocab_size, architecture=architecture, mapping=mapping, config=config,
-                       tag=tag, master_weights=master_weights)
+                       tag=tag, master_weights=master_weights, maxtext_model=maxtext_model)
     print(json.dumps(info, indent=2) if as_json else format_inspection(info, every_file=files))
 
 

@@ -43,6 +43,11 @@ repeats and operations).  Its siblings in scripts/:
   the model's size), named with ``--ops``::
 
     python scripts/bench.py --sizes 1 --repeat 2 --ops cp hf_mxfp4_to_bf16_hf --out bench-out
+
+- ``bench_maxtext.py``: the MaxText source of ``maxtext_to_hf`` (chunks spanning all layers, as MaxText's converter
+  writes them); the MaxText rows (tensorstore) are named with ``--ops``::
+
+    python scripts/bench.py --sizes 1 2 --repeat 2 --ops cp hf_to_maxtext maxtext_to_hf --out bench-out
 """
 
 from __future__ import annotations
@@ -83,6 +88,7 @@ from bench_ops import (  # noqa: E402,F401 - REPO_ROOT, SRC_DIR, OPS: re-exporte
     CAST_OPS,
     DEEPSEEK_OPS,
     MXFP4_OPS,
+    MAXTEXT_OPS,
     DERIVED_SOURCES,
     MOE_OPS,
     OPS,
@@ -173,7 +179,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         elif args.model == "qwen2_5_vl":
             args.ops = [*REFERENCES, *VLM_OPS]
         else:
-            args.ops = [op for op in OPS if op not in (*MOE_OPS, *PREPARE_ONLY, *CAST_OPS, *TRAIN_OPS, *VLM_OPS)]
+            args.ops = [op for op in OPS if op not in (*MOE_OPS, *PREPARE_ONLY, *CAST_OPS, *TRAIN_OPS, *VLM_OPS,
+                                                       *MAXTEXT_OPS)]
     if default_ops:  # gpt-oss's MXFP4 row: named with --ops only
         args.ops = [op for op in args.ops if op not in MXFP4_OPS]
     args.ops = [op for op in OPS if op in set(args.ops)]  # canonical order: cp, hf_to_megatron_tp8, ...

@@ -56,6 +56,11 @@ OPS: dict[str, tuple[str, list[str] | None]] = {
     # every rank (Megatron-Bridge's HF modules), and back
     "vlm_hf_to_megatron_tp2": ("hf", ["--to", "megatron", "--tp", "2"]),
     "vlm_megatron_tp2_to_hf": ("megatron_tp2", ["--to", "hf"]),
+    # MaxText (tensorstore; not in the default set): the generated Llama written as a MaxText parameter checkpoint,
+    # and read back from one laid out as MaxText's converter writes it (all layers in each chunk: the unstack pass)
+    "hf_to_maxtext": ("hf", ["--to", "maxtext", "--maxtext-model", "llama3-8b"]),
+    "maxtext_prepare": ("hf", None),  # makes the maxtext_converter source (scripts/bench_maxtext.py)
+    "maxtext_to_hf": ("maxtext_converter", ["--to", "hf"]),
 }
 #: operations for Mixture-of-Experts sources only (the default for --model mixtral, with cp)
 MOE_OPS = ("hf_to_megatron_tp2_ep4", "megatron_tp2_ep4_to_hf")
@@ -70,9 +75,12 @@ CAST_OPS = ("hf_to_fp32_hf",)
 #: when the op itself is not among those timed)
 DERIVED_SOURCES = {"megatron_tp8": "hf_to_megatron_tp8", "torch_dist": "hf_to_torch_dist",
                    "megatron_tp2_ep4": "hf_to_megatron_tp2_ep4", "trtllm_tp8": "hf_to_trtllm_tp8",
-                   "meta_tp1": "hf_to_meta_tp1", "hf_fp8": "fp8_quantize", "megatron_tp2": "vlm_hf_to_megatron_tp2"}
+                   "meta_tp1": "hf_to_meta_tp1", "hf_fp8": "fp8_quantize", "megatron_tp2": "vlm_hf_to_megatron_tp2",
+                   "maxtext_converter": "maxtext_prepare"}
 #: operations that only prepare a source: left out of the default set
-PREPARE_ONLY = ("fp8_quantize",)
+PREPARE_ONLY = ("fp8_quantize", "maxtext_prepare")
+#: the MaxText rows (need tensorstore): named with --ops, not in the default set
+MAXTEXT_OPS = ("hf_to_maxtext", "maxtext_to_hf")
 #: gpt-oss as released (a generated MXFP4 checkpoint whose bf16 output is the model's size) to bf16 HF: named with
 #: --ops, not in the default set
 MXFP4_OPS = ("hf_mxfp4_to_bf16_hf",)
@@ -220,6 +228,8 @@ def build_cmd(op: str, src: Path, dst: Path, workers: int | None, reshard: list[
         return [sys.executable, str(Path(__file__).resolve().parent / "bench_fp8.py"), str(src), str(dst)]
     if op == "mxfp4_make":
         return [sys.executable, str(Path(__file__).resolve().parent / "bench_mxfp4.py"), str(src), str(dst)]
+    if op == "maxtext_prepare":
+        return [sys.executable, str(Path(__file__).resolve().parent / "bench_maxtext.py"), str(src), str(dst)]
     cmd = [*(reshard or default_reshard()), "convert", str(src), str(dst), *OPS[op][1], *source_args(op, src),
            "--overwrite"]
     if workers is not None:

@@ -102,6 +102,10 @@ CONVERT_CASES = [
     # Llama 4's Megatron length limit: accepted by megatron (nothing to limit on a Llama), refused for vllm
     ("dense", ["--to", "megatron", "--max-seq", "4"], dict(to="megatron", max_seq=4)),
     ("dense", ["--to", "vllm", "--max-seq", "4"], dict(to="vllm", max_seq=4)),
+    # MaxText (tensorstore): the model name, unscanned, MaxText's rounding; --no-scan-layers refused for hf
+    ("dense", ["--to", "maxtext", "--maxtext-model", "llama3-8b", "--no-scan-layers", "--maxtext-match-converter"],
+     dict(to="maxtext", maxtext_model="llama3-8b", scan_layers=False, maxtext_match_converter=True)),
+    ("dense", ["--to", "hf", "--no-scan-layers"], dict(to="hf", scan_layers=False)),
 ]
 
 
@@ -116,7 +120,8 @@ REFUSED = {("--to", "hf", "--allow-lossy-config", "nonsense"): "nonsense",
            ("--to", "megatron", "--megatron-vision", "native"): "--megatron-vision is for vision-language models",
            ("--to", "vllm", "--allow-missing", "vision"): "for vision-language models",
            ("--to", "hf", "--vllm-vision", "none"): "--vllm-vision",
-           ("--to", "vllm", "--max-seq", "4"): "--max-seq does not apply"}
+           ("--to", "vllm", "--max-seq", "4"): "--max-seq does not apply",
+           ("--to", "hf", "--no-scan-layers"): "--no-scan-layers"}
 
 
 def test_the_cases_cover_every_convert_option():

@@ -57,6 +57,13 @@ def test_reader_equals_maxtext_to_huggingface(case, scan, tmp_path):
                     config=os.path.join(path, "hf", "config.json"), maxtext_model=model_name(path))
     got, want = load(str(out)), load(os.path.join(path, f"to_hf_{scan}"))
     assert set(got) == set(want)
+    step = os.path.join(path, f"maxtext_{scan}")  # a folder of steps: step 0
+    config = os.path.join(path, "hf", "config.json")
+    info = reshard.inspect(step, config=config, maxtext_model=model_name(path))
+    assert info["maxtext"]["scan_layers"] == (scan == "scan")
+    assert info["maxtext"]["unstack_pass"].startswith("yes" if scan == "scan" else "no")  # to_maxtext's chunks
+    report = reshard.verify(step, os.path.join(path, f"to_hf_{scan}"), config=config, maxtext_model=model_name(path))
+    assert [t.status for t in report.tensors] == ["equal"] * len(want)  # (MaxText writes its own config.json)
     differ = [k for k in want if got[k].dtype != want[k].dtype
               or np_of(got[k]).tobytes() != np_of(want[k]).tobytes()]
     assert differ == []

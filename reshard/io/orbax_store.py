@@ -147,6 +147,25 @@ class Item:
                 from None
 
 
+def read_banded(item: "Item", name: str, box: tuple) -> "np.ndarray":
+    """``leaf[box]`` (a tuple of slices) read one chunk row at a time along axis 0 into one array: TensorStore
+    decodes the chunks a read touches at once, so this holds the result plus one chunk row, not every chunk."""
+    import numpy as np
+
+    leaf = item.leaf(name)
+    box = tuple(box) + (slice(None),) * (len(leaf.shape) - len(box))
+    lo = [s.start or 0 for s in box]
+    hi = [leaf.shape[i] if s.stop is None else s.stop for i, s in enumerate(box)]
+    out = np.empty([b - a for a, b in zip(lo, hi)], dtype=item.handle(name).dtype.numpy_dtype)
+    step = leaf.chunks[0] if leaf.chunks else 1
+    a = lo[0]
+    while a < hi[0]:
+        b = min(hi[0], (a // step + 1) * step)
+        out[a - lo[0]:b - lo[0]] = item.read(name, (slice(a, b),) + box[1:])
+        a = b
+    return out
+
+
 def _codec(handle) -> str:
     try:
         spec = handle.spec().to_json()

@@ -27,8 +27,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reshard.io.orbax_store import Item
+from reshard.io.orbax_store import Item, read_banded
+from reshard.io import dtypes
 from reshard.io.tensorfile import TensorFile, TensorLocation, read_into
+
+
+#: a leaf outside the stack is read band by band from its own chunks when they are row bands this small
+BAND_CHUNK_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,38 @@ class Recipe:
     @property
     def has_op(self) -> bool:
         return self.mul is not None or self.div is not None or self.add is not None
+
+
+def _libc():
+    global _LIBC
+    if _LIBC is None:
+        try:
+            import ctypes
+
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.malloc_trim, _LIBC.mallopt  # glibc only
+        except (OSError, AttributeError):
+            _LIBC = False
+    return _LIBC
+
+
+def bound_heap() -> None:
+    """Serve allocations of 1 MiB and more from their own mappings, returned to the system when freed (glibc
+    ``mallopt(M_MMAP_THRESHOLD)``): TensorStore decodes chunks on its own threads, and glibc's default would keep
+    their freed pages resident in per-thread arenas (hundreds of MiB over a conversion)."""
+    libc = _libc()
+    if libc:
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+
+
+def release_freed() -> None:
+    """Give freed heap memory back to the system (glibc ``malloc_trim``)."""
+    libc = _libc()
+    if libc:
+        libc.malloc_trim(0)
+
+
+_LIBC = None
 
 
 def to_torch(array: np.ndarray):
@@ -95,6 +132,7 @@ class Scratch:
         name = f"reshard-maxtext-{os.getpid()}-{next(tempfile._get_candidate_names())}"
         self.folder: str | None = os.path.join(base, name)  # created on the first unstack
         self.fds: dict[str, int] = {}
+        self.files: dict[str, TensorFile] = {}
         self.pid = os.getpid()
 
     def _path(self, leaf: str, ext: str) -> str:
@@ -104,13 +142,15 @@ class Scratch:
         if self.pid == os.getpid():
             for fd in self.fds.values():
                 os.close(fd)
-        self.fds, self.pid = {}, os.getpid()
+            for f in self.files.values():
+                f.close()
+        self.fds, self.files, self.pid = {}, {}, os.getpid()
         if self.folder and os.getpid() == self.owner:
             shutil.rmtree(self.folder, ignore_errors=True)
             self.folder = None
 
-    def ensure(self, item: Item, leaf: str) -> None:
-        """Unstack ``leaf`` unless this or another process already has."""
+    def ensure(self, item: Item, leaf: str, stacked: bool = True) -> None:
+        """Unstack ``leaf`` (``stacked`` False: lay it out in C order) unless this or another process already has."""
         if os.path.exists(self._path(leaf, ".done")):
             return
         import fcntl
@@ -119,32 +159,48 @@ class Scratch:
         with open(self._path(leaf, ".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not os.path.exists(self._path(leaf, ".done")):
-                self.unstack(item, leaf)
+                self.unstack(item, leaf, stacked)
                 open(self._path(leaf, ".done"), "w").close()
 
-    def unstack(self, item: Item, leaf: str) -> None:
-        """Decode stacked ``leaf`` (layer axis 1) chunk box by chunk box into one region per layer."""
+    def unstack(self, item: Item, leaf: str, stacked: bool = True) -> None:
+        """Decode ``leaf`` chunk box by chunk box: stacked (layer axis 1), into one region per layer; else into
+        one C-order array."""
         info = item.leaf(leaf)
         shape, chunks = info.shape, info.chunks
         dtype = item.handle(leaf).dtype.numpy_dtype
-        per = shape[:1] + shape[2:]
+        per = shape[:1] + shape[2:] if stacked else shape
         nbytes = math.prod(per) * dtype.itemsize
         fd = os.open(self._path(leaf, ".bin"), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.ftruncate(fd, nbytes * shape[1])
+            os.ftruncate(fd, nbytes * (shape[1] if stacked else 1))
             grid = [range(0, s, c) for s, c in zip(shape, chunks)]
             for origin in itertools.product(*grid):
                 box = tuple(slice(o, min(o + c, s)) for o, c, s in zip(origin, chunks, shape))
                 data = item.read(leaf, box)
-                for k in range(data.shape[1]):
+                if not stacked:
+                    _write_box(fd, 0, per, origin, np.ascontiguousarray(data))
+                for k in range(data.shape[1] if stacked else 0):
                     base = (origin[1] + k) * nbytes
                     _write_box(fd, base, per, (origin[0], *origin[2:]), np.ascontiguousarray(data[:, k]))
+                del data
+                release_freed()
         finally:
             os.close(fd)
 
+    def tensor_file(self, item: Item, leaf: str) -> TensorFile:
+        """Leaf ``leaf`` laid out in C order (decoded once), as a file of positioned reads."""
+        if self.pid != os.getpid():
+            self.fds, self.files, self.pid = {}, {}, os.getpid()
+        self.ensure(item, leaf, stacked=False)
+        f = self.files.get(leaf)
+        if f is None:
+            info = item.leaf(leaf)
+            f = self.files[leaf] = TensorFile(self._path(leaf, ".bin"), {leaf: TensorLocation(info.dtype, info.shape, 0)})
+        return f
+
     def read(self, item: Item, leaf: str, layer: int, expert: int | None) -> np.ndarray:
         if self.pid != os.getpid():
-            self.fds, self.pid = {}, os.getpid()
+            self.fds, self.files, self.pid = {}, {}, os.getpid()
         self.ensure(item, leaf)
         info = item.leaf(leaf)
         dtype = item.handle(leaf).dtype.numpy_dtype
@@ -193,6 +249,7 @@ class MaxTextFile(TensorFile):
         super().__init__(item.items, {n: TensorLocation(dtypes[n], shapes[n], 0) for n in recipes})
         self.item, self.recipes = item, recipes
         self.scratch = Scratch()
+        bound_heap()
         self._lock = threading.Lock()
         self._last: tuple[str, object] | None = None
 
@@ -240,10 +297,43 @@ class MaxTextFile(TensorFile):
                 x = apply_ops(x, recipe)
             x = x.reshape(loc.shape).contiguous()
             self._last = (name, x)
+            release_freed()
             return x
+
+    def band(self, name: str, axis: int, start: int, length: int, rows: tuple[int, int] | None):
+        """A slice of a 2-D leaf outside the layer stack (embedding, head: the largest tensors), never the whole
+        leaf in memory: HF rows are rows of the stored leaf, or its columns for a kernel (stored ``[in, out]``).
+        Read from the leaf's chunks when they are bands along that axis (one chunk row at a time), else from a
+        C-order copy decoded once into the scratch folder."""
+        recipe = self.recipes[name]
+        along = 1 if recipe.kernel else 0  # the stored axis HF rows run along
+        info = self.item.leaf(recipe.leaf)
+        other = 1 - along
+        if info.chunks[other] == info.shape[other] and along == 0 and \
+                math.prod(info.chunks) * dtypes.itemsize(info.dtype) <= BAND_CHUNK_BYTES:
+            first, stop = (start, start + length) if axis == 0 else (rows or (0, self.tensors[name].shape[0]))
+            cols = slice(start, start + length) if axis == 1 else slice(None)
+            x = to_torch(read_banded(self.item, recipe.leaf, (slice(first, stop), cols)))
+        else:
+            f = self.scratch.tensor_file(self.item, recipe.leaf)
+            if not recipe.kernel:
+                x = f.read(recipe.leaf, axis, start, length, rows)
+            elif axis == 0:  # HF rows = stored columns
+                x = f.read(recipe.leaf, 1, start, length).t()
+            else:  # HF columns [start, +length) of HF rows ``rows`` = stored rows x stored columns
+                r0, r1 = rows or (0, self.tensors[name].shape[0])
+                x = f.read(recipe.leaf, 1, r0, r1 - r0, (start, start + length)).t()
+        x = apply_ops(x, recipe) if recipe.has_op else x.contiguous()
+        release_freed()
+        return x
 
     def read(self, name: str, axis: int = 0, start: int = 0, length: int | None = None,
              rows: tuple[int, int] | None = None):
+        recipe = self.recipes[name]
+        shape = self.tensors[name].shape
+        if recipe.layer is None and recipe.expert is None and not recipe.rope and len(shape) == 2 and \
+                len(self.item.leaf(recipe.leaf).shape) == 2:
+            return self.band(name, axis, start, shape[axis] - start if length is None else length, rows)
         x = self.hf_tensor(name)
         if x.dim() == 0:
             return x.clone()

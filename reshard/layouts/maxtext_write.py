@@ -23,17 +23,20 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from reshard.errors import PlanError
+from reshard.io import dtypes
 from reshard.io.orbax_write import ItemWriter, checkpoint_metadata, commit_note, numpy_of
 from reshard.io.partial import replace_with_text
 from reshard.layouts.base import Options, Source, TargetPlan, TargetSpec, stored_dtype
 from reshard.layouts.hf import planned_config
-from reshard.layouts.maxtext_read import half_to_interleaved
+from reshard.layouts.maxtext_read import bound_heap, half_to_interleaved, release_freed
 from reshard.mapping.maxtext_names import embedding_factor, family_table, place, query_factor
 from reshard.version import __version__
 
 STAGING = ".maxtext-staging"
 STEP = "0"
 SPLIT = 16  # MaxText's converter splits the leading axis over 16 simulated devices
+EXPERT_CHUNK_BYTES = 64 << 20
+BAND_BYTES = 32 << 20  # a leaf outside the stack is written in row bands of about this size
 
 
 @dataclass
@@ -81,12 +84,16 @@ def per_layer_shape(tensor, model) -> tuple[int, ...]:
     return (inp, out)
 
 
-def chunks_of(shape: tuple[int, ...], layer_axis: bool) -> tuple[int, ...]:
+def chunks_of(shape: tuple[int, ...], layer_axis: bool, experts: bool, itemsize: int) -> tuple[int, ...]:
+    """One layer per chunk along the scan axis; the leading axis in 16 (the last chunk may be short); an expert
+    stack whose layer exceeds ``EXPERT_CHUNK_BYTES``: one expert per chunk."""
     chunks = list(shape)
     if layer_axis:
         chunks[1] = 1
-    if chunks and chunks[0] % SPLIT == 0 and chunks[0] >= SPLIT:
-        chunks[0] //= SPLIT
+    if experts and math.prod(chunks) * itemsize > EXPERT_CHUNK_BYTES:
+        chunks[0] = 1
+    elif chunks and chunks[0] >= SPLIT:
+        chunks[0] = -(-chunks[0] // SPLIT)
     return tuple(chunks)
 
 
@@ -122,7 +129,8 @@ def plan_leaves(model, table, conv, config: dict, scan: bool, dtype_of, match: b
         leaf = leaves.get(at.leaf)
         if leaf is None:
             shape = (per[0], at.stacked, *per[1:]) if at.index is not None else per
-            leaf = leaves[at.leaf] = LeafPlan(at.leaf, shape, dtype, chunks_of(shape, at.index is not None), per,
+            chunks = chunks_of(shape, at.index is not None, tensor.expert is not None, dtypes.itemsize(dtype))
+            leaf = leaves[at.leaf] = LeafPlan(at.leaf, shape, dtype, chunks, per,
                                               len(tensor.shape) == 2 and role != "embedding", rope, mul, add)
         file = f"{STAGING}/layer-{tensor.layer:05d}.safetensors" if tensor.layer is not None else \
             f"{STAGING}/top.safetensors"
@@ -167,7 +175,8 @@ def targets(source: Source, opts: Options, dtype: str) -> TargetPlan:
     return TargetPlan(specs, state=state, notes=notes)
 
 
-def _hf_tensor(files: dict, out: str, member: Member):
+def _staged(files: dict, out: str, member: Member):
+    """The staging file holding ``member`` (the previous one closed: files are read one after another)."""
     from reshard.io.safetensors_format import SafetensorsFile
 
     f = files.get(member.file)
@@ -176,21 +185,13 @@ def _hf_tensor(files: dict, out: str, member: Member):
             other.close()
         files.clear()
         f = files[member.file] = SafetensorsFile(os.path.join(out, member.file))
-    return f.read(member.name)
+    return f
 
 
-def maxtext_value(leaf: LeafPlan, x):
-    """One canonical tensor as MaxText stores it (see the module docstring)."""
+def _ops(leaf: LeafPlan, x):
+    """The float32 element ops of ``leaf``, then the cast to its dtype (rounded once)."""
     import torch
 
-    from reshard.io import dtypes
-
-    if leaf.rope:
-        x = half_to_interleaved(x, leaf.rope)
-    if leaf.kernel:
-        x = x.t()
-    per = leaf.per_layer[1:] if len(leaf.members) and leaf.members[0].expert is not None else leaf.per_layer
-    x = x.reshape(per)
     if leaf.mul is not None or leaf.add is not None:
         x = x.float()
         if leaf.mul is not None:
@@ -200,23 +201,51 @@ def maxtext_value(leaf: LeafPlan, x):
     return x.to(dtypes.to_torch(leaf.dtype)).contiguous()
 
 
-def finalize(out: str, source: Source, plan, state) -> None:
-    import torch
+def maxtext_value(leaf: LeafPlan, x):
+    """One canonical tensor as MaxText stores it (see the module docstring)."""
+    if leaf.rope:
+        x = half_to_interleaved(x, leaf.rope)
+    if leaf.kernel:
+        x = x.t()
+    per = leaf.per_layer[1:] if leaf.members[0].expert is not None else leaf.per_layer
+    return _ops(leaf, x.reshape(per))
 
+
+def bands(leaf: LeafPlan) -> list[tuple[int, int]]:
+    """Row ranges of a 2-D leaf: whole chunk rows, about ``BAND_BYTES`` each."""
+    rows, step = leaf.shape[0], leaf.chunks[0]
+    row_bytes = leaf.shape[1] * dtypes.itemsize(leaf.dtype)
+    step *= max(1, BAND_BYTES // max(step * row_bytes, 1))
+    return [(r, min(r + step, rows)) for r in range(0, rows, step)]
+
+
+def write_leaf(writer: ItemWriter, arr, leaf: LeafPlan, files: dict, out: str) -> None:
+    """Every member of ``leaf`` into ``arr``: per layer; expert stacks one expert at a time; a 2-D leaf outside
+    the stack (embedding, head) in row bands read from the staging file (a kernel's stored rows are HF columns)."""
+    for m in sorted(leaf.members, key=lambda m: (m.index or 0, m.expert or 0)):
+        f = _staged(files, out, m)
+        if m.expert is not None:
+            at = (m.expert, m.index) if m.index is not None else (m.expert,)
+            writer.write(arr, at, numpy_of(maxtext_value(leaf, f.read(m.name))))
+        elif m.index is None and len(leaf.shape) == 2:
+            for r0, r1 in bands(leaf):
+                x = f.read(m.name, 1, r0, r1 - r0).t() if leaf.kernel else f.read(m.name, 0, r0, r1 - r0)
+                writer.write(arr, (slice(r0, r1),), numpy_of(_ops(leaf, x)))
+        else:
+            at = (slice(None), m.index) if m.index is not None else ()
+            writer.write(arr, at, numpy_of(maxtext_value(leaf, f.read(m.name))))
+        release_freed()
+
+
+def finalize(out: str, source: Source, plan, state) -> None:
+    bound_heap()
     step = os.path.join(out, STEP)
     writer = ItemWriter(os.path.join(step, "items"))
     files: dict = {}
     try:
         for leaf in state["leaves"]:
             arr = writer.array(leaf.name, leaf.shape, leaf.dtype, leaf.chunks)
-            groups: dict = {}
-            for m in leaf.members:
-                groups.setdefault(m.index, []).append(m)
-            for index, members in groups.items():
-                values = [maxtext_value(leaf, _hf_tensor(files, out, m)) for m in
-                          sorted(members, key=lambda m: m.expert or 0)]
-                x = torch.stack(values) if members[0].expert is not None else values[0]
-                writer.write(arr, (slice(None), index) if index is not None else (), numpy_of(x))
+            write_leaf(writer, arr, leaf, files, out)
         step_arr = writer.array("step", (), "I64", (), value_type="scalar")
         writer.write(step_arr, (), np.array(0, np.int64))
         writer.finish()
