@@ -361,10 +361,15 @@ def test_inspect_plan_load_rank_live_plan(oss, capsys):
     assert torch.equal(rank["decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight"],
                        torch.cat([w[0::2], w[1::2]]))
     from reshard import live
+    from reshard.errors import PlanError
 
     plan = live.plan(oss, source={"layout": "megatron", "tp": 2, "ep": 2, "etp": 1},
-                     target={"layout": "vllm", "tp": 2}, source_ranks=range(4), target_ranks=range(4, 6))
-    assert plan is not None
+                     target={"layout": "megatron", "tp": 1, "ep": 2, "etp": 1}, source_ranks=range(4),
+                     target_ranks=range(4, 6))
+    assert plan is not None and plan.targets
+    with pytest.raises(PlanError, match="does not reorder gpt-oss's alternating gate/up rows yet"):
+        live.plan(oss, source={"layout": "megatron", "tp": 2, "ep": 2, "etp": 1}, target={"layout": "vllm", "tp": 2},
+                  source_ranks=range(4), target_ranks=range(4, 6))
 
 
 @pytest.mark.slow

@@ -120,6 +120,20 @@ def same_blocks(tensor, files: list[TensorFile]) -> dict[int, tuple[int, str, in
     return found
 
 
+def refuse_live(layouts: dict[str, list]) -> None:
+    """Live resharding (reshard/live) places read ops straight into the target tensors: it has no alternating-row
+    reorder yet, so a layout holding such a tensor (gpt-oss's HF / vLLM gate_up) is refused in one line.
+    ``layouts``: layout name -> its per-rank StoredTensor lists."""
+    from reshard.errors import PlanError
+
+    for layout, ranks in layouts.items():
+        paired = next((t.name for rank in ranks for t in rank if t.pair_interleaved), None)
+        if paired:
+            raise PlanError(f"live resharding does not reorder gpt-oss's alternating gate/up rows yet ('{paired}' in "
+                            f"the {layout} layout): convert through files with reshard convert, or live-transfer "
+                            "between Megatron layouts")
+
+
 def whole_extents(file: TensorFile, name: str) -> list[tuple[int, int, int]]:
     """``(fd, offset, length)`` of tensor ``name`` of ``file``, whole (the base's own extents when it has no direct
     bytes)."""

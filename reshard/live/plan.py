@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 
+from reshard.io.pair_rows import refuse_live
 from reshard.core.plan import CanonicalIndex, ReadOp, plan_tensor
 from reshard.errors import PlanError
 from reshard.io import dtypes
@@ -200,6 +201,7 @@ def plan(config, source: dict, target: dict, source_ranks, target_ranks) -> Live
     src_dtype = model_source.info["dtype"]
     held = _rank_tensors(model_source, src_layout, src_opts, src_dtype)
     wanted = _rank_tensors(model_source, tgt_layout, tgt_opts, tgt_opts.dtype or src_dtype)
+    refuse_live({src_layout: held, tgt_layout: wanted})  # gpt-oss's alternating rows: not placed live yet
     source_ranks = _check_ranks("source", source_ranks, len(held), src_layout)
     target_ranks = _check_ranks("target", target_ranks, len(wanted), tgt_layout)
     sources = [{t.name: SourceTensor(t.name, t.shape, stored_dtype(model, t, src_opts, src_dtype))
