@@ -166,6 +166,12 @@ def test_round_trip_verify_load_rank_live_plan(llama, tmp_path, capsys):
     assert sorted(os.listdir(out / "0")) == ["_CHECKPOINT_METADATA", "commit_success.txt", "items"]
     info = reshard.inspect(str(out))
     assert info["layout"] == "maxtext" and info["maxtext"]["unstack_pass"] == "no"
+    from reshard.io.orbax_store import Item
+
+    item = Item(str(out / "0" / "items"))  # spec 7.5: one layer per chunk, the leading axis in 16, zstd level 1
+    wi0 = item.leaf(P + "decoder.layers.mlp.wi_0.kernel")
+    assert (wi0.shape, wi0.chunks, wi0.codec) == ((64, 3, 96), (4, 1, 96), "zstd")
+    assert not os.path.exists(out / "0" / "items" / "_sharding") and sorted(item.paths)[-1] == "step"
     assert same_state(convert_hf(out, tmp_path / "back", tmp / "hf" / "config.json"), sd)
     code, text, err = run_cli(capsys, "verify", out, tmp / "hf")
     assert code == 0 and "EQUAL" in text, err
@@ -195,3 +201,19 @@ def test_verify_forward(llama, tmp_path, capsys):
 
 def same_state(got: dict, want: dict) -> bool:
     return set(got) == set(want) and all(same(got[k], want[k]) for k in want)
+
+
+def test_detection_listings():
+    """Spec 1.8: an item, a step, a folder of steps, a run folder are detected from a depth-3 listing; other
+    layouts' listings are not."""
+    from reshard.layouts.maxtext_folders import detect_names
+
+    item = ["_METADATA", "manifest.ocdbt", "d/", "d/abc"]
+    assert detect_names(item)
+    assert detect_names(["_METADATA", "params.params.x/", "params.params.x/zarr.json"])
+    assert detect_names(["_CHECKPOINT_METADATA", "items/", "items/_METADATA", "items/manifest.ocdbt"])
+    assert detect_names(["0/", "0/items/", "0/items/_METADATA"])
+    assert detect_names(["checkpoints/", "checkpoints/7/", "checkpoints/7/items/"])
+    assert not detect_names(["config.json", "model.safetensors"])
+    assert not detect_names(["latest", "global_step2/", "global_step2/mp_rank_00_model_states.pt"])
+    assert not detect_names([".metadata", "__0_0.distcp"])
