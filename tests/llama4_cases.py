@@ -43,3 +43,4 @@ def short():
 
 def config_dict(model) -> dict:
     return model.config.to_dict()
+

@@ -15,22 +15,18 @@ The building blocks (rules, permutation, ops): tests/test_llama4_rules.py."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import shutil
-import sys
 
 import pytest
 import torch
+import llama4_cases
+from cli_inprocess import run_main
 from helpers import run_cli
 from llama4_cases import ACTIVE, IDS, SHORT, tiny, transformers
 
-
-@pytest.fixture(scope="module")
-def active():
-    return tiny(ACTIVE)
+active = llama4_cases.active  # transformers' tiny model (module-scoped fixture)
 
 
 # The ACTIVE tiny model (chunk 8, floor 4: both act at 16 tokens) converts through Megatron with --max-seq 3 (what
@@ -60,19 +56,9 @@ def hf_logits(folder) -> torch.Tensor:
 
 def reshard_convert(src, dst, *args) -> str:
     """``reshard convert`` in this process (module fixtures have no capsys): its stderr; a failure raises."""
-    from reshard import cli
-
-    err, argv = io.StringIO(), sys.argv
-    sys.argv = ["reshard", "convert", str(src), str(dst), *map(str, args)]
-    try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            try:
-                cli.main()
-            except SystemExit as exc:
-                assert not exc.code, err.getvalue()
-    finally:
-        sys.argv = argv
-    return err.getvalue()
+    done = run_main("convert", src, dst, *args)
+    assert done.returncode == 0, done.stderr
+    return done.stderr
 
 
 @pytest.fixture(scope="module")

@@ -10,21 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from llama4_cases import ACTIVE, IDS, SHORT, config_dict, tiny, transformers
+import llama4_cases
+from llama4_cases import IDS, config_dict, transformers
 
 from reshard.errors import PlanError
 from reshard.layouts import llama4_rules as R
 from reshard.verification.forward import llama4_ops as ops
 
 
-@pytest.fixture(scope="module")
-def active():
-    return tiny(ACTIVE)
-
-
-@pytest.fixture(scope="module")
-def short():
-    return tiny(SHORT)
+active, short = llama4_cases.active, llama4_cases.short  # the tiny models (module-scoped fixtures)
 
 
 # ---- config rules ---------------------------------------------------------------------------------------------
