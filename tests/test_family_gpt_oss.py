@@ -14,7 +14,8 @@ parameter, the sinks and every bias (attention, router, experts), and noise on t
   ``convert_moe_packed_tensors`` bit for bit, with the section-17 info line; a wrong block shape or an unknown
   quant_method is one line, exit 2, nothing written.
 - section 17's refusals: one line, exit 2, nothing written.
-- inspect, plan, load_rank, live.plan.
+- inspect, plan, load_rank, live.plan (Megatron -> Megatron; a vLLM or HF side refused: no live reorder of the
+  alternating rows yet); verify (digest) EQUAL for every output and the MXFP4 release (slow).
 - megatron-core 0.16.1 loads reshard's torch_dist strictly (tests/mcore_gpt_oss_harness.py) and computes
   transformers' logits within 1e-5 (slow).
 """
@@ -229,6 +230,17 @@ def test_forward_verifier_clamps_as_transformers(tmp_path):
 def test_verify_forward_at_tp2(oss, chain, name, capsys):
     code, text, err = run_cli(capsys, "verify", oss, chain[name], "--forward", "--nproc", 2)
     assert code == 0 and "FORWARD EQUAL" in text, text + err
+
+
+@pytest.mark.slow
+def test_verify_digest(oss, chain, release, tmp_path, capsys):
+    for name in ("megatron", "torch_dist", "vllm", "hf"):
+        code, text, err = run_cli(capsys, "verify", oss, chain[name])
+        assert code == 0 and "EQUAL" in text, name + text + err
+    code, _, err = run_cli(capsys, "convert", release, tmp_path / "bf16", "--to", "vllm", "--tp", 2)
+    assert code == 0, err
+    code, text, err = run_cli(capsys, "verify", release, tmp_path / "bf16")
+    assert code == 0 and "EQUAL" in text, text + err
 
 
 @pytest.mark.slow
