@@ -216,3 +216,17 @@ def test_temperature_and_chunk_ops():
     m = ops.chunked_mask(6, 3)
     assert m[2, 0] and not m[3, 2] and m[5, 3] and not m[1, 2]
     assert torch.equal(ops.chunked_mask(6, 8), ops.chunked_mask(6, None))
+
+
+def test_llama4_rules_are_a_loss_in_another_family_s_spelling():
+    """A Llama 4 meaning written as a Llama config: the per-layer rules cannot be spelt and are refused."""
+    from reshard.core.model_config import ConfigLoss, ModelConfig
+    from reshard.layouts.hf_config import write_config
+    from reshard.mapping import load_shipped
+
+    meaning = ModelConfig(architecture="LlamaForCausalLM", hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16,
+                          ffn=96, vocab=512, llama4=(("nope_layers", (3,)),))
+    loss = ConfigLoss("Hugging Face")
+    write_config(meaning, None, load_shipped("llama"), loss)
+    with pytest.raises(PlanError, match="llama4"):
+        loss.check()

@@ -272,6 +272,7 @@ def write_config(meaning: ModelConfig, base: dict | None, family: Family, loss: 
         if value != has:
             loss.cannot(field, value, f"{meaning.architecture} has {field} = {has!r}")
     _write_multipliers(c, meaning, family, loss)
+    llama4_rules.check_written(meaning, family, loss)
     for field in ("attn_softcap", "final_softcap", "query_scale"):
         key, value = getattr(family.config, field), getattr(meaning, field)
         if key:  # transformers types query_pre_attn_scalar as an int

@@ -188,6 +188,13 @@ def meaning_fields(config: Mapping, family) -> dict[str, Any]:
     return {"rope_interleaved": True, "llama4": tuple(sorted(items.items()))}
 
 
+def check_written(meaning, family, loss) -> None:
+    """A Llama 4 meaning written in another family's spelling: its per-layer rules are a loss (``loss.cannot``)."""
+    if meaning.llama4 and not is_llama4(family):
+        loss.cannot("llama4", dict(meaning.llama4), f"{meaning.architecture} has no NoPE layers, L2 q/k norm, "
+                    "chunked attention or temperature tuning")
+
+
 def config_of_meaning(meaning) -> dict:
     """An HF-style config holding the rules of ``meaning.llama4`` (for :func:`layer_flags` and the checks)."""
     rules = dict(meaning.llama4)
