@@ -28,7 +28,8 @@ from reshard.io.orbax_write import ItemWriter, checkpoint_metadata, commit_note,
 from reshard.io.partial import replace_with_text
 from reshard.layouts.base import Options, Source, TargetPlan, TargetSpec, stored_dtype
 from reshard.layouts.hf import planned_config
-from reshard.layouts.maxtext_read import bound_heap, half_to_interleaved, release_freed
+from reshard.layouts.maxtext_read import half_to_interleaved
+from reshard.layouts.maxtext_scratch import bound_heap, release_freed
 from reshard.mapping.maxtext_names import embedding_factor, family_table, place, query_factor
 from reshard.version import __version__
 
