@@ -304,6 +304,7 @@ def _load_st(path):
         return load_file(str(path)), f.metadata()
 
 
+@pytest.mark.slow
 def test_verify_forward_names_a_perturbed_layer0_vllm_weight(qn, chain, tmp_path):
     bad = _perturbed_copy(chain["vllm"], tmp_path, "model-rank-1-part-0.safetensors",
                           "model.layers.0.linear_attn.conv1d.weight", _load_st,
