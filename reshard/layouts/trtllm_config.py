@@ -50,7 +50,7 @@ def trtllm_config(m: ModelConfig, family: Family, dtype: str, tp: int, pp: int, 
     if m.rope_interleaved:
         loss.cannot("rope_interleaved", True, "this writer spells rope_gpt_neox (rotate-half) only")
     if m.rope_type not in ("default", "linear", "llama3"):
-        loss.cannot("rope_scaling", m.scaling, f"TensorRT-LLM's Llama reads linear and llama3 rotary scaling")
+        loss.cannot("rope_scaling", m.scaling, "TensorRT-LLM's Llama reads linear and llama3 rotary scaling")
     return config
 
 

@@ -14,6 +14,7 @@ process: one send and one receive buffer of at most ``chunk_bytes`` each, and on
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from reshard.errors import PlanError
 from reshard.io import dtypes
@@ -25,6 +26,9 @@ from reshard.live.schedule import build
 from reshard.live.source import dtype_name
 from reshard.live.stats import Received, Stats
 from reshard.live.watch import TransferError, Watch, group_store
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_CHUNK = 64 << 20
 
