@@ -169,6 +169,7 @@ def skeleton_text(name: str, source: str, architecture: str | None = None, model
     spelling = dict(config.get("architectures", {}).get(copied_architecture, {}))
     spelling["model_type"] = model_type
     config["architectures"] = {architecture: spelling}
+    data.pop("maxtext", None)  # MaxText model names and leaf names are the copied family's, not the new one's
     out = [HEADER.format(name=name, file=file_name or f"{name}.toml").rstrip("\n")]
     for key, value in data.items():
         if key != "weight":
