@@ -151,6 +151,9 @@ def test_without_tensorstore(llama, tmp_path, monkeypatch, capsys):
     assert code == 2 and "pip install 'reshard[maxtext]'" in err and len(err.strip().splitlines()) == 1
     code, out, err = run_cli(capsys, "inspect", llama[0] / "hf")
     assert code == 0 and "LlamaForCausalLM" in out
+    code, _, err = run_cli(capsys, "convert", llama[0] / "hf", tmp_path / "w", "--to", "maxtext", "--maxtext-model",
+                           "llama2-7b")
+    assert code == 2 and "pip install 'reshard[maxtext]'" in err and not (tmp_path / "w").exists()
 
 
 def test_round_trip_verify_load_rank_live_plan(llama, tmp_path, capsys):

@@ -166,4 +166,4 @@ def _write_box(fd: int, base: int, shape: tuple[int, ...], origin: tuple[int, ..
         if lead < len(shape):
             start += origin[lead] * strides[lead]
         chunk = raw[idx] if lead else raw
-        os.pwrite(fd, chunk.tobytes(), base + start * item)
+        os.pwrite(fd, memoryview(np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)), base + start * item)
