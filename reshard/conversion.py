@@ -17,6 +17,7 @@ from reshard.replicas import ensure_replicas_agree
 from reshard.io import dtypes
 from reshard.hub import open_source
 from reshard.layouts.vision import drop_unheld, refuse_multimodal
+from reshard.layouts import ernie_rules
 from reshard.layouts.base import SOURCE_OPTIONS, Options, Source, escapes_source, stored_dtype
 from reshard.layouts.registry import get_layout, refuse_unused_options
 from reshard.side_files import prune_auto_map
@@ -64,6 +65,7 @@ def make_plan(source: Source, to: str, opts: Options) -> tuple[Plan, object]:
     _refuse_unread_options(source, opts)
     refuse_multimodal(source.model, to)
     dropped_notes = _drop_mtp(source, layout, opts) + drop_unheld(source, to, opts)
+    dropped_notes += ernie_rules.drop_for_target(source, to, opts)  # section 17: Megatron without a softmax bias
     model = source.model
     dtype = output_dtype(source, opts)
     target = layout.targets(source, opts, dtype)

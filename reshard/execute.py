@@ -48,7 +48,7 @@ def _fill_slots(payload, tensors: dict[str, TargetTensor]):
 
 
 def _safetensors_args(target: TargetFile, files: list[TensorFile]) -> tuple:
-    return ([(t.name, t.dtype, t.shape) for t in target.tensors], target.metadata,
+    return ([(t.name, t.dtype, t.file_shape or t.shape) for t in target.tensors], target.metadata,
             data_phase(target.tensors, files))
 
 

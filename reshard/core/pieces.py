@@ -50,6 +50,7 @@ class StoredTensor:
     # a target whose pack slots alternate (gpt-oss gate/up): along ``axis``, in units of this many rows, row 2i + j
     # holds row j * unit/2 + i of the pieces laid end to end (reshard/io/pair_rows.py; sources are unpaired first)
     pair_interleaved: int = 0
+    file_shape: tuple[int, ...] | None = None  # the shape a safetensors header records for these bytes (Ernie [1, E])
 
     @property
     def canonical_axis(self) -> int:

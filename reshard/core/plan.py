@@ -56,6 +56,7 @@ class TargetTensor:
     has_padding: bool = False
     fill: float | None = None  # every element is this constant (no reads)
     pair_interleaved: int = 0  # rows reordered after assembly (StoredTensor.pair_interleaved; io/pair_rows.py)
+    file_shape: tuple[int, ...] | None = None  # the header shape of the same bytes (StoredTensor.file_shape)
 
     @property
     def nbytes(self) -> int:
@@ -208,4 +209,4 @@ def plan_tensor(index: CanonicalIndex, target: StoredTensor, dtype: str) -> Targ
     if target.value_offset:  # the target stores canonical + its offset (StoredTensor.value_offset)
         reads = [replace(op, shift=op.shift + target.value_offset) for op in reads]
     return TargetTensor(target.name, target.shape, target.dtype or dtype, target.axis, reads, padded, target.fill,
-                        target.pair_interleaved)
+                        target.pair_interleaved, target.file_shape)

@@ -31,6 +31,7 @@ from reshard.layouts.base import (Layout, Options, Source, TargetPlan, TargetSpe
 from reshard.layouts.hf_config import read_meaning, without_dropped_settings, write_config as write_hf_config
 from reshard.layouts.hf_spelling import respell_read, respell_write
 from reshard.layouts import llama4_text
+from reshard.layouts import ernie_rules
 from reshard.layouts.vision import unused_tower_tensor
 from reshard.mapping_vlm import family_for_architecture, flat_view, nested
 from reshard.side_files import find_side_files
@@ -163,6 +164,7 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
             raise CheckpointError(f"{path}: tensor '{name}' is not a weight of mapping '{family.name}'; "
                                   "pass --mapping FILE for this architecture")
         matched[name] = m
+    ernie_rules.read_views(family, files, where, file_names, matched)  # hf_shape: the canonical shape
     if dropped:
         notes.append(f"dropped {len(dropped)} tensors under '{family.hf_drop_prefix}' (e.g. {dropped[0]}): mapping "
                      f"'{family.name}' does not carry them")
@@ -322,6 +324,7 @@ def targets(model: CanonicalModel, opts: Options) -> list[TargetSpec]:
         return dtypes.itemsize(t.dtype or opts.dtype or model.dtypes[t.pieces[0].canonical]) * math.prod(t.shape)
 
     tensors = respell_write(model.family, fp8.keep_dtypes(model, hf_tensors(model)), opts.hf_spelling)
+    tensors = ernie_rules.file_shapes(model, tensors)
     shards = pack_by_size(tensors, nbytes, opts.max_shard_size)
     if len(shards) == 1:
         names = ["model.safetensors"]

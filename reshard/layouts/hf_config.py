@@ -20,6 +20,7 @@ from reshard.layouts.hf_config_moe import read_moe, write_moe
 from reshard.layouts import phi3_rope
 from reshard.layouts import cohere_rules
 from reshard.layouts import llama4_rules
+from reshard.layouts import ernie_rules
 from reshard.mapping import ACTIVATIONS, BIAS_GROUPS, Family, with_defaults
 from reshard.mapping.schema import MULTIPLIER_KEYS
 
@@ -186,7 +187,7 @@ def read_meaning(config: dict, family: Family, architecture: str, dims: dict[str
         rope_local_theta=_local_theta(config, family, theta, where) if position == "rope" else None,
         mtp_layers=family.mtp_count(config), **_read_multipliers(value, spelt), **mla,
         **read_moe(config, family, dims, present, where), **cohere_rules.meaning_fields(config, architecture),
-        **llama4_rules.meaning_fields(config, family),
+        **llama4_rules.meaning_fields(config, family), **ernie_rules.meaning_fields(family),
         **gpt_oss_rules.meaning_fields(config, architecture))
 
 
@@ -284,7 +285,7 @@ def write_config(meaning: ModelConfig, base: dict | None, family: Family, loss: 
         per_type = isinstance(params, dict) and bool(params) and set(params) <= set(LAYER_TYPES)
         if per_type:
             c["rope_parameters"] = dict(params.get("full_attention") or {})
-        _write_rope(c, meaning, spelling.rotary_fraction, loss,
+        _write_rope(c, ernie_rules.rope_meaning(meaning, family, loss), spelling.rotary_fraction, loss,
                     float(dict(spelling.defaults).get("partial_rotary_factor", 1.0)))
         _write_local_theta(c, meaning, family, loss, per_type)
     if meaning.residual_post_norm:

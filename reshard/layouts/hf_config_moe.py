@@ -8,6 +8,7 @@ import json
 
 from reshard.core.model_config import ConfigLoss, ModelConfig
 from reshard.errors import CheckpointError
+from reshard.layouts import ernie_rules
 from reshard.mapping import Family
 
 
@@ -64,7 +65,8 @@ def _write_routing(c: dict, meaning: ModelConfig, family: Family, loss: ConfigLo
     bias = family.role_spec("router_bias")
     if meaning.router_bias and bias is None:
         loss.cannot("router_bias", True, f"{arch}'s router has no selection bias")
-    elif bias is not None and not meaning.router_bias and bias.when is None:
+    elif bias is not None and not meaning.router_bias and bias.when is None and not bias.optional:  # (optional:
+        # Ernie 4.5 without one is written with a zero bias, ernie_rules.zero_biases)
         loss.cannot("router_bias", False, f"{arch}'s router always adds its selection bias")
     switch = moe.get("group_switch")
     if meaning.router_groups > 1:
@@ -131,5 +133,7 @@ def write_moe(c: dict, meaning: ModelConfig, family: Family, loss: ConfigLoss) -
         c[moe["dense_layers"]] = [i for i in range(meaning.layers) if i not in sparse]
         if "sparse_step" in moe:
             c[moe["sparse_step"]] = 1
+    elif "sparse_end" in moe:  # Ernie 4.5: a start / end / interval range
+        ernie_rules.write_sparse_range(c, sparse, moe, meaning.layers, loss)
     elif sparse != tuple(range(meaning.layers)) and "dense_prefix" not in moe:
         loss.cannot("moe_layers", list(sparse), f"{meaning.architecture} has experts on every layer")

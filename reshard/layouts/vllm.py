@@ -266,8 +266,9 @@ def open_source(path: str, opts: Options) -> Source:
         tied = not both
     else:
         tied = False
-    present = {s.hf for s in family.weights
-               if s.optional and (s.vllm_name.format(layer=0) if s.per_layer else s.vllm_name) in where[0]}
+    present = {s.hf for s in family.weights  # on any layer (Ernie 4.5: its MoE layers hold the optional bias)
+               if s.optional and any(n.startswith(s.vllm_name.split("{layer}")[0]) and
+                                     n.endswith(s.vllm_name.split("{layer}")[-1]) for n in where[0])}
     model = build_canonical(family, config, present, tied)
     model.meaning = read_meaning(config, family, architecture, model.dims, present, tied, path)
     tower = {n for n, t in model.tensors.items() if t.spec.tower and not t.spec.vllm_text_only}

@@ -115,7 +115,7 @@ def read_keys(family, architecture=None) -> set[str]:
             keys |= set(WINDOW_KEYS.get(arch.window, ())) | {k for k, _ in arch.requires}
     moe = family.moe
     keys |= {moe[k] for k in ("top_k", "sparse_step", "dense_layers", "dense_prefix", "groups", "group_topk",
-                              "scaling") if k in moe}
+                              "scaling", "sparse_start", "sparse_end") if k in moe}
     if isinstance(moe.get("renormalize"), str):
         keys.add(moe["renormalize"])
     if "group_switch" in moe:

@@ -39,6 +39,7 @@ class WeightSpec:
     dtype: str | None = None  # a dtype every layout stores it in, whatever --dtype says (a router's fp32 bias)
     copy_of: str | None = None  # an HF-only copy of this weight (MTP's embedding / head): not a canonical tensor
     vllm_qk_permute: bool = False  # vLLM stores its rows per head in rotate-half order, HF interleaved (Llama 4)
+    hf_shape: tuple[str, ...] | None = None  # HF files hold the same bytes as this shape (Ernie 4.5: [1, E])
     # Fused expert storage (families-2.md section 14.2 F): HF reads and writes only the hf_fused tensor (gpt-oss,
     # Llama 4), each expert's block [in, out], a gate_up pack's slots alternating along out (row 2k + j = slot j's
     # row k); vLLM's per-rank pack alternating the same way within the rank's slice (gpt-oss w13).

@@ -135,6 +135,7 @@ def _weight_spec(w: dict, te: str | None, local: str | None) -> WeightSpec:
         megatron_grouped=w.get("megatron_grouped"), megatron_legacy_grouped=w.get("megatron_legacy_grouped"),
         vllm=w.get("vllm"), trtllm=w.get("trtllm"), meta=w.get("meta"), vllm_unfused=w.get("vllm_unfused"),
         when=w.get("when"), split_megatron_local=w.get("split_megatron_local"), dtype=w.get("dtype"),
+        hf_shape=tuple(str(s) for s in w["hf_shape"]) if "hf_shape" in w else None,
         copy_of=w.get("copy_of"), **sections.spec_fields(w), vllm_qk_permute=w.get("vllm_qk_permute") == "interleaved_to_half", **{k: bool(w.get(k, False)) for k in FUSED_FLAGS},
     )
 

@@ -207,7 +207,8 @@ def attention(x: torch.Tensor, w: LayerWeights, config: DecoderConfig, cos, sin,
     q, k = q.transpose(1, 2), k.transpose(1, 2)
     v = _linear(x, w.v, w.v_bias).view(b, s, -1, d).transpose(1, 2)
     if config.position == "rope":
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        rope = rotate_pairs if config.rope_interleaved else apply_rope  # pairs: Ernie 4.5, Megatron rotary_interleaved
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
         q = ministral3_ops.scale_queries(config, q)  # Ministral 3's llama_4_scaling_beta
     local_q, local_kv = q.shape[1], k.shape[1]
     if local_q % local_kv:

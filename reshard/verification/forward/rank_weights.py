@@ -87,6 +87,7 @@ class DecoderConfig:
     cohere: tuple | None = None  # Command-R / Cohere2 rules (ModelConfig.cohere; forward/cohere_ops.py)
     llama4: tuple | None = None  # Llama 4 text's per-layer rules (ModelConfig.llama4; forward/llama4_layer.py)
     gpt_oss: tuple | None = None  # swiglu_alpha / swiglu_limit (ModelConfig.gpt_oss; forward/gpt_oss_ops.py)
+    rope_interleaved: bool = False  # RoPE rotates pairs (2i, 2i+1) of q / k as stored (Ernie 4.5; rope.rotate_pairs)
 
     @property
     def mla(self) -> bool:
@@ -110,8 +111,8 @@ class DecoderConfig:
             lacking.append(f"rope_scaling type '{kind}' (it implements {', '.join(ROPE_TYPES)})")
         else:
             lacking += _rope_gaps(meaning, kind, scaling)
-        if meaning.rope_interleaved and not meaning.mla and not meaning.llama4:  # MLA, Llama 4: interleaved pairs
-            lacking.append("interleaved RoPE")
+        if meaning.rope_interleaved and meaning.rotary_fraction != 1.0:  # (Ernie 4.5: every head dim, pairs)
+            lacking.append("interleaved RoPE on part of each head")
         if meaning.experts and meaning.router_score not in ROUTER_SCORES:
             lacking.append(f"router score '{meaning.router_score}' (it implements {', '.join(ROUTER_SCORES)})")
         if meaning.experts and meaning.router_groups > 1 and not _group_score_known(meaning.router_group_score):
@@ -142,7 +143,8 @@ class DecoderConfig:
                    embedding_multiplier=meaning.embedding_multiplier,
                    attention_multiplier=meaning.attention_multiplier,
                    residual_multiplier=meaning.residual_multiplier, logits_scaling=meaning.logits_scaling,
-                   gpt_oss=meaning.gpt_oss, llama4=meaning.llama4, cohere=meaning.cohere)
+                   gpt_oss=meaning.gpt_oss, llama4=meaning.llama4, cohere=meaning.cohere,
+                   rope_interleaved=meaning.rope_interleaved and not meaning.mla and not meaning.llama4)
 
 
 def rope_parameters(meaning: ModelConfig) -> dict:
