@@ -41,8 +41,8 @@ TOP_KEYS |= {"maxtext"}  # [maxtext]: MaxText names and conventions (reshard/map
 #: instead of a ``shared_ffn`` width.
 MOE_KEYS = {"experts", "expert_ffn", "shared_ffn", "shared_count", "top_k", "renormalize", "sparse_step",
             "dense_layers", "dense_prefix", "score", "groups", "group_topk", "group_score", "group_switch", "scaling",
-            "sparse_list", "apply_on_input"}
-MOE_KEYS |= {"sparse_start", "sparse_end"}  # Ernie 4.5: config keys of the first / last MoE layer (inclusive)  # Llama 4: an explicit MoE layer list; routing weight on the input
+            "sparse_list", "apply_on_input"}  # Llama 4: an explicit MoE layer list; routing weight on the input
+MOE_KEYS |= {"sparse_start", "sparse_end"}  # Ernie 4.5: config keys of the first / last MoE layer (inclusive)
 GROUP_SWITCH_KEYS = {"key", "on", "off"}
 ROUTER_SCORES = ("softmax", "sigmoid")
 GROUP_SCORES = ("top2_sum", "max")
