@@ -120,18 +120,18 @@ def same_blocks(tensor, files: list[TensorFile]) -> dict[int, tuple[int, str, in
     return found
 
 
-def refuse_live(layouts: dict[str, list]) -> None:
-    """Live resharding (reshard/live) places read ops straight into the target tensors: it has no alternating-row
-    reorder yet, so a layout holding such a tensor (gpt-oss's HF / vLLM gate_up) is refused in one line.
-    ``layouts``: layout name -> its per-rank StoredTensor lists."""
-    from reshard.errors import PlanError
-
-    for layout, ranks in layouts.items():
-        paired = next((t.name for rank in ranks for t in rank if t.pair_interleaved), None)
-        if paired:
-            raise PlanError(f"live resharding does not reorder gpt-oss's alternating gate/up rows yet ('{paired}' in "
-                            f"the {layout} layout): convert through files with reshard convert, or live-transfer "
-                            "between Megatron layouts")
+def paired_rows(tensor, axis: int, unit: int, start: int, length: int):
+    """Rows ``[start, start + length)`` of the end-to-end order of ``tensor``, stored alternating along ``axis`` in
+    units of ``unit`` rows, as a view of the stored rows (step 2): live resharding (reshard/live) reads a source
+    slice and places a target slice this way. The range lies within one slot (gate or up) of one unit, as the
+    planner's ops do (canonically the slots are separate tensors)."""
+    half = unit // 2
+    k, r = divmod(start, unit)
+    j, i = divmod(r, half)
+    if i + length > half:
+        raise AssertionError(f"rows {start}..{start + length} cross a slot of an alternating unit of {unit}")
+    rows = tensor.narrow(axis, k * unit + 2 * i + j, 2 * length - 1)
+    return rows[(slice(None),) * axis + (slice(None, None, 2),)]
 
 
 def whole_extents(file: TensorFile, name: str) -> list[tuple[int, int, int]]:

@@ -20,7 +20,6 @@ import math
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 
-from reshard.io.pair_rows import refuse_live
 from reshard.core.plan import CanonicalIndex, ReadOp, plan_tensor
 from reshard.errors import PlanError
 from reshard.io import dtypes
@@ -32,11 +31,14 @@ from reshard.rank_view import rank_files
 
 @dataclass(frozen=True)
 class SourceTensor:
-    """A tensor a source rank passes in: its name, shape and dtype (safetensors name)."""
+    """A tensor a source rank passes in: its name, shape and dtype (safetensors name); ``pair``: (axis, unit) of
+    rows stored alternating (gpt-oss's HF / vLLM gate_up, reshard/io/pair_rows.py), the plan's ops read it end to
+    end."""
 
     name: str
     shape: tuple[int, ...]
     dtype: str
+    pair: tuple[int, int] | None = None
 
 
 @dataclass
@@ -44,7 +46,8 @@ class LiveTensor:
     """One target rank's tensor: ``reads`` (``ReadOp.source``: the source parallel rank that sends it; ``holders``:
     every source parallel rank holding the same bytes), ``padding`` spans ``(block, start, length)`` along
     ``axis`` (zeros), or ``fill`` (a constant). ``pinned``: its dtype is fixed (a constant's, an fp32 router
-    bias), ``transfer(dtype=...)`` does not change it."""
+    bias), ``transfer(dtype=...)`` does not change it. ``pair_interleaved``: the unit of rows stored alternating
+    along ``axis`` (gpt-oss's gate / up): ``reads`` and ``padding`` are end to end, placed through step-2 views."""
 
     name: str
     shape: tuple[int, ...]
@@ -55,6 +58,7 @@ class LiveTensor:
     fill: float | None = None
     pinned: bool = False
     holders: list[tuple[int, ...]] = field(default_factory=list)  # per read: the source ranks holding its bytes
+    pair_interleaved: int = 0
 
     def dtype_for(self, dtype: str | None) -> str:
         return self.dtype if self.pinned or dtype is None else dtype
@@ -201,10 +205,10 @@ def plan(config, source: dict, target: dict, source_ranks, target_ranks) -> Live
     src_dtype = model_source.info["dtype"]
     held = _rank_tensors(model_source, src_layout, src_opts, src_dtype)
     wanted = _rank_tensors(model_source, tgt_layout, tgt_opts, tgt_opts.dtype or src_dtype)
-    refuse_live({src_layout: held, tgt_layout: wanted})  # gpt-oss's alternating rows: not placed live yet
     source_ranks = _check_ranks("source", source_ranks, len(held), src_layout)
     target_ranks = _check_ranks("target", target_ranks, len(wanted), tgt_layout)
-    sources = [{t.name: SourceTensor(t.name, t.shape, stored_dtype(model, t, src_opts, src_dtype))
+    sources = [{t.name: SourceTensor(t.name, t.shape, stored_dtype(model, t, src_opts, src_dtype),
+                                     (t.axis, t.pair_interleaved) if t.pair_interleaved else None)
                 for t in rank if t.fill is None} for rank in held]
     stored = [(i, t) for i, rank in enumerate(held) for t in rank if t.fill is None]
     index = CanonicalIndex(stored, {name: t.shape for name, t in model.tensors.items()})
@@ -218,7 +222,8 @@ def plan(config, source: dict, target: dict, source_ranks, target_ranks) -> Live
             canon = next((p.canonical for p in st.pieces if p.canonical), None)
             pinned = st.dtype is not None or (canon in model.tensors and model.tensors[canon].spec.dtype is not None)
             padding = tuple((p.block, off, p.length) for p, off in st.offsets() if p.canonical is None)
-            tensor = LiveTensor(st.name, tuple(st.shape), planned.dtype, st.axis, [], padding, st.fill, pinned)
+            tensor = LiveTensor(st.name, tuple(st.shape), planned.dtype, st.axis, [], padding, st.fill, pinned,
+                                pair_interleaved=st.pair_interleaved)
             for item in _with_rows(st, planned.reads):
                 op, held_by = holders.choose(item, live, tensor, j, load)
                 tensor.reads.append(op)

@@ -6,7 +6,8 @@ same plan, ``dtype`` and ``chunk_bytes``; other processes of the group need not.
 posted together with ``batch_isend_irecv``; chunks between a process's own source and target tensors are copied
 locally first. A sender packs slices of its tensors into its send buffer (casting when the target dtype is
 narrower); a receiver unpacks each chunk, transposes it, reorders RoPE rows and casts as the target needs, and
-copies it into the destination (``into``'s tensor or a new one). A lone contiguous chunk is sent straight from
+copies it into the destination (rows stored alternating, gpt-oss's gate / up, are read and placed through step-2
+views) (``into``'s tensor or a new one). A lone contiguous chunk is sent straight from
 the source tensor and, when no transform applies, received straight into the destination. Extra memory per
 process: one send and one receive buffer of at most ``chunk_bytes`` each, and one chunk of transform.
 """
@@ -14,11 +15,13 @@ process: one send and one receive buffer of at most ``chunk_bytes`` each, and on
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 from reshard.errors import PlanError
 from reshard.io import dtypes
 from reshard.io.assemble import rope_rows
+from reshard.io.pair_rows import paired_rows
 from reshard.live.agree import (agree, check_plans, check_tensor, gpu_identity, publish, release, resolve,
                                 tensor_problems, uses_nccl, verdict)
 from reshard.live.compare import section_tensors, summary
@@ -33,13 +36,19 @@ if TYPE_CHECKING:
 DEFAULT_CHUNK = 64 << 20
 
 
-def source_slice(tensor, op, axis: int):
-    """``op``'s slice of its (local) source tensor, in the source's orientation; ``axis``: the target's."""
+def source_slice(tensor, op, axis: int, pair: tuple[int, int] | None = None):
+    """``op``'s slice of its (local) source tensor, in the source's orientation; ``axis``: the target's. ``pair``:
+    the source's :attr:`SourceTensor.pair <reshard.live.plan.SourceTensor>` (rows stored alternating along that
+    axis of the whole tensor, in units; ``op`` counts them end to end): the slice is a step-2 view."""
     along = op.source_axis(axis)
     if op.src_block is not None:
         tensor, along = tensor[op.src_block], along - 1
     if op.rows is not None:
         tensor = tensor.narrow(0, op.rows[0], op.rows[1] - op.rows[0])
+    if pair:
+        if along != pair[0] - (op.src_block is not None) or op.rows is not None:
+            raise PlanError(f"live.transfer: '{op.tensor}' alternates rows along another axis than the plan reads")
+        return paired_rows(tensor, along, pair[1], op.src_start, op.length)
     return tensor.narrow(along, op.src_start, op.length)
 
 
@@ -55,22 +64,31 @@ def slice_shape(plan, op, axis: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def target_part(dest, op, axis: int):
-    """Where ``op`` lands in destination tensor ``dest`` (``axis``: the target tensor's)."""
+def target_part(dest, op, axis: int, pair: int = 0):
+    """Where ``op`` lands in destination tensor ``dest`` (``axis``: the target tensor's; ``pair``: its
+    ``LiveTensor.pair_interleaved``, rows stored alternating in units of ``pair``: a step-2 view)."""
     if op.dst_block is not None:
-        return dest[op.dst_block].narrow(axis - 1, op.dst_start, op.length)
+        dest, axis = dest[op.dst_block], axis - 1
+    if pair:
+        return paired_rows(dest, axis, pair, op.dst_start, op.length)
     return dest.narrow(axis, op.dst_start, op.length)
 
 
-def place(dest, op, axis: int, data) -> None:
-    """Copy source slice ``data`` into ``dest`` the way the target stores it: transposed, RoPE rows, cast."""
+def place(dest, op, axis: int, data, pair: int = 0) -> None:
+    """Copy source slice ``data`` into ``dest`` the way the target stores it: transposed, RoPE rows, cast,
+    alternating rows (``pair``: as :func:`target_part`'s)."""
     if op.transposed:
         data = data.t()
     if op.interleave:
         data = rope_rows(data, op.interleave)
     if op.shift:  # a stored value offset (Megatron's zero-centred GDN norm), as reshard.io.assemble.read_op adds it
         data = data + op.shift
-    target_part(dest, op, axis).copy_(data)
+    target_part(dest, op, axis, pair).copy_(data)
+
+
+def _pair(plan, op) -> tuple[int, int] | None:
+    """The alternating rows of ``op``'s source tensor (:attr:`reshard.live.plan.SourceTensor.pair`)."""
+    return plan.sources[op.source][op.tensor].pair
 
 
 def _on(tensor, device) -> bool:
@@ -161,8 +179,8 @@ def _destinations(plan, index: int, into, dtype: str | None, device, stats: Stat
                             f"{plan.target_ranks[index]} holds it as {list(t.shape)}")
         elif t.padding:
             for block, start, length in t.padding:
-                (dest[block].narrow(t.axis - 1, start, length) if block is not None
-                 else dest.narrow(t.axis, start, length)).zero_()
+                target_part(dest, SimpleNamespace(dst_block=block, dst_start=start, length=length), t.axis,
+                            t.pair_interleaved).zero_()
         if t.fill is not None:
             dest.fill_(t.fill)
         out[t.name] = dest
@@ -255,7 +273,8 @@ def transfer(plan, local_tensors=None, group=None, dtype=None, into=None, timeou
         targets = plan.targets[dst] if dst is not None else []
         for chunk in local_chunks:
             tensor = targets[chunk.tensor]
-            place(dests[tensor.name], chunk.op, tensor.axis, source_slice(local[chunk.op.tensor], chunk.op, tensor.axis))
+            data = source_slice(local[chunk.op.tensor], chunk.op, tensor.axis, _pair(plan, chunk.op))
+            place(dests[tensor.name], chunk.op, tensor.axis, data, tensor.pair_interleaved)
             stats.local_bytes += chunk.nbytes
         _rounds(plan, watch, group, sends, recvs, local, dests, targets, device, stats)
         watch.finish()
@@ -318,7 +337,8 @@ def _rounds(plan, watch, group, sends, recvs, local, dests, targets, device, sta
 def _pack(plan, msg, local, buffer, device):
     """The bytes of message ``msg``: a lone contiguous chunk as it is, else the chunks packed into the buffer."""
     def slice_of(chunk):
-        return source_slice(local[chunk.op.tensor], chunk.op, plan.targets[chunk.target][chunk.tensor].axis)
+        return source_slice(local[chunk.op.tensor], chunk.op, plan.targets[chunk.target][chunk.tensor].axis,
+                            _pair(plan, chunk.op))
 
     if len(msg.chunks) == 1:
         data = slice_of(msg.chunks[0])
@@ -338,7 +358,7 @@ def _recv_target(plan, msg, dests, targets, buffer, device):
     if len(msg.chunks) == 1:
         chunk = msg.chunks[0]
         tensor = targets[chunk.tensor]
-        part = target_part(dests[tensor.name], chunk.op, tensor.axis)
+        part = target_part(dests[tensor.name], chunk.op, tensor.axis, tensor.pair_interleaved)
         if not (chunk.op.transposed or chunk.op.interleave or chunk.op.shift) and part.is_contiguous() and \
                 dtypes.from_torch(part.dtype) == chunk.wire and _on(part, device):
             return _flat_bytes(part), None
@@ -348,5 +368,6 @@ def _recv_target(plan, msg, dests, targets, buffer, device):
         for chunk in msg.chunks:
             tensor = targets[chunk.tensor]
             data = buf[chunk.offset:chunk.offset + chunk.nbytes].view(dtypes.to_torch(chunk.wire))
-            place(dests[tensor.name], chunk.op, tensor.axis, data.view(slice_shape(plan, chunk.op, tensor.axis)))
+            place(dests[tensor.name], chunk.op, tensor.axis, data.view(slice_shape(plan, chunk.op, tensor.axis)),
+                  tensor.pair_interleaved)
     return buf, unpack
