@@ -95,6 +95,11 @@ def test_refusals_one_line_exit_2(llama, tmp_path, capsys):
     tmp_save = tmp_path / "run" / "5.orbax-checkpoint-tmp"
     shutil.copytree(step, tmp_save)
     cases.append(((str(tmp_save), "--config", config), "unfinished Orbax save"))
+    unmerged = tmp_path / "unmerged"
+    shutil.copytree(step, unmerged)
+    os.remove(unmerged / "items" / "manifest.ocdbt")
+    os.makedirs(unmerged / "items" / "ocdbt.process_0")
+    cases.append(((str(unmerged), "--config", config, "--maxtext-model", "llama2-7b"), "an unmerged save"))
     extra = dict(maxtext_leaves("llama2", cfg, sd, True))
     extra[P + "vision_encoder.patch.kernel"] = np.zeros((4, 4), np.float32)
     odd = write_checkpoint(str(tmp_path / "odd"), extra, custom={"reshard": {"maxtext_model": "llama2-7b"}})
