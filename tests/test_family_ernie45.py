@@ -211,6 +211,12 @@ def test_moe_layer_rule_is_transformers(tmp_path):
         expected = tuple(i for i, layer in enumerate(built.model.layers) if hasattr(layer.mlp, "gate")
                          and hasattr(layer.mlp, "experts"))
         assert family.sparse_layers(config.to_dict(), layers) == expected, (start, end, step)
+    # moe_layer_end_index -1 (the class default) or unset: the last layer, as transformers resolves it
+    spelt = {k: v for k, v in DIMS.items() if k != "moe_layer_end_index"} | {"num_hidden_layers": 4}
+    built = transformers.Ernie4_5_MoeForCausalLM(transformers.Ernie4_5_MoeConfig(**spelt, moe_layer_end_index=-1))
+    expected = tuple(i for i, layer in enumerate(built.model.layers) if hasattr(layer.mlp, "experts"))
+    assert expected == (1, 2, 3)
+    assert family.sparse_layers({**spelt, "moe_layer_end_index": -1}, 4) == family.sparse_layers(spelt, 4) == expected
 
 
 def test_inspect_plan_load_rank(ernie, capsys):
@@ -225,3 +231,59 @@ def test_inspect_plan_load_rank(ernie, capsys):
     assert bias.dtype == torch.float32 and torch.equal(bias, hf[BIAS.format(1)][0])
     o = "model.layers.1.self_attn.o_proj.weight"
     assert torch.equal(rank[o], hf[o][:, 32:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["vllm", "megatron"])
+def test_verify_forward_at_tp2(ernie, zero, chain, name):
+    """Section 15 row 9: the HF source against its vLLM (selection bias on) / Megatron (all-zero bias left out)
+    output at tp 2, layer by layer."""
+    from reshard.verification.forward import verify_forward
+
+    out, _ = chain
+    r = verify_forward(ernie if name == "vllm" else zero, out[name], nproc=2)
+    assert (r["b"]["layout"], r["b"]["tp"]) == (name, 2)
+    assert r["ok"], r["problems"]
+    assert r["max_abs"] <= ATOL and r["argmax_agreement"] == 1.0 and r["first_divergence"] is None
+
+
+@pytest.mark.slow
+def test_verify_forward_names_a_perturbed_layer0_weight(ernie, chain, tmp_path, capsys):
+    """Rank 1's layer-0 qkv_proj row 3 (a query row, rotated with its interleaved pair) scaled in a vLLM copy."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from family_cases import verify_forward
+
+    bad = tmp_path / "bad"
+    shutil.copytree(chain[0]["vllm"], bad)
+    path = str(bad / "model-rank-1-part-0.safetensors")
+    tensors = load_file(path)
+    with safe_open(path, "pt") as f:
+        metadata = f.metadata()
+    tensors["model.layers.0.self_attn.qkv_proj.weight"][3] *= 3.0
+    save_file(tensors, path, metadata=metadata)
+    code, r, err = verify_forward(capsys, ernie, bad)
+    assert code == 1 and r is not None, err
+    assert not r["ok"] and r["first_divergence"].startswith("layer 0"), r["first_divergence"]
+
+
+@pytest.mark.slow
+def test_megatron_core_loads_and_matches(zero, tmp_path):
+    """Section 15 rows 3 / 8: megatron-core 0.16.1 (tests/mcore_ernie_harness.py: its GPTModel built from the
+    checkpoint's own args, local spec) loads reshard's torch_dist of the all-zero-bias model strictly at tp 2 ep 2
+    etp 1 (rotary_interleaved, softmax router renormalised over the top k, shared expert, dense first layer) and
+    computes transformers' logits within 1e-5."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'reshard[test]')")
+    from test_mcore_dist_fixtures import run_harness
+
+    reshard.convert(zero, str(tmp_path / "d"), to="torch_dist", tp=2, ep=2, etp=1)
+    torch.save(IDS, tmp_path / "ids.pt")
+    harness = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mcore_ernie_harness.py")
+    run_harness(harness, "load", "--ids", tmp_path / "ids.pt", "--tp", 2, "--ep", 2, "--etp", 1,
+                tmp_path / "d", tmp_path / "out.pt", timeout=300)
+    got = torch.load(tmp_path / "out.pt", weights_only=True)["logits"][0]
+    err = (got - logits(zero)).abs().max().item()
+    assert err <= ATOL, f"megatron-core vs transformers max |logit diff| {err:.3g}"

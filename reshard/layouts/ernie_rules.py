@@ -45,7 +45,10 @@ def write_sparse_range(c: dict, sparse: tuple[int, ...], moe: dict, layers: int,
     first = int(c.get(moe["sparse_step"]) or 1) if "sparse_step" in moe else 1
     for step in [first] + [s for s in range(1, layers + 1) if s != first]:
         if tuple(i for i in range(start, end + 1) if (i + 1) % step == 0) == tuple(sparse):
-            c[moe["sparse_start"]], c[moe["sparse_end"]] = start, end
+            keep = c.get(moe["sparse_end"]) in (-1, None) and end == layers - 1  # -1 / unset: the last layer
+            c[moe["sparse_start"]] = start
+            if not keep:
+                c[moe["sparse_end"]] = end
             if "sparse_step" in moe:
                 c[moe["sparse_step"]] = step
             return

@@ -49,8 +49,10 @@ class Family:
         if "sparse_list" in self.moe and config.get(self.moe["sparse_list"]) is not None:  # Llama 4's moe_layers
             return tuple(sorted(int(i) for i in config[self.moe["sparse_list"]]))
         step = int(config.get(self.moe["sparse_step"], 1) or 1) if "sparse_step" in self.moe else 1
-        if "sparse_end" in self.moe:  # Ernie 4.5: start <= i <= end (inclusive)
-            start, end = (int(config.get(self.moe[k]) or 0) for k in ("sparse_start", "sparse_end"))
+        if "sparse_end" in self.moe:  # Ernie 4.5: start <= i <= end (inclusive; end unset or -1: the last layer)
+            start, end = (int(config.get(self.moe[k]) if config.get(self.moe[k]) is not None else default)
+                          for k, default in (("sparse_start", 0), ("sparse_end", -1)))
+            end = layers - 1 if end == -1 else end
             return tuple(i for i in range(layers) if (i + 1) % step == 0 and start <= i <= end)
         dense = set(config.get(self.moe["dense_layers"]) or ()) if "dense_layers" in self.moe else set()
         prefix = int(config.get(self.moe["dense_prefix"]) or 0) if "dense_prefix" in self.moe else 0
