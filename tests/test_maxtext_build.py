@@ -132,11 +132,11 @@ def zarr_metadata(shape, dtype, chunks, zarr3: bool, compress: bool = True) -> d
 
 
 def write_checkpoint(out: str, leaves: dict, *, ocdbt=True, zarr3=True, split=1, layer_chunk=None, scan=True,
-                     custom=None, step=0, extra=None) -> str:
+                     custom=None, step=0, extra=None, item="items") -> str:
     """``out/<step>/`` with ``leaves`` (storage name -> numpy): chunks = the array with axis 0 split in
     ``split`` (where it divides) and, for scanned leaves (axis 1 = layers), ``layer_chunk`` layers per chunk
     (None: all, as MaxText's own saves). ``extra``: more leaves (opt_state, step) stored as they are."""
-    items = os.path.join(out, str(step), "items")
+    items = os.path.join(out, str(step), item)
     os.makedirs(items, exist_ok=True)
     ctx = ts.Context()
     tree = {}
@@ -146,7 +146,7 @@ def write_checkpoint(out: str, leaves: dict, *, ocdbt=True, zarr3=True, split=1,
         chunks = list(x.shape) or []
         if chunks and split > 1 and chunks[0] % split == 0:
             chunks[0] //= split
-        if layer_chunk and ".decoder.layers." in name and len(chunks) > 1:
+        if layer_chunk and "decoder.layers." in name and len(chunks) > 1:
             chunks[1] = layer_chunk
         if ocdbt:
             kv = {"driver": "ocdbt", "base": {"driver": "file", "path": os.path.abspath(items) + "/"},

@@ -225,3 +225,13 @@ def test_detection_listings():
     assert not detect_names(["config.json", "model.safetensors"])
     assert not detect_names(["latest", "global_step2/", "global_step2/mp_rank_00_model_states.pt"])
     assert not detect_names([".metadata", "__0_0.distcp"])
+
+
+def test_nnx_post_training_tree(llama, tmp_path):
+    """Spec 2: a post-training save (item folder model_params, the bare model tree with a trailing value key)
+    reads as the Linen layout."""
+    tmp, cfg, sd = llama
+    leaves = {k[len(P):] + ".value": v for k, v in maxtext_leaves("llama2", cfg, sd, False).items()}
+    step = write_checkpoint(str(tmp_path / "sft"), leaves, scan=False, item="model_params",
+                            custom={"reshard": {"maxtext_model": "llama2-7b"}})
+    assert same_state(convert_hf(step, tmp_path / "out", tmp / "hf" / "config.json"), sd)

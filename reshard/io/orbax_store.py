@@ -13,6 +13,8 @@ import json
 import os
 from dataclasses import dataclass
 
+import numpy as np
+
 from reshard.errors import CheckpointError
 
 INSTALL = "pip install 'reshard[maxtext]'"
@@ -67,6 +69,19 @@ def read_item_metadata(items: str) -> dict:
     return meta
 
 
+def tree_name(path: tuple[str, ...]) -> str:
+    """A leaf's name in the Linen on-disk layout MaxText trains with (section 2): post-training saves hold the bare
+    model tree (``decoder/.../kernel/value``) or put it under ``base/``; they read as ``params.params.decoder...``."""
+    parts = list(path)
+    if parts[:1] == ["base"]:
+        parts = parts[1:]
+    if parts[-1:] == ["value"] and len(parts) > 1:
+        parts = parts[:-1]
+    if parts and parts[0] in ("decoder", "token_embedder"):
+        parts = ["params", "params", *parts]
+    return ".".join(parts)
+
+
 def leaf_paths(meta: dict) -> list[tuple[str, ...]]:
     """The key path of every stored leaf (empty nodes, optax's EmptyState and None, store nothing)."""
     out = []
@@ -91,7 +106,8 @@ class Item:
                 raise CheckpointError(f"{self.items} holds per-process OCDBT databases but no root {MANIFEST}: an "
                                       "unmerged save (the writer stopped before merging); finish or redo the save")
             raise CheckpointError(f"{self.items} has no {MANIFEST} although _METADATA says use_ocdbt")
-        self.paths = {".".join(p): p for p in leaf_paths(self.meta)}
+        self.storage = {tree_name(p): ".".join(p) for p in leaf_paths(self.meta)}
+        self.paths = {name: tuple(self.storage[name].split(".")) for name in self.storage}
         self._handles: dict = {}
         self._leaves: dict[str, Leaf] = {}
         self._context = None
@@ -105,6 +121,7 @@ class Item:
         return ts
 
     def spec(self, name: str) -> dict:
+        name = self.storage.get(name, name)
         if self.ocdbt:
             kv = {"driver": "ocdbt", "base": {"driver": "file", "path": self.items + "/"}, "path": name + "/"}
         else:
@@ -147,11 +164,9 @@ class Item:
                 from None
 
 
-def read_banded(item: "Item", name: str, box: tuple) -> "np.ndarray":
+def read_banded(item: Item, name: str, box: tuple) -> np.ndarray:
     """``leaf[box]`` (a tuple of slices) read one chunk row at a time along axis 0 into one array: TensorStore
     decodes the chunks a read touches at once, so this holds the result plus one chunk row, not every chunk."""
-    import numpy as np
-
     leaf = item.leaf(name)
     box = tuple(box) + (slice(None),) * (len(leaf.shape) - len(box))
     lo = [s.start or 0 for s in box]

@@ -18,7 +18,7 @@ from reshard.io.orbax_store import load_json
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
-ITEM_NAMES = ("items", "default")
+ITEM_NAMES = ("items", "default", "model_params", "model")  # MaxText, CheckpointManager, NNX-SFT
 _STEP = re.compile(r"^\d+$")
 
 
