@@ -287,3 +287,18 @@ def test_megatron_core_loads_and_matches(zero, tmp_path):
     got = torch.load(tmp_path / "out.pt", weights_only=True)["logits"][0]
     err = (got - logits(zero)).abs().max().item()
     assert err <= ATOL, f"megatron-core vs transformers max |logit diff| {err:.3g}"
+
+
+def test_release_mtp_tensors_are_dropped_with_a_note(ernie, tmp_path, capsys):
+    """The releases store MTP tensors under model.mtp_* that transformers ignores: read as absent, with a note."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    src = tmp_path / "release"
+    shutil.copytree(ernie, src)
+    tensors = hf_state(src)
+    tensors["model.mtp_block.0.mlp.up_proj.weight"] = torch.ones(96, 64)
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    code, _, err = run_cli(capsys, "convert", src, tmp_path / "v", "--to", "vllm", "--tp", "2")
+    assert code == 0 and "dropped 1 tensors under 'model.mtp'" in err, err
