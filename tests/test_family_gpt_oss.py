@@ -346,7 +346,7 @@ def test_section17_refusals(oss, tmp_path, capsys):
         line = refused(capsys, with_config(oss, tmp_path / name, **changes), tmp_path / f"{name}_v", "--to", "vllm",
                        "--tp", 2)
         assert line.startswith("error: vLLM 0.32 hard-codes") and said in line, line
-    line = refused(capsys, oss, tmp_path / "etp", "--to", "megatron", "--tp", 2)
+    line = refused(capsys, oss, tmp_path / "etp", "--to", "megatron", "--tp", 2, "--etp", 2)  # default: 1
     assert "megatron-core requires expert_tensor_parallel_size = 1 for MoE biases (gpt-oss experts have biases)" \
         in line and "--etp 1" in line, line
     # the same settings stay convertible where they are expressible: HF keeps them, Megatron keeps the limit

@@ -21,7 +21,7 @@ import torch
 from helpers import run_world
 from live_gpt_oss_worker import rank_tensors
 from safetensors.torch import load_file
-from test_family_gpt_oss import save_gpt_oss
+from gpt_oss_cases import tiny_gpt_oss
 
 import reshard
 from reshard import live
@@ -55,7 +55,7 @@ def read(files) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("live_gpt_oss")
-    hf = save_gpt_oss(root / "hf")
+    hf = tiny_gpt_oss(tmp_path_factory)
     reshard.convert(hf, str(root / "megatron"), to="megatron", tp=2, ep=2, etp=1)
     reshard.convert(hf, str(root / "vllm"), to="vllm", tp=2)
     vllm = vllm_files(str(root / "vllm"))

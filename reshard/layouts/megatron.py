@@ -37,6 +37,7 @@ from reshard.layouts.megatron_folders import (  # noqa: F401  (_checkpoint_root,
 from reshard.layouts.megatron_args import RECORD_ONLY, args_from_meaning, meaning_from_args
 from reshard.layouts import gdn_rules
 from reshard.layouts import llama4_rules
+from reshard.layouts.expert_tp import expert_tp, expert_tp_notes
 from reshard.layouts import ministral3_rules
 from reshard.layouts.vision import check_megatron_tower, megatron_vision, tower_views, unused_tower_tensor
 from reshard.mapping import Family, WeightSpec
@@ -483,9 +484,9 @@ def build_args(model: CanonicalModel, opts: Options, padded: int, divisor: int, 
         padded_vocab_size=padded, make_vocab_size_divisible_by=divisor,
         tensor_model_parallel_size=opts.tp, pipeline_model_parallel_size=opts.pp,
         virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=opts.ep,
-        expert_tensor_parallel_size=expert_tp(opts) if model.num_experts else None,
-        world_size=opts.pp * max(opts.tp, opts.ep * expert_tp(opts)),
-        data_parallel_size=max(opts.tp, opts.ep * expert_tp(opts)) // opts.tp, seq_length=values.get("seq_length") or model.meaning.max_positions,
+        expert_tensor_parallel_size=expert_tp(opts, model) if model.num_experts else None,
+        world_size=opts.pp * max(opts.tp, opts.ep * expert_tp(opts, model)),
+        data_parallel_size=max(opts.tp, opts.ep * expert_tp(opts, model)) // opts.tp, seq_length=values.get("seq_length") or model.meaning.max_positions,
         params_dtype=torch_dtype_global(dtype), bf16=dtype == "BF16", fp16=dtype == "F16",
         transformer_impl="transformer_engine" if opts.megatron_spec == "te" else "local",
         apply_query_key_layer_scaling=False, attention_softmax_in_fp32=True, hf_config=record,
@@ -527,7 +528,7 @@ def output_args(source: Source, opts: Options, dtype: str) -> OutputArgs:
     loss = ConfigLoss("Megatron", opts.allow_lossy_config)
     args = build_args(model, opts, padded, divisor, dtype, source.info.get("args"), loss)
     return OutputArgs(args, padded, iteration, iteration_folder_name(iteration),
-                      loss.check() + gdn_rules.offset_notes(model))
+                      loss.check() + gdn_rules.offset_notes(model) + expert_tp_notes(model, opts))
 
 
 def targets(model: CanonicalModel, opts: Options, source: Source, dtype: str
@@ -541,7 +542,7 @@ def targets(model: CanonicalModel, opts: Options, source: Source, dtype: str
     args.ckpt_format = "torch"  # a torch_dist source's run said torch_dist
     specs = []
     stages = stage_layers(model.num_layers, opts.pp)
-    ep, etp = opts.ep, expert_tp(opts)
+    ep, etp = opts.ep, expert_tp(opts, model)
     if opts.moe_grouped_gemm and not model.num_experts:
         raise PlanError("--moe-grouped-gemm is for Mixture-of-Experts models")
     vision = megatron_vision(model, opts.megatron_vision)
@@ -576,13 +577,9 @@ def check_split_dims(model: CanonicalModel, tp: int, kind_in: str) -> None:
                             f"choose a tp dividing {size}")
 
 
-def expert_tp(opts: Options) -> int:
-    return opts.etp or opts.tp
-
-
 def check_expert_degrees(model: CanonicalModel, opts: Options) -> None:
     """Refuse expert-parallel degrees Megatron-Core cannot hold this model at, before anything is written."""
-    ep, etp = opts.ep, expert_tp(opts)
+    ep, etp = opts.ep, expert_tp(opts, model)
     gpt_oss_rules.check_expert_tp(model.meaning, etp)
     if ep < 1 or etp < 1:
         raise PlanError(f"--ep and --etp must be >= 1 (got ep={ep}, etp={etp})")

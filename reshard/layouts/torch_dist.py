@@ -266,7 +266,7 @@ def _targets(source: Source, opts: Options, dtype: str) -> TargetPlan:
     args.no_save_optim = args.no_save_rng = True  # a model-only checkpoint: resuming asks for no optimizer state
     vision = megatron_vision(model, opts.megatron_vision)
     located = located_tensors(model, padded, vision)
-    chunks = target_chunks(model, located, opts.tp, megatron.expert_tp(opts), vision)
+    chunks = target_chunks(model, located, opts.tp, megatron.expert_tp(opts, model), vision)
     size = {c.name: dtypes.itemsize(stored_dtype(model, c, opts, dtype)) * math.prod(c.shape)
             for _, _, c, _, _ in chunks}
     groups = pack_by_size([c for _, _, c, _, _ in chunks], lambda c: size[c.name],
