@@ -47,6 +47,7 @@ class StoredTensor:
     stacked: bool = False
     interleaved: int = 0  # head dim d: rows inside each d-row head are in Meta's interleaved-RoPE order
     value_offset: float = 0.0  # stored values = canonical + this (Megatron's zero-centred GDN norm: -1)
+    transform: str = ""  # stored values = this function of canonical (io/mamba_values.py: vLLM's A = -exp(A_log))
     # a target whose pack slots alternate (gpt-oss gate/up): along ``axis``, in units of this many rows, row 2i + j
     # holds row j * unit/2 + i of the pieces laid end to end (reshard/io/pair_rows.py; sources are unpaired first)
     pair_interleaved: int = 0

@@ -14,6 +14,7 @@ from typing import Any
 from reshard.core.pieces import StoredTensor
 from reshard.errors import CheckpointError
 from reshard.io.dtypes import itemsize
+from reshard.io import mamba_values
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class ReadOp:
     interleave: int = 0  # RoPE row order: +d reorders interleaved source heads to halves, -d halves to interleaved
     rows: tuple[int, int] | None = None  # an op along axis >= 1 restricted to source rows [start, stop) of dim 0
     shift: float = 0.0  # added to the values read (the target's value offset less the source's; exact near 1)
+    transform: str = ""  # a value transform of the values read (reshard/io/mamba_values.py)
 
     def source_axis(self, target_axis: int) -> int:
         """The source tensor's axis the op reads along (within its block when stacked)."""
@@ -148,6 +150,7 @@ class CanonicalIndex:
                     _Span(piece.start, piece.stop, source, tensor.name, offset, tensor.transposed, piece.block,
                           piece.interleaved or tensor.interleaved))
         self.value_offsets = {(source, t.name): t.value_offset for source, t in stored if t.value_offset}
+        self.transforms = {(source, t.name): t.transform for source, t in stored if t.transform}
         self.primary: dict[str, list[_Span]] = {}
         self.checks: list[ReplicaCheck] = []
         for name, shape in shapes.items():
@@ -194,7 +197,8 @@ class CanonicalIndex:
                                           "interleaved-RoPE tensor is read in whole heads")
                 ops.append(ReadOp(span.source, span.tensor, span.offset + lo - span.start, hi - lo,
                                   dst_start + lo - start, span.transposed != transposed, span.block, block, order,
-                                  shift=-self.value_offsets.get((span.source, span.tensor), 0.0)))
+                                  shift=-self.value_offsets.get((span.source, span.tensor), 0.0),
+                                  transform=mamba_values.undo(self.transforms.get((span.source, span.tensor), ""))))
         return ops
 
 
@@ -208,5 +212,7 @@ def plan_tensor(index: CanonicalIndex, target: StoredTensor, dtype: str) -> Targ
                                          piece.block, piece.interleaved or target.interleaved))
     if target.value_offset:  # the target stores canonical + its offset (StoredTensor.value_offset)
         reads = [replace(op, shift=op.shift + target.value_offset) for op in reads]
+    if target.transform:  # the target stores a function of canonical (vLLM's A = -exp(A_log))
+        reads = [replace(op, transform=mamba_values.then(op.transform, target.transform)) for op in reads]
     return TargetTensor(target.name, target.shape, target.dtype or dtype, target.axis, reads, padded, target.fill,
                         target.pair_interleaved, target.file_shape)

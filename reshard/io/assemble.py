@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from reshard.core.plan import ReadOp, TargetTensor
 from reshard.io import dtypes
-from reshard.io import casts, pair_rows
+from reshard.io import casts, mamba_values, pair_rows
 from reshard.io.fp8 import is_dequantized
 from reshard.io.tensorfile import TensorFile
 
@@ -64,6 +64,8 @@ def read_op(op: ReadOp, axis: int, files: list[TensorFile], dtype: str | None = 
     source's other axis and is transposed; a RoPE reorder permutes rows inside each head). A block-FP8 weight
     (:mod:`reshard.io.fp8`) is dequantised into ``dtype`` (the target's; None: fp32) band by band, the other
     tensors come in their stored dtype."""
+    if op.transform:  # vLLM's A = -exp(A_log) and its inverse (reshard/io/mamba_values.py)
+        return mamba_values.apply(op.transform, read_op(replace(op, transform=""), axis, files, dtype, allow_overflow))
     if op.shift:  # a stored value offset (Megatron's zero-centred norm); exact for weights in [0.5, 2]
         return read_op(replace(op, shift=0.0), axis, files, dtype, allow_overflow) + op.shift
     if op.interleave:

@@ -92,7 +92,8 @@ def direct(tensor: TargetTensor, files: list[TensorFile]) -> bool:
         return False
     for op in tensor.reads:
         part = resolve(op, tensor, files)
-        if part is None or op.shift or op.transposed or (op.dst_block is not None and tensor.has_padding):
+        if part is None or op.shift or op.transform or op.transposed or \
+                (op.dst_block is not None and tensor.has_padding):
             return False
         loc = part.source
         if loc.dtype != tensor.dtype or loc.strides is not None or len(loc.shape) != len(part.shape):

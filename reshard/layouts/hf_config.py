@@ -242,7 +242,7 @@ def write_config(meaning: ModelConfig, base: dict | None, family: Family, loss: 
     for field, symbol in DIM_FIELDS:
         key = family.dim_key(symbol, c)
         value = getattr(meaning, field)
-        if key is None:
+        if key is None or key.startswith("count:"):  # a count of a list (Nemotron-H's layers_block_type) is derived
             continue
         if key in written and written[key][1] != value:
             loss.cannot(field, value, f"{meaning.architecture} spells {field} and {written[key][0]} with one key "

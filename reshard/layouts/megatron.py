@@ -35,7 +35,7 @@ from reshard.layouts.megatron_folders import (  # noqa: F401  (_checkpoint_root,
     _RANK_DIR, _REMOTE_RANK_FILE, TRACKER, _checkpoint_root, _iteration_dir, _label,
     iteration_folder, iteration_folder_name, side_folders, true_vocab_size)
 from reshard.layouts.megatron_args import RECORD_ONLY, args_from_meaning, meaning_from_args
-from reshard.layouts import gdn_rules
+from reshard.layouts import gdn_rules, mamba_rules
 from reshard.layouts import llama4_rules
 from reshard.layouts.expert_tp import expert_tp, expert_tp_notes
 from reshard.layouts import ministral3_rules
@@ -477,7 +477,7 @@ def build_args(model: CanonicalModel, opts: Options, padded: int, divisor: int, 
     values.update(args_from_meaning(model.meaning, loss), **llama4_rules.megatron_args(model.meaning))
     if model.num_experts:
         values["moe_grouped_gemm"] = opts.moe_grouped_gemm
-    values.update(gdn_rules.megatron_args(model))
+    values.update(gdn_rules.megatron_args(model), **mamba_rules.megatron_args(model))
     record = nested(write_hf_config(model.meaning, model.config, model.family, ConfigLoss("record")))
     record["dtype" if "dtype" in record else "torch_dtype"] = dtypes.hf_config_dtype(dtype)
     values.update(
@@ -516,6 +516,7 @@ def output_args(source: Source, opts: Options, dtype: str) -> OutputArgs:
         raise PlanError(f"--make-vocab-size-divisible-by must be a positive integer (got {opts.vocab_divisor}); "
                         "Megatron pads the vocab to a multiple of it times tp (default 128)")
     gdn_rules.check_megatron_target(model, opts.megatron_spec, opts.tp)
+    mamba_rules.check_degrees(model, opts.tp)
     check_megatron_degrees(model, opts.tp, opts.pp)
     check_split_dims(model, opts.tp, "megatron_local" if opts.megatron_spec == "local" else "megatron")
     check_megatron_tower(model, opts)

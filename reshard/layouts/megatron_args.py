@@ -48,8 +48,8 @@ def meaning_from_args(args, vocab: int, architecture: str | None, where: str) ->
     mrope = position == "mrope" and get("mrope_section") is not None  # Qwen-VL's multimodal RoPE: 1-D on text
     position = "rope" if mrope else position
     norm = {"RMSNorm": "rms", "LayerNorm": "layer"}.get(get("normalization", "LayerNorm"))
-    if position not in ("rope", "learned_absolute") or norm is None:
-        what = (f"position_embedding_type {position}" if position not in ("rope", "learned_absolute")
+    if position not in ("rope", "learned_absolute", "none") or norm is None:  # none: MambaModel hybrids
+        what = (f"position_embedding_type {position}" if position not in ("rope", "learned_absolute", "none")
                 else f"normalization {get('normalization')}")
         raise CheckpointError(f"{where}: this Megatron checkpoint uses {what}, which no shipped mapping covers")
     for key, neutral in UNCARRIED.items():
@@ -121,7 +121,7 @@ def meaning_from_args(args, vocab: int, architecture: str | None, where: str) ->
         sliding_window=window, sliding_layers=windowed, qkv_bias=qkv_bias, o_bias=bias, mlp_bias=bias,
         tied=not get("untie_embeddings_and_output_weights", False),
         residual_post_norm=bool(get("apply_residual_connection_post_layernorm", False)),
-        position="learned" if learned else "rope", gated_mlp=gated, qk_norm=qk_norm,
+        position="learned" if learned else "none" if position == "none" else "rope", gated_mlp=gated, qk_norm=qk_norm,
         norm_offset=bool(get("apply_layernorm_1p", False)),
         query_scale=_query_scale(get("softmax_scale")), mtp_layers=int(get("mtp_num_layers") or 0),
         **mla, **_moe_from_args(args, where)).replace(**gpt_oss)
@@ -325,7 +325,7 @@ def args_from_meaning(meaning: ModelConfig, loss: ConfigLoss) -> dict[str, Any]:
         group_query_attention=m.kv_heads != m.heads, num_query_groups=m.kv_heads, kv_channels=m.head_dim,
         vocab_size=m.vocab, max_position_embeddings=m.max_positions, swiglu=m.gated_mlp,
         normalization="RMSNorm" if m.norm == "rms" else "LayerNorm", norm_epsilon=m.norm_eps,
-        position_embedding_type="rope" if m.position == "rope" else "learned_absolute",
+        position_embedding_type={"rope": "rope", "none": "none"}.get(m.position, "learned_absolute"),
         use_rotary_position_embeddings=m.position == "rope", rotary_percent=m.rotary_fraction,
         rotary_interleaved=m.rope_interleaved, qk_layernorm=m.qk_norm,
         apply_residual_connection_post_layernorm=m.residual_post_norm,

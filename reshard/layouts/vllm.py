@@ -27,7 +27,7 @@ from reshard.version import __version__
 from reshard.core.canonical import CanonicalModel, build_canonical, stored_whole
 from reshard.core.pieces import StoredTensor
 from reshard.layouts.llama4_rules import check_vllm_target, qk_rows_permuted, vllm_notes
-from reshard.layouts import gdn_rules
+from reshard.layouts import gdn_rules, mamba_rules
 from reshard.core.sharding import (check_vllm_degrees, pack_members, rank_slice, vllm_padded_vocab,
                                    vllm_qkv_pieces)
 from reshard.errors import CheckpointError, PlanError
@@ -131,6 +131,10 @@ def rank_tensors(model: CanonicalModel, tp: int, rank: int, padded_vocab: int,
             out.append(stored_whole(stored_name, members, transposed=True))
             return
         whole = tower_whole and spec.tower
+        if spec.vllm_transform:  # Nemotron-H's mixer.A = -exp(A_log), fp32 (reshard/io/mamba_values.py)
+            sliced = rank_slice(stored_name, spec, members, rank, tp, groups, padded_vocab, vllm_qkv_pieces)
+            out.append(replace(sliced, transform=spec.vllm_transform, dtype="F32"))
+            return
         out.append(qk_rows_permuted(model, rank_slice(stored_name, spec, members, 0 if whole else rank,
                                                       1 if whole else tp, groups, padded_vocab, vllm_qkv_pieces,
                                                       spec.split_in(NAME))))
@@ -322,13 +326,15 @@ def open_source(path: str, opts: Options) -> Source:
                 continue
             stored.append((index, tensor))
             for piece in tensor.pieces:
-                if piece.canonical:
+                if piece.canonical and not tensor.transform:  # A_log: the model's dtype (below), not A's fp32
                     model.dtypes.setdefault(piece.canonical, loc.dtype)
         unexpected = set(where[rank]) - {t.name for t in expected}
         if unexpected:
             name = sorted(unexpected)[0]
             raise CheckpointError(f"{files[where[rank][name]].path}: unexpected tensor '{name}' for mapping "
                                   f"'{family.name}' (a config / weights mismatch?)")
+    for piece in (p for _, t in stored if t.transform for p in t.pieces):  # the first tensor's: the model's dtype
+        model.dtypes.setdefault(piece.canonical, next(iter(model.dtypes.values())))
     files, stored = unpair_sources(files, stored)  # gpt-oss's alternating w13 read end to end
     info = {"config": config, "padded_vocab": padded, "recorded_tp": recorded, "notes": notes,
             "dropped": [f"vLLM attention scale scalars ({', '.join(sorted(dropped))})"] if dropped else []}
@@ -344,6 +350,7 @@ def targets(model: CanonicalModel, opts: Options, dtype: str) -> tuple[list[Targ
         raise PlanError("vLLM sharded_state files hold tensor-parallel ranks only: --pp must be 1 for --to vllm")
     _check_names(model)
     gdn_rules.check_degrees(model, opts.tp)
+    mamba_rules.check_degrees(model, opts.tp)
     check_vllm_degrees(model, opts.tp, opts.expert_parallel)
     gpt_oss_rules.check_vllm(model.meaning)
     check_vllm_target(model)

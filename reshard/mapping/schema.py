@@ -24,6 +24,7 @@ WEIGHT_KEYS = {
     "hf_fused_on_disk", "hf_fused_transposed", "hf_fused_interleaved", "vllm_interleaved",
     "megatron", "megatron_te", "megatron_local", "megatron_sparse", "megatron_grouped", "megatron_legacy_grouped",
     "vllm", "vllm_unfused", "trtllm", "meta",
+    "vllm_transform",  # "neg_exp": vLLM stores -exp(w) in fp32 (Nemotron-H A_log -> A; mapping/sections.py)
     "vllm_qk_permute",  # "interleaved_to_half": vLLM stores these q/k rows in rotate-half order (Llama 4)
     "hf_shape",  # the shape HF files give the same bytes (Ernie 4.5 bias [1, E] of a canonical [E])
 }
@@ -62,6 +63,8 @@ LAYER_ROLES = ("input_norm", "input_norm_bias", "q", "k", "v", "q_bias", "k_bias
                "expert_down", "shared_gate", "shared_up", "shared_down", "shared_expert_gate",
                "q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm", "kv_b",
                "sinks", "router_linear_bias", "expert_gate_bias", "expert_up_bias", "expert_down_bias")
+LAYER_ROLES += ("mamba_in", "mamba_conv", "mamba_conv_bias", "mamba_a_log", "mamba_d", "mamba_dt_bias", "mamba_norm",
+                "mamba_out")  # Mamba2 (Nemotron-H)
 LAYER_ROLES += ("gdn_qkvz", "gdn_ba", "gdn_conv", "gdn_a_log", "gdn_dt_bias", "gdn_norm", "gdn_out")  # Gated DeltaNet
 MODEL_ROLES = ("embedding", "position_embedding", "final_norm", "final_norm_bias", "lm_head")
 FAMILY_KEYS = {"name", "description", "architectures"}
@@ -73,7 +76,7 @@ MEGATRON_SPECS = ("te", "local")
 # The reference decoder's features (verification/forward/decoder.py implements each); a family's [decoder] table
 # picks them. Config-dependent values (activation, epsilon, window) name the HF config key they come from.
 DECODER_KEYS = {"norm", "mlp", "position", "activation", "norm_offset", "embedding_scaled", "rope_order", "variant"}
-DECODER_CHOICES = {"norm": ("rms", "layer"), "mlp": ("gated", "plain"), "position": ("rope", "learned"),
+DECODER_CHOICES = {"norm": ("rms", "layer"), "mlp": ("gated", "plain"), "position": ("rope", "learned", "none"),
                    "rope_order": ("half", "interleaved"), "variant": ("llama4_rules",)}  # layouts/llama4_rules.py
 #: The config.json keys a decoder variant reads (carried by the family; their defaults may be stated).
 VARIANT_KEYS = {"llama4_rules": ("no_rope_layers", "no_rope_layer_interval", "use_qk_norm", "attention_chunk_size",

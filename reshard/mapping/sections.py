@@ -27,7 +27,8 @@ from __future__ import annotations
 from reshard.errors import MappingError
 from reshard.mapping.conditions import _names_in, evaluate
 
-LAYERS_KEYS = {"kinds", "values", "every"}
+LAYERS_KEYS = {"kinds", "values", "every", "pattern"}  # pattern: a config key of one character per layer
+VLLM_TRANSFORMS = ("neg_exp",)
 EVERY_KEYS = {"key", "default", "value", "other"}
 SECTION_SPLITS = ("column", "row", "replicated", "sections")
 
@@ -45,7 +46,8 @@ def parse_layers(table: dict, source: str) -> dict:
     if every is not None and (not isinstance(every, dict) or set(every) != EVERY_KEYS
                               or {every["value"], every["other"]} - set(table["values"])):
         raise MappingError(f"{source}: [layers] every needs key, default, value and other (values it names)")
-    return {"kinds": table["kinds"], "values": dict(table["values"]), **({"every": dict(every)} if every else {})}
+    return {"kinds": table["kinds"], "values": dict(table["values"]), **({"every": dict(every)} if every else {}),
+            **({"pattern": table["pattern"]} if table.get("pattern") else {})}
 
 
 def check_weight(w: dict, source: str, where: str, dims: dict, layers: dict) -> None:
@@ -63,6 +65,8 @@ def check_weight(w: dict, source: str, where: str, dims: dict, layers: dict) -> 
         unknown = _names_in(rows) - set(dims)
         if not name or not rows or unknown:
             raise MappingError(f"{source}: {where} section '{entry}' must be 'name:rows' over dims symbols")
+    if w.get("vllm_transform", VLLM_TRANSFORMS[0]) not in VLLM_TRANSFORMS:
+        raise MappingError(f"{source}: {where} vllm_transform must be one of {', '.join(VLLM_TRANSFORMS)}")
     if "section_groups" in w and w["section_groups"] not in dims:
         raise MappingError(f"{source}: {where} section_groups '{w['section_groups']}' is not a dims symbol")
 
@@ -71,7 +75,8 @@ def spec_fields(w: dict) -> dict:
     """The WeightSpec fields of this module's keys."""
     return dict(mixer=w.get("mixer"), split_vllm=w.get("split_vllm"), split_megatron=w.get("split_megatron"),
                 sections=tuple(str(s) for s in w.get("sections", ())), section_groups=w.get("section_groups"),
-                megatron_offset=float(w.get("megatron_offset", 0.0)), gated_query=bool(w.get("gated_query")))
+                megatron_offset=float(w.get("megatron_offset", 0.0)), gated_query=bool(w.get("gated_query")),
+                vllm_transform=w.get("vllm_transform"))
 
 
 def entry_key(w: dict) -> str:
@@ -92,6 +97,8 @@ def layer_mixers(family, config: dict, layers: int) -> tuple[str | None, ...]:
     if not table:
         return ()
     kinds, every = config.get(table["kinds"]), table.get("every")
+    if kinds is None and isinstance(config.get(table.get("pattern", "")), str):  # Nemotron-H's "M-M*-..."
+        kinds = list(config[table["pattern"]])
     if kinds is None and every:
         step = int(config.get(every["key"]) or every["default"])
         kinds = [every["value"] if (i + 1) % step == 0 else every["other"] for i in range(layers)]

@@ -58,6 +58,7 @@ class WeightSpec:
     section_groups: str | None = None
     megatron_offset: float = 0.0
     gated_query: bool = False
+    vllm_transform: str | None = None  # "neg_exp": vLLM stores -exp(w) in fp32 (Nemotron-H A_log -> mixer.A)
 
     layers: str = "all"  # which layers hold it: all | sparse (MoE layers) | dense | mtp (MTP layers only)
     # Vision-language models (reshard/mapping/vlm.py): a tower or projector weight, the dims symbol of its qkv
