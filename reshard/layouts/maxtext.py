@@ -9,6 +9,8 @@ Needs ``tensorstore`` (``pip install 'reshard[maxtext]'``); no jax, no orbax.
 
 from __future__ import annotations
 
+import os
+
 from reshard.layouts.base import Layout, Options, Source, TargetPlan
 from reshard.layouts.maxtext_folders import detect_names
 
@@ -53,4 +55,7 @@ class MaxTextLayout(Layout):
             leaves = unstack_leaves(source)
             info["unstack_pass"] = (f"yes: the chunks of {len(leaves)} stacked leaves span several layers "
                                     "(decoded once into a scratch file)") if leaves else "no"
-        return {"maxtext": info}
+        items = info.get("items")
+        on_disk = sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(items) for n in names) \
+            if items else None
+        return {"maxtext": info, **({"bytes": on_disk} if on_disk is not None else {})}  # the item, compressed
