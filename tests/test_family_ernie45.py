@@ -302,3 +302,29 @@ def test_release_mtp_tensors_are_dropped_with_a_note(ernie, tmp_path, capsys):
     save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
     code, _, err = run_cli(capsys, "convert", src, tmp_path / "v", "--to", "vllm", "--tp", "2")
     assert code == 0 and "dropped 1 tensors under 'model.mtp'" in err, err
+
+
+def test_moe_layer_range_written_back(tmp_path):
+    """The HF writer keeps the source's start / end (-1) / interval spelling when it still places the MoE layers,
+    and otherwise writes a spelling under which transformers builds them on the same layers."""
+    from reshard.core.model_config import ConfigLoss
+    from reshard.layouts.ernie_rules import write_sparse_range
+    from reshard.mapping import load_shipped
+
+    moe = load_shipped("ernie4_5_moe").moe
+    keys = ("moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval")
+
+    def placed(spelling: dict, layers: int) -> tuple[int, ...]:
+        config = transformers.Ernie4_5_MoeConfig(**{**DIMS, "num_hidden_layers": layers, **spelling})
+        built = transformers.Ernie4_5_MoeForCausalLM(config)
+        return tuple(i for i, layer in enumerate(built.model.layers) if hasattr(layer.mlp, "experts"))
+
+    for spelling, layers in (({"moe_layer_start_index": 0, "moe_layer_end_index": -1, "moe_layer_interval": 2}, 4),
+                             ({"moe_layer_start_index": 1, "moe_layer_end_index": 4, "moe_layer_interval": 1}, 6)):
+        sparse = placed(spelling, layers)
+        kept = dict(spelling)
+        write_sparse_range(kept, sparse, moe, layers, ConfigLoss("Hugging Face", ()))
+        assert kept == spelling
+        fresh = {}
+        write_sparse_range(fresh, sparse, moe, layers, ConfigLoss("Hugging Face", ()))
+        assert set(fresh) == set(keys) and placed(fresh, layers) == sparse, fresh

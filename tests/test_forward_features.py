@@ -146,7 +146,7 @@ BASE = ModelConfig(architecture="LlamaForCausalLM", hidden=64, layers=2, heads=8
 
 
 @pytest.mark.parametrize("changes,named", [
-    (dict(rope_interleaved=True), "interleaved RoPE"),  # Megatron --rotary-interleaved; no README family
+    (dict(rope_interleaved=True, rotary_fraction=0.5), "interleaved RoPE on part of each head"),  # (whole: Ernie 4.5)
     (dict(residual_post_norm=True), "the residual taken after the norm"),  # Megatron-only setting
     (dict(rope_scaling=(("factor", 2.0), ("rope_type", "proportional"))), "rope_scaling type 'proportional'"),
     (dict(rotary_fraction=0.625), "a rotary dim of 5"),

@@ -36,24 +36,26 @@ def meaning_fields(family) -> dict:
 
 
 def write_sparse_range(c: dict, sparse: tuple[int, ...], moe: dict, layers: int, loss) -> None:
-    """``sparse`` (the MoE layers) as start / end / interval keys (the source's interval kept when it still
-    describes them, else the first that does); a set no interval describes goes to ``loss``."""
-    if not sparse:
-        loss.cannot("moe_layers", [], "Ernie 4.5 has at least one MoE layer")
-        return
-    start, end = min(sparse), max(sparse)
-    first = int(c.get(moe["sparse_step"]) or 1) if "sparse_step" in moe else 1
-    for step in [first] + [s for s in range(1, layers + 1) if s != first]:
-        if tuple(i for i in range(start, end + 1) if (i + 1) % step == 0) == tuple(sparse):
-            keep = c.get(moe["sparse_end"]) in (-1, None) and end == layers - 1  # -1 / unset: the last layer
-            c[moe["sparse_start"]] = start
-            if not keep:
-                c[moe["sparse_end"]] = end
-            if "sparse_step" in moe:
-                c[moe["sparse_step"]] = step
+    """``sparse`` (the MoE layers) as start / end / interval keys: the source's own spelling kept when it still
+    describes them (an end of -1 or none: the last layer), else the first and last MoE layer with the first interval
+    that does; a set no interval describes goes to ``loss``."""
+    keys = moe["sparse_start"], moe["sparse_end"], moe.get("sparse_step")
+
+    def rule(start: int, end: int, step: int) -> tuple[int, ...]:
+        return tuple(i for i in range(layers) if start <= i <= end and (i + 1) % step == 0)
+
+    spelt = [c.get(k) for k in keys[:2]] + [int(c.get(keys[2]) or 1) if keys[2] else 1]
+    candidates = [tuple(spelt)] if spelt[0] is not None else []
+    if sparse:
+        candidates += [(min(sparse), max(sparse), step) for step in range(1, layers + 1) if keys[2] or step == 1]
+    for start, end, step in candidates:
+        if rule(int(start), layers - 1 if end in (-1, None) else int(end), step) == tuple(sparse):
+            c[keys[0]] = start
+            if end is not None:
+                c[keys[1]] = end
+            if keys[2]:
+                c[keys[2]] = step
             return
-        if "sparse_step" not in moe:
-            break
     loss.cannot("moe_layers", list(sparse), "Ernie 4.5 places MoE layers by start, end and interval only")
 
 
