@@ -8,8 +8,10 @@ all-reduced, its bias added once. The mask (causal, windowed on the sliding laye
 
 MoE: router logits ``x·Wᵣᵀ + bᵣ``, top-k, softmax over the chosen k; each expert (this rank's slice of its rows)
 ``g = min(x·W_gᵀ + b_g, limit)``, ``u = clamp(x·W_uᵀ + b_u, ±limit)``, ``h = (u + 1) · g·σ(α·g)``,
-``y = h·W_dᵀ (+ b_d on rank 0 only: the other ranks' partial sums carry none, as vLLM's w2_bias)``, weighted and
-summed, all-reduced once. Expert tuples are ``(gate, up, down, gate_bias, up_bias, down_bias)``
+``y = h·W_dᵀ + b_d``, weighted and summed, all-reduced once. ``b_d`` is added once per token and chosen expert, by
+the lowest rank holding that expert (:func:`bias_ranks`): rank 0 where every rank holds a slice of every expert (TP:
+the other ranks' partial sums carry none, as vLLM's w2_bias), the expert's own rank with expert parallelism (vLLM
+``--expert-parallel``: whole experts split over the ranks, each with its w2_bias). Expert tuples are ``(gate, up, down, gate_bias, up_bias, down_bias)``
 (:func:`~.rank_weights.expert_parts`).
 """
 
@@ -55,7 +57,7 @@ def moe(x: torch.Tensor, w, config, tp) -> torch.Tensor:
     """One rank's gpt-oss MoE block (module docstring)."""
     settings = dict(config.gpt_oss)
     alpha, limit = settings["swiglu_alpha"], settings["swiglu_limit"]
-    first = tp.size == 1 or torch.distributed.get_rank(group=tp.group) == 0
+    adds_bias = bias_ranks(w, tp)
     flat = x.reshape(-1, x.shape[-1])
     logits = F.linear(flat, w.router, w.router_linear_bias)
     top, chosen = torch.topk(logits, config.experts_per_token, dim=-1)
@@ -70,6 +72,19 @@ def moe(x: torch.Tensor, w, config, tp) -> torch.Tensor:
             continue
         g = F.linear(flat[token], gate_w, gate_b).clamp(max=limit)
         u = F.linear(flat[token], up_w, up_b).clamp(min=-limit, max=limit)
-        y = F.linear((u + 1) * (g * torch.sigmoid(g * alpha)), down_w, down_b if first else None)
+        y = F.linear((u + 1) * (g * torch.sigmoid(g * alpha)), down_w, down_b if adds_bias[expert] else None)
         out.index_add_(0, token, y * weights[token, slot, None])
     return tp.all_reduce(out).reshape(x.shape)
+
+
+def bias_ranks(w, tp) -> list[bool]:
+    """Per expert (the router's rows), whether this rank adds its down bias: it is the lowest rank of ``tp`` holding
+    the expert (one small all-reduce, MIN of the holders' ranks)."""
+    experts = w.router.shape[0]
+    if tp.size == 1:
+        return [True] * experts
+    me = torch.distributed.get_rank(group=tp.group)
+    holder = torch.full((experts,), tp.size, dtype=torch.int64, device=w.router.device)
+    holder[list(w.experts)] = me
+    torch.distributed.all_reduce(holder, op=torch.distributed.ReduceOp.MIN, group=tp.group)
+    return [int(r) == me for r in holder]
