@@ -86,7 +86,7 @@ def test_names_are_never_clobbered(toy):
         register_layout("toy2", dict)
     with pytest.raises(ReshardError, match="built-in layout"):
         unregister_layout("megatron")
-    with pytest.raises(PlanError, match="unknown layout 'nope': use one of hf, megatron, vllm, torch_dist, trtllm, meta, deepspeed, dcp, torchtitan, toy"):
+    with pytest.raises(PlanError, match="unknown layout 'nope': use one of hf, megatron, vllm, torch_dist, trtllm, meta, deepspeed, dcp, torchtitan, maxtext, toy"):
         get_layout("nope")
 
 
@@ -121,7 +121,8 @@ def test_unknown_folder_lists_every_layout(tmp_path):
 def test_layout_contract(hf, tmp_path, name):
     """Every writable layout: detected as itself (and only itself), read back bit-exact to HF, verified equal."""
     out = tmp_path / name
-    assert run_main("convert", hf, out, "--to", name).returncode == 0
+    extra = ("--maxtext-model", "llama3-8b") if name == "maxtext" else ()  # its RoPE / query-scale conventions
+    assert run_main("convert", hf, out, "--to", name, *extra).returncode == 0
     names_matching = [n for n in layout_names() if get_layout(n).detect(
         __import__("reshard.layouts.registry", fromlist=["x"]).folder_listing(str(out)))]
     top = max(get_layout(n).specificity for n in names_matching)

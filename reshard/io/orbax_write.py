@@ -17,7 +17,7 @@ import numpy as np
 from reshard.io.orbax_store import tensorstore
 
 TXN_BYTES = 64 << 20
-ZARR_NAMES = {"BF16": "bfloat16", "F32": "float32", "F16": "float16", "I64": "int64", "I32": "int32"}
+ZARR_NAMES = {"BF16": "bfloat16", "F32": "float32", "F64": "float64", "F16": "float16", "I64": "int64", "I32": "int32"}
 HANDLER = "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler"
 
 

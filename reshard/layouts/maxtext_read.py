@@ -45,6 +45,7 @@ class Recipe:
     div: float | None = None  # x / float32(div)
     add: float | None = None  # x + float32(add)
     rows: int | None = None  # keep the first rows only (the embedding's HF vocab)
+    wide: bool = False  # a float64 leaf: the ops in float64 with the exact constants
 
     @property
     def has_op(self) -> bool:
@@ -72,16 +73,17 @@ def half_to_interleaved(x, head_dim: int):
 
 
 def apply_ops(x, recipe: Recipe):
-    """The float32 element ops of ``recipe`` on ``x`` (exact in fp32; the cast to the output dtype rounds once)."""
+    """The element ops of ``recipe`` on ``x`` in float32 with float32 constants, as MaxText's converters compute
+    (float64 and exact constants for a float64 leaf); the cast to the output dtype rounds once."""
     import torch
 
-    x = x.float()
+    x = x.double() if recipe.wide else x.float()
     if recipe.mul is not None:
-        x = x * torch.tensor(recipe.mul, dtype=torch.float32)
+        x = x * torch.tensor(recipe.mul, dtype=x.dtype)
     if recipe.div is not None:
-        x = x / torch.tensor(recipe.div, dtype=torch.float32)
+        x = x / torch.tensor(recipe.div, dtype=x.dtype)
     if recipe.add is not None:
-        x = x + torch.tensor(recipe.add, dtype=torch.float32)
+        x = x + torch.tensor(recipe.add, dtype=x.dtype)
     return x
 
 

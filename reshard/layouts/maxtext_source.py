@@ -85,12 +85,13 @@ def recipe_for(tensor, table, conv: Conventions, model, config: dict, item: Item
     mul = div = add = None
     rope = model.head_dim if conv.rope == "interleaved" and role in ("q", "k") else 0
     if role == "q" and conv.query_scale:
-        mul = float(np.float32(np.sqrt(query_factor(conv, config, model.head_dim))))
+        mul = float(np.sqrt(query_factor(conv, config, model.head_dim)))  # rounded to float32 unless a float64 leaf
     if role == "embedding":
         div = embedding_factor(conv, model.dims["H"])
     if conv.norm_offset and at.leaf.endswith(".scale"):
         add = -conv.norm_offset
-    return Recipe(at.leaf, at.index, expert, kernel, rope, mul, div, add, rows)
+    wide = item.leaf(at.leaf).dtype == "F64"  # reshard wrote it from a float32 model: exact constants, in float64
+    return Recipe(at.leaf, at.index, expert, kernel, rope, mul, div, add, rows, wide)
 
 
 def _bad(item: Item, leaf: str, shape, want: str):
@@ -118,7 +119,7 @@ def open_source(root: str, opts: Options) -> Source:
     for name, tensor in model.tensors.items():
         r = recipe_for(tensor, table, conv, model, config, item, scan)
         recipes[name], shapes[name] = r, tensor.shape
-        kinds[name] = "F32" if r.has_op else item.leaf(r.leaf).dtype
+        kinds[name] = ("F64" if r.wide else "F32") if r.has_op else item.leaf(r.leaf).dtype
     used = {r.leaf for r in recipes.values()}
     params = [n for n in item.paths if n.startswith(PREFIX)]
     extra = sorted(set(params) - used)

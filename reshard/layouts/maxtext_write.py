@@ -7,8 +7,8 @@ the model uses it -> transposed to ``[in, out]`` and reshaped (q/k/v ``[H, n, d]
 stacked ``[E, in, out]``) -> the float32 element ops (query pre-scale, Gemma's ``1 + w`` and ``* sqrt(H)``) ->
 rounded once to the leaf's dtype — and writes it with TensorStore: scanned leaves one layer per chunk (axis 1),
 the leading axis split in 16 where it divides, zstd level 1. Leaves whose MaxText value a bf16 constant would round
-(Gemma norms and embedding, a query scale that is not a power of two) are float32 unless
-``--maxtext-match-converter``. ``_CHECKPOINT_METADATA`` (``scan_layers`` and reshard's provenance: the model name
+(Gemma norms and embedding, a query scale that is not a power of two) are float32 (float64 for a float32 model:
+the source then reads back bit for bit) unless ``--maxtext-match-converter``. ``_CHECKPOINT_METADATA`` (``scan_layers`` and reshard's provenance: the model name
 and the HF config, for the way back) is written last.
 """
 
@@ -120,13 +120,14 @@ def plan_leaves(model, table, conv, config: dict, scan: bool, dtype_of, match: b
         mul = add = None
         rope = model.head_dim if conv.rope == "interleaved" and role in ("q", "k") else 0
         if role == "q" and conv.query_scale:
-            mul = float(np.float32(1 / np.sqrt(query_factor(conv, config, model.head_dim))))
+            mul = float(1 / np.sqrt(query_factor(conv, config, model.head_dim)))
         elif role == "embedding" and conv.embedding_scale:
-            mul = float(np.float32(embedding_factor(conv, model.dims["H"])))
+            mul = embedding_factor(conv, model.dims["H"])
         if conv.norm_offset and at.leaf.endswith(".scale"):
             add = conv.norm_offset
         inexact = (mul is not None and not _exact_power_of_two(mul)) or add is not None
-        dtype = "F32" if inexact and not match else base
+        wide = "F64" if base == "F32" else "F32"  # holds the op's result exactly enough to read back the source
+        dtype = wide if inexact and not match else base
         leaf = leaves.get(at.leaf)
         if leaf is None:
             shape = (per[0], at.stacked, *per[1:]) if at.index is not None else per
@@ -165,11 +166,11 @@ def targets(source: Source, opts: Options, dtype: str) -> TargetPlan:
     specs = [TargetSpec(path, "safetensors", tensors) for path, tensors in sorted(files.items())]
     if model.mtp_layers:
         notes.append("MaxText checkpoints hold no MTP layers: they are not written")
-    f32 = sorted(leaf.name for leaf in leaves if leaf.dtype == "F32" and dtype != "F32")
-    if f32:
-        notes.append(f"{len(f32)} leaves written as float32, as a {dtype} constant would round their MaxText value "
-                     "(query pre-scale, Gemma's 1 + w and sqrt(H)); --maxtext-match-converter writes them in "
-                     f"{dtype} as MaxText's to_maxtext does")
+    wide = [leaf.name for leaf in leaves if leaf.dtype != dtype and (leaf.mul is not None or leaf.add is not None)]
+    if wide:
+        notes.append(f"{len(wide)} leaves written as {'float64' if dtype == 'F32' else 'float32'}, as {dtype} would "
+                     "round their MaxText value (query pre-scale, Gemma's 1 + w and sqrt(H)) and lose the source "
+                     f"on the way back; --maxtext-match-converter writes them in {dtype} as MaxText's to_maxtext does")
     notes.append(f"load it with load_parameters_path=<output>/{STEP}/items scan_layers={opts.scan_layers} "
                  f"(MaxText model {conv.model})")
     state = {"leaves": leaves, "config": config, "scan": opts.scan_layers, "model": name or conv.model}
@@ -190,15 +191,16 @@ def _staged(files: dict, out: str, member: Member):
 
 
 def _ops(leaf: LeafPlan, x):
-    """The float32 element ops of ``leaf``, then the cast to its dtype (rounded once)."""
+    """The element ops of ``leaf`` in float32 (float64 for a float64 leaf, with the exact constants), then the cast
+    to its dtype (rounded once)."""
     import torch
 
     if leaf.mul is not None or leaf.add is not None:
-        x = x.float()
+        x = x.double() if leaf.dtype == "F64" else x.float()
         if leaf.mul is not None:
-            x = x * torch.tensor(leaf.mul, dtype=torch.float32)
+            x = x * torch.tensor(leaf.mul, dtype=x.dtype)
         if leaf.add is not None:
-            x = x + torch.tensor(leaf.add, dtype=torch.float32)
+            x = x + torch.tensor(leaf.add, dtype=x.dtype)
     return x.to(dtypes.to_torch(leaf.dtype)).contiguous()
 
 
