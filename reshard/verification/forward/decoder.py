@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from reshard.errors import ReshardError
 from reshard.verification.forward import cohere_ops, llama4_layer, ministral3_ops
 from reshard.verification.forward import gpt_oss_ops
-from reshard.verification.forward import gated_deltanet
+from reshard.verification.forward import gated_deltanet, mamba2
 from reshard.verification.forward.layer_checks import ACTIVATION_FUNCTIONS, check_features
 from reshard.verification.forward.rank_weights import DecoderConfig, LayerWeights, RankWeights
 from reshard.verification.forward.rope import apply_rope, mla_softmax_scale, rope_cos_sin, rotate_pairs
@@ -377,6 +377,8 @@ def _pre_norm(config: DecoderConfig, x: torch.Tensor, weight: torch.Tensor | Non
 def decoder_layer(config: DecoderConfig, i: int, layer: LayerWeights, x: torch.Tensor, inputs: LayerInputs,
                   tp: TPGroup, states: list | None) -> torch.Tensor:
     """Layer ``i``'s attention and MLP blocks on ``x``; appends the hidden state after each to ``states``."""
+    if config.mamba:  # Nemotron-H: one block per layer (Mamba2, attention or MLP)
+        return mamba2.decoder_layer(config, i, layer, x, inputs, tp, states, norm, attention, mlp)
     if config.cohere:  # Command-R / Cohere2: one norm, attention and MLP in parallel
         return cohere_ops.decoder_layer(config, i, layer, x, inputs, tp, states, mlp)
     sliding = i in config.window_layers

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from reshard.errors import ReshardError
+from reshard.verification.forward import mamba2
 from reshard.verification.forward.rank_weights import DecoderConfig, LayerWeights, RankWeights
 
 ACTIVATION_FUNCTIONS = {
@@ -23,7 +24,7 @@ def check_ends(config: DecoderConfig, position_embedding: torch.Tensor | None,
                final_norm_bias: torch.Tensor | None) -> None:
     """Refuse a decoder the features do not describe, a position embedding exactly with learned positions and a
     final-norm bias only with LayerNorm."""
-    if config.position not in ("rope", "learned") or config.norm not in ("rms", "layer") \
+    if config.position not in ("rope", "learned", "none") or config.norm not in ("rms", "layer") \
             or config.mlp not in ("gated", "plain") or config.activation not in ACTIVATION_FUNCTIONS:
         raise ReshardError(f"the forward verifier has no decoder for position={config.position}, norm={config.norm},"
                            f" mlp={config.mlp}, activation={config.activation}")
@@ -38,6 +39,8 @@ def check_layer(config: DecoderConfig, i: int, layer: LayerWeights) -> None:
     """Refuse layer ``i``'s weights where they do not fit the features: every projection present; a gated MLP
     needs ``gate``, a plain one has none; only LayerNorm has norm biases; q/k norms exactly with ``qk_norm``;
     sandwich norms exactly with ``sandwich_norm``."""
+    if config.mamba:  # Nemotron-H: one mixer per layer (forward/mamba2.py)
+        return mamba2.check_layer(i, layer)
     if layer.gdn_qkvz is not None:  # a Gated DeltaNet layer (forward/gated_deltanet.py): its own roles
         return check_gdn_layer(i, layer)
     if config.mla:

@@ -25,7 +25,7 @@ from reshard.verification.forward.rank_weights import expert_parts
 from reshard.layouts import megatron
 from reshard.layouts.base import Options
 from reshard.mapping import config_condition
-from reshard.verification.forward import gated_deltanet
+from reshard.verification.forward import gated_deltanet, mamba2
 from reshard.verification.forward.rank_stream import RankStream, whole_rank_loader
 from reshard.verification.forward.rank_weights import (DecoderConfig, LayerWeights, check_world, split_grouped_qkv,
                                                        split_halves, unpack)
@@ -130,6 +130,7 @@ class MegatronRankStream(RankStream):
         meaning, family, hf_config = megatron.read_args(args, opts, root, folder)
         self.config = config = DecoderConfig.from_meaning(meaning)
         config.gdn = gated_deltanet.decoder_fields(hf_config, family)
+        config.mamba = mamba2.decoder_fields(hf_config, family)
         self.mixer_held = gated_deltanet.layer_filter(family, hf_config, config.layers)
         check_world(config, self.world, meaning.ffn)
         all_keys = {k for f in files for c in _chunks(f) for k in f.structure[c]}

@@ -84,6 +84,7 @@ class DecoderConfig:
     residual_multiplier: float = 1.0  # Granite: every block's output times this before the residual add
     logits_scaling: float = 1.0  # Granite: the logits divided by this
     gdn: tuple | None = None  # Gated DeltaNet dims and the gated query (forward/gated_deltanet.py decoder_fields)
+    mamba: tuple | None = None  # Nemotron-H: Mamba2 dims, one block per layer (forward/mamba2.py decoder_fields)
     cohere: tuple | None = None  # Command-R / Cohere2 rules (ModelConfig.cohere; forward/cohere_ops.py)
     llama4: tuple | None = None  # Llama 4 text's per-layer rules (ModelConfig.llama4; forward/llama4_layer.py)
     gpt_oss: tuple | None = None  # swiglu_alpha / swiglu_limit (ModelConfig.gpt_oss; forward/gpt_oss_ops.py)
@@ -251,6 +252,14 @@ class LayerWeights:
     gdn_dt_bias: torch.Tensor | None = None
     gdn_norm: torch.Tensor | None = None
     gdn_out: torch.Tensor | None = None
+    mamba_in: torch.Tensor | None = None  # Mamba2 (forward/mamba2.py): the rank's [z; x; B; C; dt] sections
+    mamba_conv: torch.Tensor | None = None  # [x; B; C] sections
+    mamba_conv_bias: torch.Tensor | None = None
+    mamba_a_log: torch.Tensor | None = None
+    mamba_d: torch.Tensor | None = None
+    mamba_dt_bias: torch.Tensor | None = None
+    mamba_norm: torch.Tensor | None = None
+    mamba_out: torch.Tensor | None = None
     sinks: torch.Tensor | None = None  # gpt-oss: one softmax sink logit per local query head
     router_linear_bias: torch.Tensor | None = None  # gpt-oss: [E] added to the router logits
 

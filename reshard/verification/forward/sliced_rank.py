@@ -22,7 +22,7 @@ from reshard.io.assemble import assemble, read_op
 from reshard.io import dtypes
 from reshard.layouts.base import Options
 from reshard.layouts.registry import open_checkpoint
-from reshard.verification.forward import gated_deltanet
+from reshard.verification.forward import gated_deltanet, mamba2
 from reshard.verification.forward.rank_stream import MeteredFile, RankStream, whole_rank_loader
 from reshard.verification.forward.rank_weights import (DecoderConfig, LayerWeights, check_world, kv_heads_of_rank,
                                                        padded_vocab_for, vocab_rows)
@@ -54,6 +54,7 @@ class SlicedRankStream(RankStream):
         model = self.model = source.model
         self.config = config = DecoderConfig.from_meaning(model.meaning)
         config.gdn = gated_deltanet.decoder_fields(model.config, model.family)
+        config.mamba = mamba2.decoder_fields(model.config, model.family)
         check_world(config, world, model.dims["F"])
         self.index = CanonicalIndex(source.stored, {name: t.shape for name, t in model.tensors.items()})
         d = config.head_dim
@@ -79,7 +80,8 @@ class SlicedRankStream(RankStream):
             dq, dkv, dv = d + config.rope_head_dim, d + config.v_head_dim, config.v_head_dim
             self.spans.update({"q": (0, rank * q_per * dq, q_per * dq), "q_b": (0, rank * q_per * dq, q_per * dq),
                                "kv_b": (0, rank * q_per * dkv, q_per * dkv), "o": (1, rank * q_per * dv, q_per * dv)})
-        self.spans.update(gated_deltanet.sliced_spans(config, rank, world, q_per))
+        self.spans.update(gated_deltanet.sliced_spans(config, rank, world, q_per), **mamba2.sliced_spans(config, rank,
+                                                                                                        world))
         self.padded_vocab = padded_vocab_for(config.vocab, world)
         self.vocab_start, self.real_rows, self.pad_rows = vocab_rows(config.vocab, self.padded_vocab, rank, world)
         self.lm_head_start = self.vocab_start
@@ -149,8 +151,9 @@ class SlicedRankStream(RankStream):
         return torch.cat([rows, rows.new_zeros(self.pad_rows, self.config.hidden)]) if self.pad_rows else rows
 
     def layer(self, index: int) -> LayerWeights:
-        return gated_deltanet.sliced_layer(LayerWeights(**self._role_tensors(index)), self.config, self.rank,
-                                           self.world)
+        layer = gated_deltanet.sliced_layer(LayerWeights(**self._role_tensors(index)), self.config, self.rank,
+                                            self.world)
+        return mamba2.sliced_layer(layer, self.config, self.rank, self.world)
 
     def _whole(self, role: str) -> torch.Tensor | None:
         spec = self.model.family.role_spec(role)

@@ -19,7 +19,7 @@ from reshard.layouts.base import Options
 from reshard.layouts.hf_config import read_meaning
 from reshard.mapping_vlm import family_for_architecture, flat_view
 from reshard.mapping import REPLICATED_PACK, config_condition
-from reshard.verification.forward import gated_deltanet, llama4_layer
+from reshard.verification.forward import gated_deltanet, llama4_layer, mamba2
 from reshard.io.pair_rows import end_to_end
 from reshard.verification.forward.rank_stream import RankStream, whole_rank_loader
 from reshard.verification.forward.rank_weights import expert_parts
@@ -102,6 +102,7 @@ class VllmRankStream(RankStream):
                                               self.tied, path)
         self.config = config = DecoderConfig.from_meaning(meaning)
         config.gdn = gated_deltanet.decoder_fields(hf_config, family)
+        config.mamba = mamba2.decoder_fields(hf_config, family)
         self.mixer_held = gated_deltanet.layer_filter(family, hf_config, dims["L"])
         check_world(config, self.world, dims["F"])
         d = config.head_dim
@@ -140,7 +141,7 @@ class VllmRankStream(RankStream):
 
     def layer(self, index: int) -> LayerWeights:
         held = self.mixer_held([s for s in self.layer_specs if s.on_layer(index in self.sparse_layers)], index)
-        weights = LayerWeights(**{s.role: self._get(s, index) for s in held})
+        weights = mamba2.from_vllm(LayerWeights(**{s.role: self._get(s, index) for s in held}), held)
         if self.meaning.llama4:  # vLLM permuted Llama 4's q / k rows to rotate-half order
             llama4_layer.unpermute_qk(weights, self.config.head_dim)
         self._cache = {}
