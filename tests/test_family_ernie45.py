@@ -198,6 +198,16 @@ def test_zero_bias_through_megatron_is_bit_exact(zero, chain):
     assert_same_hf(zero, out["hf_m"])
 
 
+def test_verify_digest_reads_a_missing_zero_bias_as_zeros(ernie, zero, chain, capsys):
+    """``verify``: the Megatron copy (no bias) equals the all-zero-bias source, and differs from the same weights
+    with a non-zero bias, naming it."""
+    out, _ = chain
+    code, text, err = run_cli(capsys, "verify", zero, out["megatron"])
+    assert code == 0 and "EQUAL" in text, text + err
+    code, text, err = run_cli(capsys, "verify", ernie, out["megatron"])
+    assert code == 1 and "missing in B: " + BIAS.format(1) in text, text + err
+
+
 def test_moe_layer_rule_is_transformers(tmp_path):
     """The [moe] start / end / interval rule places MoE layers where transformers' decoder builds them."""
     from reshard.mapping import load_shipped

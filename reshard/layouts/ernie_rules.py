@@ -115,19 +115,41 @@ def drop_for_target(source, to: str, opts) -> list[str]:
     if to not in ("megatron", "torch_dist") or meaning is None or not meaning.router_bias or \
             meaning.router_score != "softmax" or not interleaved_rope(model.family):
         return []
-    names = {n for n, t in model.tensors.items() if t.spec.role == "router_bias"}
+    names = _bias_names(source)
     nonzero = any(_read_whole(source, n).count_nonzero() for n in sorted(names))
     if nonzero and "router_bias" not in opts.allow_lossy_config:
         raise PlanError(REFUSAL)
-    kept = {n: t for n, t in model.tensors.items() if n not in names}
-    source.model = dataclasses.replace(model, tensors=kept, dtypes={n: d for n, d in model.dtypes.items() if n in kept},
-                                       meaning=meaning.replace(router_bias=False))
-    source.stored = [(i, t) for i, t in source.stored if all(p.canonical not in names for p in t.pieces)]
+    _leave_out(source, names)
     if nonzero:
         return [f"--allow-lossy-config router_bias: dropped the selection bias e_score_correction_bias of "
                 f"{len(names)} MoE layers (megatron-core ranks experts by the softmax alone: the routing changes)"]
     return ["e_score_correction_bias is all zero on every MoE layer: left out (megatron-core's softmax router "
             "computes the same; an HF output writes it back as zeros)"]
+
+
+def _bias_names(source) -> set[str]:
+    return {n for n, t in source.model.tensors.items() if t.spec.role == "router_bias"}
+
+
+def _leave_out(source, names: set[str]) -> None:
+    """``source`` without the selection-bias tensors ``names`` (its config then has no bias)."""
+    model = source.model
+    kept = {n: t for n, t in model.tensors.items() if n not in names}
+    source.model = dataclasses.replace(model, tensors=kept, dtypes={n: d for n, d in model.dtypes.items() if n in kept},
+                                       meaning=model.meaning.replace(router_bias=False))
+    source.stored = [(i, t) for i, t in source.stored if all(p.canonical not in names for p in t.pieces)]
+
+
+def align_zero_bias(sa, sb) -> None:
+    """``verify``: where one side holds no selection bias (a Megatron copy of a model whose bias is all zero) and
+    the other an all-zero one, the zeros are left out of the comparison; a non-zero bias still differs."""
+    for held, lacking in ((sa, sb), (sb, sa)):
+        names = _bias_names(held)
+        if not names or _bias_names(lacking) or not interleaved_rope(held.model.family) or \
+                lacking.model.meaning is None or lacking.model.meaning.router_bias:
+            continue
+        if not any(_read_whole(held, n).count_nonzero() for n in sorted(names)):
+            _leave_out(held, names)
 
 
 def _read_whole(source, name: str):

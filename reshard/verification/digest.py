@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from reshard.layouts.vision import absent_tensors, without
+from reshard.layouts import ernie_rules
 from reshard.core.model_config import differences
 from reshard.core.plan import CanonicalIndex, TargetTensor
 from reshard.hub import open_source
@@ -148,6 +149,7 @@ def verify_sources(sa: Source, sb: Source, a: str, b: str, *, atol: float | None
 
     report = VerifyReport(a, b, sa.layout, sb.layout, architecture_a=sa.model.meaning.architecture,
                           architecture_b=sb.model.meaning.architecture)
+    ernie_rules.align_zero_bias(sa, sb)  # Megatron holds no all-zero Ernie 4.5 selection bias
     report.config_differences = config_differences(sa, sb)
     for source in (sa, sb):  # tower tensors a source does not hold (vLLM's LLaVA): reported missing on its side
         absent = set(absent_tensors(source))
