@@ -338,3 +338,17 @@ def test_moe_layer_range_written_back(tmp_path):
         fresh = {}
         write_sparse_range(fresh, sparse, moe, layers, ConfigLoss("Hugging Face", ()))
         assert set(fresh) == set(keys) and placed(fresh, layers) == sparse, fresh
+
+
+def test_load_rank_megatron(ernie, zero):
+    """``load_rank`` plans as ``convert`` does: refused with the section 17 message for a non-zero bias; with an
+    all-zero one, expert rank 1 holds global experts 2-3 and no expert bias."""
+    from reshard.errors import PlanError
+
+    with pytest.raises(PlanError, match="^Ernie 4.5 ranks experts by softmax"):
+        reshard.load_rank(ernie, "megatron", tp=2, rank=0)
+    rank = reshard.load_rank(zero, "megatron", tp=2, ep=2, rank=0, ep_rank=1)
+    hf = hf_state(zero)
+    assert not any("expert_bias" in k for k in rank)
+    assert torch.equal(rank["decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight"],
+                       hf["model.layers.1.mlp.experts.2.down_proj.weight"][:, :16])
