@@ -107,8 +107,8 @@ def convert(
     tp: int = typer.Option(1, "--tp", help="Target tensor-parallel degree."),
     pp: int = typer.Option(1, "--pp", help="Target pipeline-parallel degree."),
     ep: int = typer.Option(1, "--ep", help="Megatron expert-parallel degree (Mixture of Experts)."),
-    etp: Optional[int] = typer.Option(None, "--etp", help="Megatron expert-tensor-parallel degree (default: --tp; "
-                                      "1 keeps each expert whole)."),
+    etp: Optional[int] = typer.Option(None, "--etp", help="Megatron expert-tensor-parallel degree (default: --tp, "
+                                      "or 1 where the experts have biases, as gpt-oss's; 1 keeps each expert whole)."),
     expert_parallel: bool = typer.Option(False, "--expert-parallel", help="vLLM: whole experts split over the "
                                          "ranks, as enable_expert_parallel loads them."),
     moe_grouped_gemm: bool = typer.Option(False, "--moe-grouped-gemm", help="Megatron: name the experts as "

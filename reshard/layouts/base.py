@@ -47,7 +47,7 @@ class Options:
     tp: int = 1
     pp: int = 1
     ep: int = 1  # Megatron expert-parallel degree (Mixture of Experts)
-    etp: int | None = None  # Megatron expert-tensor-parallel degree (default: tp)
+    etp: int | None = None  # Megatron expert-tensor-parallel degree (default: tp; 1 for biased experts)
     expert_parallel: bool = False  # vLLM: whole experts split over the ranks (enable_expert_parallel)
     moe_grouped_gemm: bool = False  # Megatron: experts named as TEGroupedMLP's (linear_fc1.weight{j})
     dtype: str | None = None  # safetensors dtype name of the output, None keeps the source's
