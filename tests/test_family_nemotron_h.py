@@ -12,7 +12,8 @@ config.json with ``time_step_limit [0, {"__float__": "Infinity"}]``):
     torch_dist keys and global / local shapes = ``mcore_mamba.py 2``'s (section 10.2, local spec names), the args
     a MambaModel run;
   - the release spelling (hybrid_override_pattern, num_hidden_layers) reads as the list;
-  - Mamba groups not divisible by TP refused for megatron and vllm (section 17 wording), one line, exit 2;
+  - Mamba groups not divisible by TP refused for megatron and vllm (section 17 wording), one line, exit 2; MoE
+    layers refused by kind;
   - the forward verifier (forward/mamba2.py: the Mamba2 mixer as a token-by-token fp32 recurrence) computes
     transformers' logits (torch fallback) within 1e-5 at tp1 and at tp 2 (heads and groups per rank, partial
     out_proj sums all-reduced); ``verify --forward`` passes against the vLLM tp2 output (and Megatron tp2, slow) and
@@ -204,6 +205,20 @@ def test_groups_not_dividing_tp_refused(nh, tmp_path, capsys, to):
     out = tmp_path / "out"
     code, _, err = run_cli(capsys, "convert", nh.src, out, "--to", to, "--tp", 4)
     assert code == 2 and err.strip() == f"error: {REFUSAL}", err
+    assert not out.exists()
+
+
+def test_moe_layers_refused(nh, tmp_path, capsys):
+    """Nemotron 3's MoE layers (kind moe / E) are not mapped: refused by kind, one line, nothing written."""
+    import shutil
+
+    src, out = tmp_path / "moe", tmp_path / "out"
+    shutil.copytree(nh.src, src)
+    config = raw_config(src)
+    config["layers_block_type"] = ["linear_attention", "moe", "mlp", "linear_attention"]
+    (src / "config.json").write_text(json.dumps(config))
+    code, _, err = run_cli(capsys, "convert", src, out, "--to", "vllm", "--tp", 2)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "has 'moe'" in err, err
     assert not out.exists()
 
 
