@@ -135,6 +135,8 @@ def test_training_checkpoint_run_folder(llama, tmp_path):
     assert len(got) == len(sd) and all(got[k].dtype == sd[k].dtype and same(got[k], sd[k]) for k in sd)  # fp32 -> bf16 (config dtype), exact
     assert any("optimizer state is not converted" in n for n in result.notes)
     assert any("read step 2" in n for n in result.notes)
+    info = reshard.inspect(str(tmp_path / "run"), config=str(tmp / "hf" / "config.json"))
+    assert info["maxtext"]["step"] == "2" and info["maxtext"]["not_read"] == ["opt_state", "step"]
     reshard.convert(str(run), str(tmp_path / "out1"), to="hf", config=str(tmp / "hf" / "config.json"), tag="1",
                     dtype="fp32")
     assert not load_out(tmp_path / "out1")["model.norm.weight"].any()

@@ -51,6 +51,8 @@ class MaxTextLayout(Layout):
         from reshard.layouts.maxtext_source import unstack_leaves
 
         info = dict(source.info.get("maxtext", {}))
+        if source.info.get("dropped"):
+            info["not_read"] = source.info["dropped"]  # optimizer state, step, nnx_aux
         if source.files and hasattr(source.files[0], "recipes"):
             leaves = unstack_leaves(source)
             info["unstack_pass"] = (f"yes: the chunks of {len(leaves)} stacked leaves span several layers "
