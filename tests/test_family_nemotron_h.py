@@ -226,7 +226,7 @@ def test_inspect_plan_load_rank(nh, capsys):
     code, out, err = run_cli(capsys, "inspect", nh.src, "--json")
     assert code == 0 and json.loads(out)["architecture"] == "NemotronHForCausalLM", err
     code, out, err = run_cli(capsys, "plan", nh.src, "--to", "vllm", "--tp", 2, "--json")
-    assert code == 0, err
+    assert code == 0 and any(n.startswith("mixer.A stored as -exp(A_log)") for n in json.loads(out)["notes"]), err
     rank = reshard.load_rank(nh.src, "vllm", tp=2, rank=1)
     assert torch.equal(rank["model.layers.0.mixer.A"], -torch.exp(nh.hf["backbone.layers.0.mixer.A_log"][4:]))
     rank = reshard.load_rank(nh.src, "megatron", tp=2, rank=1)
@@ -270,3 +270,19 @@ def test_verify_forward_megatron_tp2(nh, capsys):
     code, r, err = verify_forward(capsys, nh.src, nh.convert(capsys, "megatron_tp2", nh.src, "--to", "megatron",
                                                             "--tp", 2))
     assert code == 0 and r["ok"] and r["max_abs"] <= 1e-5, (err[-2000:], r and r["problems"])
+
+
+def test_live_plan_applies_the_transform(nh):
+    """live.plan megatron -> vllm: every mixer.A read carries neg_exp, and place() stores -exp(A_log) in fp32."""
+    from reshard import live
+    from reshard.live.transfer import place
+
+    plan = live.plan(str(nh.src), source={"layout": "megatron", "tp": 2}, target={"layout": "vllm", "tp": 2},
+                     source_ranks=range(2), target_ranks=range(2, 4))
+    targets = [t for rank in plan.targets for t in rank if t.name.endswith("mixer.A")]
+    assert len(targets) == 2 * 2 and all(t.dtype == "F32" and [op.transform for op in t.reads] == ["neg_exp"]
+                                         for t in targets)
+    stored = nh.hf["backbone.layers.0.mixer.A_log"][:4]  # what Megatron rank 0 holds
+    dest = torch.zeros(4)
+    place(dest, targets[0].reads[0], 0, stored)
+    assert torch.equal(dest, -torch.exp(stored))

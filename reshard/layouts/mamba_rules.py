@@ -26,6 +26,14 @@ def check_degrees(model, tp: int) -> None:
             raise PlanError(f"Mamba groups ({groups}) must divide the tensor-parallel size ({tp}).")
 
 
+def vllm_notes(model) -> list[str]:
+    """The plan's word on vLLM's value transform (families-2.md section 14.2 G)."""
+    if not has_mamba(model):
+        return []
+    return ["mixer.A stored as -exp(A_log) in fp32 (vLLM's loader's transform; read back as log(-A): exact for "
+            "bf16 / fp16 A_log, within one ulp for fp32)"]
+
+
 def megatron_args(model) -> dict:
     """Megatron-LM's MambaModel args of a Mamba hybrid (none for other models)."""
     if not has_mamba(model):

@@ -414,7 +414,8 @@ class VLLMLayout(Layout):
         config, notes = hf.planned_config(source.model, dtype, opts, "vLLM")
         return TargetPlan(specs, state={"tp": opts.tp, "padded_vocab": padded, "config": config,
                                         "expert_parallel": opts.expert_parallel,
-                                        "vllm_vision": opts.vllm_vision}, notes=notes + vllm_notes(source.model))
+                                        "vllm_vision": opts.vllm_vision}, notes=notes + vllm_notes(source.model)
+                          + mamba_rules.vllm_notes(source.model))
 
     def finalize(self, out: str, source: Source, plan, state) -> None:
         finalize(out, source.model, state["config"], state["tp"], state["padded_vocab"], plan.files,

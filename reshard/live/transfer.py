@@ -19,7 +19,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 from reshard.errors import PlanError
-from reshard.io import dtypes
+from reshard.io import dtypes, mamba_values
 from reshard.io.assemble import rope_rows
 from reshard.io.pair_rows import paired_rows
 from reshard.live.agree import (agree, check_plans, check_tensor, gpu_identity, publish, release, resolve,
@@ -83,6 +83,8 @@ def place(dest, op, axis: int, data, pair: int = 0) -> None:
         data = rope_rows(data, op.interleave)
     if op.shift:  # a stored value offset (Megatron's zero-centred GDN norm), as reshard.io.assemble.read_op adds it
         data = data + op.shift
+    if op.transform:  # vLLM's A = -exp(A_log) and its inverse, as read_op applies them
+        data = mamba_values.apply(op.transform, data)
     target_part(dest, op, axis, pair).copy_(data)
 
 
@@ -359,8 +361,8 @@ def _recv_target(plan, msg, dests, targets, buffer, device):
         chunk = msg.chunks[0]
         tensor = targets[chunk.tensor]
         part = target_part(dests[tensor.name], chunk.op, tensor.axis, tensor.pair_interleaved)
-        if not (chunk.op.transposed or chunk.op.interleave or chunk.op.shift) and part.is_contiguous() and \
-                dtypes.from_torch(part.dtype) == chunk.wire and _on(part, device):
+        if not (chunk.op.transposed or chunk.op.interleave or chunk.op.shift or chunk.op.transform) and \
+                part.is_contiguous() and dtypes.from_torch(part.dtype) == chunk.wire and _on(part, device):
             return _flat_bytes(part), None
     buf = buffer("recv", msg.nbytes)
 
