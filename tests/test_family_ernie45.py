@@ -98,8 +98,9 @@ def chain(ernie, zero, tmp_path_factory):
 
 
 def test_vllm_round_trip_is_bit_exact(ernie, chain):
-    out, _ = chain
+    out, notes = chain
     assert hf_state(ernie)[BIAS.format(1)].shape == (1, 4) and hf_state(ernie)[BIAS.format(1)].count_nonzero() == 4
+    assert "e_score_correction_bias: Hugging Face's [1, E] is written [E]" in notes["vllm"], notes["vllm"]
     assert_same_hf(ernie, out["hf"])
     torch.testing.assert_close(logits(out["hf"]), logits(ernie), rtol=0, atol=0)
 

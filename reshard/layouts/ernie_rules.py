@@ -9,7 +9,8 @@ section 11 and 17):
   canonical ``[E]``): the file's entry read as the canonical shape, written with the HF shape in the header.
 - Megatron: megatron-core adds a selection bias only to sigmoid scores, so a non-zero
   ``e_score_correction_bias`` is refused (``--allow-lossy-config router_bias`` drops it); an all-zero one is the
-  plain softmax router and is left out (read back as zeros: the HF output writes a zero bias).
+  plain softmax router and is left out (read back as zeros: the HF output writes a zero bias; ``verify`` reads
+  the missing bias of such a copy as those zeros).
 """
 
 from __future__ import annotations
@@ -107,6 +108,18 @@ def zero_biases(model) -> list[StoredTensor]:
 
 
 def drop_for_target(source, to: str, opts) -> list[str]:
+    """The plan's notes for target ``to``: :func:`megatron_bias` first, then each ``hf_shape`` weight a non-HF
+    target stores in the canonical shape (section 14.2 G: a transform is listed in the plan)."""
+    notes = megatron_bias(source, to, opts)
+    if to == "hf":
+        return notes
+    specs = {t.spec.hf: t.spec for t in source.model.tensors.values() if t.spec.hf_shape}
+    return notes + [f"{s.hf.rsplit('.', 1)[-1]}: Hugging Face's [{', '.join(s.hf_shape)}] is written "
+                    f"[{', '.join(s.shape)}] (the same values; an HF output writes it back as transformers stores it)"
+                    for s in specs.values()]
+
+
+def megatron_bias(source, to: str, opts) -> list[str]:
     """Section 17, before a Megatron (torch / torch_dist) target is planned: a softmax router's selection bias
     that is not all zero is refused unless ``--allow-lossy-config router_bias``; the bias then leaves the model
     (an all-zero one silently changes nothing: megatron-core's plain softmax router computes the same)."""
