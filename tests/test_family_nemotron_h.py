@@ -286,3 +286,23 @@ def test_live_plan_applies_the_transform(nh):
     dest = torch.zeros(4)
     place(dest, targets[0].reads[0], 0, stored)
     assert torch.equal(dest, -torch.exp(stored))
+
+
+def test_verify_digest_compares_what_vllm_stores(nh, capsys, tmp_path):
+    """verify reads both sides of mixer.A as vLLM stores it (-exp(A_log), fp32): EQUAL against the fp32 source,
+    and a changed A differs (families-2.md section 14.2 G: verify compares through a transform)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    v = nh.vllm(capsys)
+    code, text, err = run_cli(capsys, "verify", nh.src, v)
+    assert code == 0 and "EQUAL" in text, text + err
+    bad = tmp_path / "bad"
+    shutil.copytree(v, bad)
+    path = str(bad / "model-rank-1-part-0.safetensors")
+    tensors = load_file(path)
+    tensors["model.layers.3.mixer.A"][1] *= 1.5
+    save_file(tensors, path, metadata={"format": "pt"})
+    code, text, err = run_cli(capsys, "verify", nh.src, bad)
+    assert "different: backbone.layers.3.mixer.A_log" in text and "DIFFERENT" in text, text + err

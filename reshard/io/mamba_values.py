@@ -10,6 +10,8 @@ bit for bit (fp32 ``A`` has 16+ more mantissa bits than the value); an fp32 ``A_
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 INVERSE = {"neg_exp": "log_neg"}
 
 
@@ -36,3 +38,16 @@ def apply(transform: str, data):
     if transform == "log_neg":
         return torch.log(-data.double())
     raise AssertionError(f"unknown value transform '{transform}'")
+
+
+def as_stored(a, b):
+    """Two plans of one canonical tensor (``verify``) where either side reads it through ``log_neg`` (a vLLM
+    ``mixer.A``): both read as the transformed side stores it (fp32 ``-exp(A_log)``), so the comparison is of what
+    vLLM holds and exact in every dtype; other pairs unchanged."""
+    if not any(op.transform for t in (a, b) for op in t.reads):
+        return a, b
+
+    def stored(t):
+        reads = [replace(op, transform="" if op.transform == "log_neg" else "neg_exp") for op in t.reads]
+        return replace(t, dtype="F32", reads=reads)
+    return stored(a), stored(b)

@@ -18,6 +18,7 @@ from reshard.layouts import ernie_rules
 from reshard.core.model_config import differences
 from reshard.core.plan import CanonicalIndex, TargetTensor
 from reshard.hub import open_source
+from reshard.io import mamba_values
 from reshard.layouts.base import Options, Source
 from reshard.results import Report
 from reshard.verification.block_stream import BLOCK_BYTES, PairTask, replica_problem, replica_tasks
@@ -110,7 +111,7 @@ def plan_work(sa: Source, sb: Source, atol: float | None, rtol: float | None) ->
                                            shape_a=list(sa.model.tensors[name].shape),
                                            shape_b=list(sb.model.tensors[name].shape))
         else:
-            ta, tb = canonical_target(sa, ia, name), canonical_target(sb, ib, name)
+            ta, tb = mamba_values.as_stored(canonical_target(sa, ia, name), canonical_target(sb, ib, name))
             tasks.append(PairTask(ta, tb, sa.files, sb.files, BlockComparison(name, ta.dtype, tb.dtype, atol, rtol)))
         position += 1
     for name in sb.model.tensors:
