@@ -90,6 +90,13 @@ def test_vllm_round_trip(nh, capsys):
     assert (logits(back) - nh.model(ids(), use_cache=False).logits).abs().max().item() <= 1e-6
 
 
+def test_vllm_reshard_copies_a(nh, capsys):
+    """vllm tp2 -> vllm tp1: the transform and its inverse cancel, A copied bit for bit."""
+    v1 = nh.convert(capsys, "vllm_tp1_from_tp2", nh.vllm(capsys), "--to", "vllm", "--tp", 1)
+    a = load_vllm_rank(v1, 0)["model.layers.0.mixer.A"]
+    assert torch.equal(a, torch.cat([load_vllm_rank(nh.vllm(capsys), r)["model.layers.0.mixer.A"] for r in range(2)]))
+
+
 @pytest.mark.slow
 def test_bf16_vllm_round_trip_is_bit_exact(nh, capsys):
     bf = nh.convert(capsys, "hf_bf16", nh.src, "--to", "hf", "--dtype", "bf16")
@@ -306,3 +313,23 @@ def test_verify_digest_compares_what_vllm_stores(nh, capsys, tmp_path):
     save_file(tensors, path, metadata={"format": "pt"})
     code, text, err = run_cli(capsys, "verify", nh.src, bad)
     assert "different: backbone.layers.3.mixer.A_log" in text and "DIFFERENT" in text, text + err
+
+
+#: NOTES.md section 5 (mcore_mamba.py 2, pattern M*-E, local spec): rank 0's state dict, layers 0-2 and the ends.
+MCORE_LOCAL_RANK0 = {
+    "embedding.word_embeddings.weight": (256, 64), "decoder.layers.0.mixer.dt_bias": (4,),
+    "decoder.layers.0.mixer.A_log": (4,), "decoder.layers.0.mixer.D": (4,),
+    "decoder.layers.0.mixer.in_proj.weight": (164, 64), "decoder.layers.0.mixer.conv1d.weight": (96, 1, 4),
+    "decoder.layers.0.mixer.conv1d.bias": (96,), "decoder.layers.0.mixer.norm.weight": (64,),
+    "decoder.layers.0.mixer.out_proj.weight": (64, 64), "decoder.layers.0.norm.weight": (64,),
+    "decoder.layers.1.input_layernorm.weight": (64,), "decoder.layers.1.self_attention.linear_proj.weight": (64, 32),
+    "decoder.layers.1.self_attention.linear_qkv.weight": (64, 64), "decoder.layers.2.pre_mlp_layernorm.weight": (64,),
+    "decoder.layers.2.mlp.linear_fc1.weight": (48, 64), "decoder.layers.2.mlp.linear_fc2.weight": (64, 48),
+    "decoder.final_norm.weight": (64,), "output_layer.weight": (256, 64)}
+
+
+def test_megatron_local_rank_is_mcores(nh, capsys):
+    m = nh.convert(capsys, "megatron_local", nh.src, "--to", "megatron", "--tp", 2, "--megatron-spec", "local")
+    model = load_megatron_rank(m / "release" / "mp_rank_00" / "model_optim_rng.pt")["model"]
+    got = {k: tuple(v.shape) for k, v in model.items() if not k.startswith("decoder.layers.3.") and v is not None}
+    assert got == MCORE_LOCAL_RANK0
