@@ -192,14 +192,15 @@ def test_torch_dist_keys_and_shapes_are_mcores(nh, capsys):
 
 
 def test_release_pattern_spelling(nh, tmp_path, capsys):
-    """The releases' config.json: hybrid_override_pattern and num_hidden_layers, no layers_block_type."""
+    """The releases' config.json: hybrid_override_pattern and num_hidden_layers, no layers_block_type (and a bare
+    Infinity, as json writes it)."""
     import shutil
 
     src = tmp_path / "release"
     shutil.copytree(nh.src, src)
     config = raw_config(src)
     del config["layers_block_type"]
-    config.update(hybrid_override_pattern="M*-M", num_hidden_layers=4)
+    config.update(hybrid_override_pattern="M*-M", num_hidden_layers=4, time_step_limit=[0.0, float("inf")])
     (src / "config.json").write_text(json.dumps(config))
     code, _, err = run_cli(capsys, "convert", src, tmp_path / "v", "--to", "vllm", "--tp", 2)
     assert code == 0, err

@@ -9,6 +9,9 @@ spelling a config without that list has: every ``key``-th layer (1-based; ``defa
     values = { linear_attention = "gdn", full_attention = "attention" }
     every = { key = "full_attention_interval", default = 4, value = "full_attention", other = "linear_attention" }
 
+``pattern`` (Nemotron-H's ``hybrid_override_pattern``): a config key whose string gives one kind per character,
+read when the list is absent (``values`` then maps ``M``, ``*``, ``-``).
+
 A weight with ``mixer = "gdn"`` exists only on layers of that kind (two entries may share an HF name when their
 mixers differ: the input norm is named by the mixer that fuses it in Megatron).
 
@@ -19,7 +22,8 @@ with ``split_vllm`` / ``split_megatron``). With ``section_groups = "G"`` the ten
 the concatenation over groups of part i. Weights sharing a stored name (a pack by ``slot``) lay their sections
 end to end in declaration order (Megatron's GDN ``in_proj`` = ``[q; k; v; z; b; a]``). ``torch_dist`` stores
 each section under ``<key>.<name>``. ``megatron_offset``: Megatron stores ``w + offset`` (its zero-centred GDN
-norm: -1).
+norm: -1). ``vllm_transform = "neg_exp"``: vLLM stores ``-exp(w)`` in fp32 (Nemotron-H's ``A``;
+reshard/io/mamba_values.py).
 """
 
 from __future__ import annotations
