@@ -136,6 +136,9 @@ def convert(
                                      "the layers (MaxText scan_layers, the default) or not."),
     maxtext_match_converter: bool = typer.Option(False, "--maxtext-match-converter", help="With --to maxtext: "
                                                  "every leaf in --dtype, rounded as MaxText's to_maxtext."),
+    maxtext_vocab_size: Optional[int] = typer.Option(None, "--maxtext-vocab-size", metavar="N", help="With --to "
+                                                     "maxtext: MaxText's vocab_size (zero rows added; fewer rows "
+                                                     "need --allow-lossy-config vocab)."),
     allow_replica_mismatch: bool = typer.Option(False, "--allow-replica-mismatch",
                                                 help="Take rank 0's copy when replicated tensors differ."),
     as_json: bool = JsonOpt,
@@ -186,7 +189,7 @@ def convert(
                          make_vocab_size_divisible_by=make_vocab_size_divisible_by, architecture=architecture,
                          mapping=mapping, config=config, tag=tag, master_weights=master_weights,
                          maxtext_model=maxtext_model, scan_layers=scan_layers,
-                         maxtext_match_converter=maxtext_match_converter,
+                         maxtext_match_converter=maxtext_match_converter, maxtext_vocab_size=maxtext_vocab_size,
                          allow_replica_mismatch=allow_replica_mismatch, workers=workers,
                          push_to=push_to, revision=revision, allow_lossy_config=tuple(allow_lossy_config or ()),
                          allow_cast_overflow=allow_cast_overflow, follow_symlinks=follow_symlinks,

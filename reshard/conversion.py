@@ -168,6 +168,7 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
             follow_symlinks: bool = False, keep_fp8: bool = False, drop_mtp: bool = False,
             config: str | None = None, tag: str | None = None, master_weights: bool = False,
             maxtext_model: str | None = None, scan_layers: bool = True, maxtext_match_converter: bool = False,
+            maxtext_vocab_size: int | None = None,
             torchtitan_names: str = "current", hf_spelling: str = "hub", megatron_vision: str | None = None,
             vllm_vision: str = "weights", allow_missing: tuple[str, ...] = (),
             max_seq: int | None = None) -> ConvertResult:
@@ -211,6 +212,7 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
                                "vocab_divisor": vocab_divisor, "max_shard_size": max_shard_size,
                                "keep_fp8": keep_fp8, "torchtitan_names": torchtitan_names,
                                "scan_layers": scan_layers, "maxtext_match_converter": maxtext_match_converter,
+                               "maxtext_vocab_size": maxtext_vocab_size,
                                "hf_spelling": hf_spelling, "megatron_vision": megatron_vision,
                                "vllm_vision": vllm_vision, "max_seq": max_seq})
     if torchtitan_names not in ("current", "v0.2"):
@@ -223,7 +225,7 @@ def convert(src: str, dst: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 
                    follow_symlinks=follow_symlinks, keep_fp8=keep_fp8, drop_mtp=drop_mtp, config=config, tag=tag,
                    master_weights=master_weights, torchtitan_names=torchtitan_names, hf_spelling=hf_spelling,
                    maxtext_model=maxtext_model, scan_layers=scan_layers,
-                   maxtext_match_converter=maxtext_match_converter,
+                   maxtext_match_converter=maxtext_match_converter, maxtext_vocab_size=maxtext_vocab_size,
                    megatron_vision=megatron_vision, vllm_vision=vllm_vision, allow_missing=tuple(allow_missing),
                    max_seq=max_seq)
     world = None if dry_run or not distributed_run(distributed) else World.join()

@@ -106,6 +106,7 @@ CONVERT_CASES = [
     ("dense", ["--to", "maxtext", "--maxtext-model", "llama3-8b", "--no-scan-layers", "--maxtext-match-converter"],
      dict(to="maxtext", maxtext_model="llama3-8b", scan_layers=False, maxtext_match_converter=True)),
     ("dense", ["--to", "hf", "--no-scan-layers"], dict(to="hf", scan_layers=False)),
+    ("dense", ["--to", "hf", "--maxtext-vocab-size", "300"], dict(to="hf", maxtext_vocab_size=300)),
 ]
 
 
@@ -121,7 +122,8 @@ REFUSED = {("--to", "hf", "--allow-lossy-config", "nonsense"): "nonsense",
            ("--to", "vllm", "--allow-missing", "vision"): "for vision-language models",
            ("--to", "hf", "--vllm-vision", "none"): "--vllm-vision",
            ("--to", "vllm", "--max-seq", "4"): "--max-seq does not apply",
-           ("--to", "hf", "--no-scan-layers"): "--no-scan-layers"}
+           ("--to", "hf", "--no-scan-layers"): "--no-scan-layers",
+           ("--to", "hf", "--maxtext-vocab-size", "300"): "--maxtext-vocab-size"}
 
 
 def test_the_cases_cover_every_convert_option():

@@ -34,7 +34,8 @@ TARGET_OPTIONS["max_seq"] = ("--max-seq", None)  # Megatron targets of Llama 4 (
 SOURCE_OPTIONS = {"config": ("--config", None), "tag": ("--tag", None), "master_weights": ("--master-weights", False)}
 #: --to maxtext only (reshard/layouts/maxtext_write.py)
 TARGET_OPTIONS.update({"scan_layers": ("--no-scan-layers", True),
-                       "maxtext_match_converter": ("--maxtext-match-converter", False)})
+                       "maxtext_match_converter": ("--maxtext-match-converter", False),
+                       "maxtext_vocab_size": ("--maxtext-vocab-size", None)})
 #: Why a target refuses one of them, where that says more than which targets use it ({to}: the target).
 TARGET_OPTION_REASONS = {"keep_fp8": "FP8 into {to} is out of scope, as re-quantising is lossy: drop --keep-fp8 to "
                                      "write bf16"}
@@ -73,6 +74,7 @@ class Options:
     maxtext_model: str | None = None  # MaxText model name (llama3.1-8b, ...): the conventions the weights cannot show
     scan_layers: bool = True  # --to maxtext: layers stacked on axis 1 (MaxText scan_layers=True)
     maxtext_match_converter: bool = False  # --to maxtext: every leaf in --dtype, rounded as MaxText's to_maxtext
+    maxtext_vocab_size: int | None = None  # --to maxtext: MaxText's vocab_size (zero rows padded, or truncated)
     max_seq: int | None = None  # the longest sequence a Megatron target must compute the same (Llama 4's refusal)
 
 

@@ -26,7 +26,7 @@ class MaxTextLayout(Layout):
     rank_loader = "reshard.verification.forward.sliced_rank:SlicedRankStream"
     rank_view_of = "hf"  # MaxText has no ranks: its one "rank" (load_rank, live.plan) is the whole model, HF names
     completion_markers = ("0/_CHECKPOINT_METADATA",)
-    uses_options = frozenset({"scan_layers", "maxtext_match_converter"})
+    uses_options = frozenset({"scan_layers", "maxtext_match_converter", "maxtext_vocab_size"})
     reads_options = frozenset({"config", "tag"})
 
     def detect(self, names) -> bool:

@@ -76,6 +76,8 @@ def recipe_for(tensor, table, conv: Conventions, model, config: dict, item: Item
         if len(per) != 2 or per[1] != hf_shape[1] or per[0] < hf_shape[0]:
             _bad(item, at.leaf, shape, f"[>= {hf_shape[0]}, {hf_shape[1]}]")
         rows = hf_shape[0] if per[0] > hf_shape[0] else None
+    elif role == "lm_head" and len(per) == 2 and per[0] == hf_shape[1] and per[1] >= hf_shape[0]:
+        pass  # MaxText's vocab_size may exceed HF's: the head's padding columns are not read (band reads)
     elif kernel:
         cut = [k for k in range(1, len(per)) if int(np.prod(per[:k])) == hf_shape[1]]
         if not cut or int(np.prod(per)) != hf_shape[0] * hf_shape[1]:

@@ -30,7 +30,7 @@ from reshard.layouts.base import Options, Source, TargetPlan, TargetSpec, stored
 from reshard.layouts.hf import planned_config
 from reshard.layouts.maxtext_read import half_to_interleaved
 from reshard.layouts.maxtext_scratch import bound_heap, release_freed
-from reshard.mapping.maxtext_names import embedding_factor, family_table, place, query_factor
+from reshard.mapping.maxtext_names import embedding_factor, family_table, maxtext_vocab, place, query_factor
 from reshard.version import __version__
 
 STAGING = ".maxtext-staging"
@@ -62,6 +62,7 @@ class LeafPlan:
     mul: float | None = None
     add: float | None = None
     members: list[Member] = field(default_factory=list)
+    vocab: int = 0  # the HF vocab rows of an embedding / head whose MaxText vocab differs (else 0)
 
 
 def per_layer_shape(tensor, model) -> tuple[int, ...]:
@@ -103,8 +104,10 @@ def _exact_power_of_two(value: float) -> bool:
     return mantissa == 0.5
 
 
-def plan_leaves(model, table, conv, config: dict, scan: bool, dtype_of, match: bool) -> list[LeafPlan]:
-    """Every leaf of the output, its dtype and chunks, and the canonical tensors that fill it."""
+def plan_leaves(model, table, conv, config: dict, scan: bool, dtype_of, match: bool,
+                vocab: int | None = None) -> list[LeafPlan]:
+    """Every leaf of the output, its dtype and chunks, and the canonical tensors that fill it; the embedding and
+    head hold ``vocab`` rows (MaxText's vocab_size) where given."""
     leaves: dict[str, LeafPlan] = {}
     for name, tensor in model.tensors.items():
         spec = tensor.spec
@@ -116,6 +119,9 @@ def plan_leaves(model, table, conv, config: dict, scan: bool, dtype_of, match: b
         per = per_layer_shape(tensor, model)
         if tensor.expert is not None:
             per = (model.num_experts, *per)
+        resized = vocab is not None and vocab != model.vocab_size and role in ("embedding", "lm_head")
+        if resized:
+            per = (vocab, per[1]) if role == "embedding" else (per[0], vocab)
         base = dtype_of(name)
         mul = add = None
         rope = model.head_dim if conv.rope == "interleaved" and role in ("q", "k") else 0
@@ -133,7 +139,8 @@ def plan_leaves(model, table, conv, config: dict, scan: bool, dtype_of, match: b
             shape = (per[0], at.stacked, *per[1:]) if at.index is not None else per
             chunks = chunks_of(shape, at.index is not None, tensor.expert is not None, dtypes.itemsize(dtype))
             leaf = leaves[at.leaf] = LeafPlan(at.leaf, shape, dtype, chunks, per,
-                                              len(tensor.shape) == 2 and role != "embedding", rope, mul, add)
+                                              len(tensor.shape) == 2 and role != "embedding", rope, mul, add,
+                                              vocab=model.vocab_size if resized else 0)
         file = f"{STAGING}/layer-{tensor.layer:05d}.safetensors" if tensor.layer is not None else \
             f"{STAGING}/top.safetensors"
         leaf.members.append(Member(name, file, at.index, tensor.expert))
@@ -152,9 +159,10 @@ def targets(source: Source, opts: Options, dtype: str) -> TargetPlan:
     name = opts.maxtext_model or source.info.get("maxtext", {}).get("model") or None
     conv = table.conventions(model.meaning.architecture, name, "--to maxtext")
     config, notes = planned_config(model, dtype, opts, "MaxText")
+    vocab = maxtext_vocab(conv, model.vocab_size, opts.maxtext_vocab_size, "vocab" in opts.allow_lossy_config)
     leaves = plan_leaves(model, table, conv, config, opts.scan_layers,
                          lambda n: stored_dtype(model, model.tensors[n].whole(), opts, dtype),
-                         opts.maxtext_match_converter)
+                         opts.maxtext_match_converter, vocab)
     staged_f32 = {m.name for leaf in leaves if leaf.mul is not None or leaf.add is not None for m in leaf.members}
     files: dict[str, list] = {}
     for leaf in leaves:
@@ -171,9 +179,19 @@ def targets(source: Source, opts: Options, dtype: str) -> TargetPlan:
         notes.append(f"{len(wide)} leaves written as {'float64' if dtype == 'F32' else 'float32'}, as {dtype} would "
                      "round their MaxText value (query pre-scale, Gemma's 1 + w and sqrt(H)) and lose the source "
                      f"on the way back; --maxtext-match-converter writes them in {dtype} as MaxText's to_maxtext does")
+    if vocab < model.vocab_size:  # the way back reads the truncated model: its provenance config says so
+        for part in (config, config.get("text_config")):
+            if isinstance(part, dict) and "vocab_size" in part:
+                part["vocab_size"] = vocab
+    if vocab != model.vocab_size:
+        notes.append(f"MaxText vocab_size {vocab}: the embedding{'' if model.tied else ' and head'} "
+                     + (f"padded with {vocab - model.vocab_size} zero rows" if vocab > model.vocab_size else
+                        f"truncated to {vocab} rows (tokens {vocab}..{model.vocab_size - 1} dropped, "
+                        "--allow-lossy-config vocab)") + f"; run MaxText with vocab_size={vocab}")
     notes.append(f"load it with load_parameters_path=<output>/{STEP}/items scan_layers={opts.scan_layers} "
                  f"(MaxText model {conv.model})")
-    state = {"leaves": leaves, "config": config, "scan": opts.scan_layers, "model": name or conv.model}
+    state = {"leaves": leaves, "config": config, "scan": opts.scan_layers, "model": name or conv.model,
+             "vocab": vocab}
     return TargetPlan(specs, state=state, notes=notes)
 
 
@@ -222,6 +240,26 @@ def bands(leaf: LeafPlan) -> list[tuple[int, int]]:
     return [(r, min(r + step, rows)) for r in range(0, rows, step)]
 
 
+def _band(leaf: LeafPlan, f, name: str, r0: int, r1: int):
+    """Rows ``[r0, r1)`` of a 2-D leaf outside the stack; an embedding or head of another vocab than the HF one:
+    the HF rows (columns of a kernel) cut at MaxText's vocab_size, then zero rows (columns) up to it."""
+    import torch
+
+    if leaf.kernel:
+        x = _ops(leaf, f.read(name, 1, r0, r1 - r0).t())
+        if leaf.vocab:
+            x = x[:, :leaf.shape[1]]
+            x = torch.cat([x, x.new_zeros(r1 - r0, leaf.shape[1] - x.shape[1])], 1) if x.shape[1] < leaf.shape[1] \
+                else x
+        return x.contiguous()
+    stop = min(r1, leaf.vocab) if leaf.vocab else r1
+    x = _ops(leaf, f.read(name, 0, r0, stop - r0)) if stop > r0 else None
+    if stop < r1:
+        pad = torch.zeros(r1 - stop, leaf.shape[1], dtype=dtypes.to_torch(leaf.dtype))
+        x = pad if x is None else torch.cat([x, pad])
+    return x
+
+
 def write_leaf(writer: ItemWriter, arr, leaf: LeafPlan, files: dict, out: str) -> None:
     """Every member of ``leaf`` into ``arr``: per layer; expert stacks one expert at a time; a 2-D leaf outside
     the stack (embedding, head) in row bands read from the staging file (a kernel's stored rows are HF columns)."""
@@ -232,8 +270,7 @@ def write_leaf(writer: ItemWriter, arr, leaf: LeafPlan, files: dict, out: str) -
             writer.write(arr, at, numpy_of(maxtext_value(leaf, f.read(m.name))))
         elif m.index is None and len(leaf.shape) == 2:
             for r0, r1 in bands(leaf):
-                x = f.read(m.name, 1, r0, r1 - r0).t() if leaf.kernel else f.read(m.name, 0, r0, r1 - r0)
-                writer.write(arr, (slice(r0, r1),), numpy_of(_ops(leaf, x)))
+                writer.write(arr, (slice(r0, r1),), numpy_of(_band(leaf, f, m.name, r0, r1)))
         else:
             at = (slice(None), m.index) if m.index is not None else ()
             writer.write(arr, at, numpy_of(maxtext_value(leaf, f.read(m.name))))
@@ -258,5 +295,6 @@ def finalize(out: str, source: Source, plan, state) -> None:
     shutil.rmtree(os.path.join(out, STAGING))
     commit_note(step)
     custom = {"scan_layers": state["scan"],
-              "reshard": {"version": __version__, "maxtext_model": state["model"], "hf_config": state["config"]}}
+              "reshard": {"version": __version__, "maxtext_model": state["model"], "hf_config": state["config"],
+                          "maxtext_vocab_size": state["vocab"]}}
     replace_with_text(os.path.join(step, "_CHECKPOINT_METADATA"), checkpoint_metadata(custom, time.time_ns()))

@@ -10,6 +10,7 @@ Spec: maxtext-orbax.md sections 3, 4 and 7.4. The table, in a family's mapping f
     query_scale = "head_dim"                     # q kernel * 1/sqrt(head_dim) | "query_pre_attn_scalar" | none
     norm_offset = 1.0                            # every RMSNorm scale stored as 1 + w (Gemma)
     embedding_scale = "f32_sqrt_hidden"          # embedding * sqrt(H) (Gemma 1/2) | "bf16_sqrt_hidden" (Gemma 3)
+    vocab = [256000, 256128]                     # [HF vocab, MaxText vocab_size] of the released models (4.5)
     [maxtext.weights]
     "model.layers.{layer}.self_attn.q_proj.weight" = "self_attention.query.kernel"
     "model.embed_tokens.weight" = "token_embedder.embedding"
@@ -29,7 +30,7 @@ from reshard.errors import MappingError, PlanError
 
 PREFIX = "params.params."
 STACKS = ("layers", "pairs", "pattern6", "dense_moe")
-MODEL_KEYS = {"architectures", "rope", "query_scale", "norm_offset", "embedding_scale"}
+MODEL_KEYS = {"architectures", "rope", "query_scale", "norm_offset", "embedding_scale", "vocab"}
 QUERY_SCALES = ("head_dim", "query_pre_attn_scalar")
 EMBEDDING_SCALES = ("f32_sqrt_hidden", "bf16_sqrt_hidden")
 LAYER_AXIS = 1  # MaxText's param_scan_axis (the only one read or written)
@@ -44,6 +45,7 @@ class Conventions:
     query_scale: str | None = None
     norm_offset: float = 0.0
     embedding_scale: str | None = None
+    vocab: tuple[int, int] | None = None  # (HF vocab, MaxText vocab_size) of the released models
 
     def key(self) -> tuple:
         return (self.rope, self.query_scale, self.norm_offset, self.embedding_scale)
@@ -99,7 +101,12 @@ def _conventions(name: str, entry: dict, source: str) -> tuple[Conventions, tupl
             (emb and emb not in EMBEDDING_SCALES):
         raise MappingError(f"{source}: [maxtext.models.\"{name}\"]: rope is half or interleaved, query_scale one of "
                            f"{QUERY_SCALES}, embedding_scale one of {EMBEDDING_SCALES}")
-    return (Conventions(name, rope, scale, float(entry.get("norm_offset", 0.0)), emb),
+    vocab = entry.get("vocab")
+    if vocab is not None and (not isinstance(vocab, list) or len(vocab) != 2
+                              or not all(isinstance(v, int) and v > 0 for v in vocab)):
+        raise MappingError(f"{source}: [maxtext.models.\"{name}\"] vocab is [HF vocab, MaxText vocab_size]")
+    return (Conventions(name, rope, scale, float(entry.get("norm_offset", 0.0)), emb,
+                        tuple(vocab) if vocab else None),
             tuple(entry.get("architectures", ())))
 
 
@@ -203,3 +210,21 @@ def embedding_factor(conv: Conventions, hidden: int) -> float | None:
 
         return float(torch.tensor(value, dtype=torch.float32).to(torch.bfloat16).float())
     return value
+
+
+def maxtext_vocab(conv: Conventions, hf_vocab: int, requested: int | None, lossy: bool) -> int:
+    """MaxText's ``vocab_size`` for a model of ``hf_vocab`` rows (section 4.5): ``requested``
+    (``--maxtext-vocab-size``), else the model name's (Gemma 1/2: 256000 -> 256128, Gemma 3: 262208 -> 262144) where
+    the HF vocab is the released one, else the HF vocab. Fewer rows than HF's drop tokens: refused unless
+    ``lossy`` (``--allow-lossy-config vocab``)."""
+    if requested is not None and (isinstance(requested, bool) or not isinstance(requested, int) or requested < 1):
+        raise PlanError(f"--maxtext-vocab-size {requested}: a whole number of rows, at least 1")
+    size = requested if requested is not None else conv.vocab[1] if conv.vocab and conv.vocab[0] == hf_vocab \
+        else hf_vocab
+    if size < hf_vocab and not lossy:
+        why = "--maxtext-vocab-size" if requested is not None else f"MaxText's {conv.model} vocab_size"
+        raise PlanError(f"{why} {size} is smaller than the model's vocab {hf_vocab}: writing it drops the embedding "
+                        f"rows of tokens {size}..{hf_vocab - 1} (as MaxText's to_maxtext truncates); pass "
+                        "--allow-lossy-config vocab to write it anyway, or --maxtext-vocab-size "
+                        f"{hf_vocab} to keep every row")
+    return size
