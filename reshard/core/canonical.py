@@ -87,7 +87,7 @@ class CanonicalModel:
     def holds_layer(self, spec: WeightSpec, layer: int) -> bool:
         """Whether ``layer`` has ``spec`` (sparse-only weights on MoE layers, dense-only ones elsewhere, MTP
         layers: MoE layers plus their own weights)."""
-        mixer_ok = not spec.mixer or layer >= len(self.mixers) or self.mixers[layer] == spec.mixer
+        mixer_ok = not spec.mixer or not self.mixers or mixer_at(self.mixers, layer) == spec.mixer
         return mixer_ok and spec.on_layer(layer in self.sparse_layers, layer in self.mtp_layers)
 
     @property
@@ -100,6 +100,12 @@ class CanonicalModel:
             return self.get(spec, None) is not None
         return any(self.get(spec, layer, 0 if spec.per_expert else None) is not None
                    for layer in self.all_layers if self.holds_layer(spec, layer))
+
+
+def mixer_at(mixers: tuple, layer: int) -> str | None:
+    """Layer ``layer``'s mixer kind; an MTP layer (after the decoder) has the last decoder layer's, as
+    megatron-core's MTP block builds it from the block's last layer spec (Qwen3-Next: full attention)."""
+    return mixers[min(layer, len(mixers) - 1)]
 
 
 def without_mtp(model: CanonicalModel) -> CanonicalModel:
@@ -160,7 +166,7 @@ def build_canonical(family: Family, config: dict, present_optional: set[str], ti
         for spec in family.weights:
             if not (spec.per_layer and wanted(spec) and spec.on_layer(layer in sparse, layer in mtp_layers)):
                 continue
-            if spec.mixer and layer < len(mixers) and mixers[layer] != spec.mixer:
+            if spec.mixer and mixers and mixer_at(mixers, layer) != spec.mixer:
                 continue
             for expert in range(experts) if spec.per_expert else [None]:
                 add(spec, layer, expert)

@@ -32,6 +32,7 @@ from reshard.layouts.hf_config import read_meaning, without_dropped_settings, wr
 from reshard.layouts.hf_spelling import respell_read, respell_write
 from reshard.layouts import llama4_text
 from reshard.layouts import ernie_rules
+from reshard.layouts import qwen3_next_mtp
 from reshard.layouts.vision import unused_tower_tensor
 from reshard.mapping_vlm import family_for_architecture, flat_view, nested
 from reshard.side_files import find_side_files
@@ -150,6 +151,7 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
     check_index(path, paths, files)
     file_names = _add_optional_prefix(family, where) if not family.multimodal else respell_read(family, where, notes)
     file_names.update(llama4_text.text_names(where, notes) if text_only else {})
+    file_names.update(qwen3_next_mtp.read_names(family, config, where))  # mtp.* -> model.layers.{L+k}
     fused = any(match_template(family, n, fused=True) is not None and match_template(family, n, stored=True) is None
                 for n in where)
     matched, dropped = {}, []
@@ -324,6 +326,7 @@ def targets(model: CanonicalModel, opts: Options) -> list[TargetSpec]:
         return dtypes.itemsize(t.dtype or opts.dtype or model.dtypes[t.pieces[0].canonical]) * math.prod(t.shape)
 
     tensors = respell_write(model.family, fp8.keep_dtypes(model, hf_tensors(model)), opts.hf_spelling)
+    tensors = qwen3_next_mtp.write_names(model, tensors)
     tensors = ernie_rules.file_shapes(model, tensors)
     shards = pack_by_size(tensors, nbytes, opts.max_shard_size)
     if len(shards) == 1:
