@@ -21,7 +21,7 @@ from reshard.layouts import ernie_rules
 from reshard.layouts.base import SOURCE_OPTIONS, Options, Source, escapes_source, stored_dtype
 from reshard.layouts.registry import get_layout, refuse_unused_options
 from reshard.side_files import prune_auto_map
-from reshard.staging import check_destination, staged_output
+from reshard.staging import check_destination, scratch_in, staged_output
 
 
 @dataclass
@@ -267,7 +267,8 @@ def convert_here(source: Source, plan: Plan, state, dst: str, overwrite: bool, p
     if used < workers:
         reason += f"; {used} used (the output has {used} part{'s' if used > 1 else ''} to split)"
     with staged_output(source.root, dst, overwrite) as staging:  # lock, stage, publish by rename (staging.py)
-        execute(plan, source.files, staging, progress=progress, workers=workers)
+        with scratch_in(source.files, staging):  # a source's scratch (maxtext's unstack pass) on the output's disk
+            execute(plan, source.files, staging, progress=progress, workers=workers)
         finish_output(source, staging, plan, state, opts)
     return used, reason
 

@@ -25,7 +25,7 @@ import glob
 import os
 import shutil
 import tempfile
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 from reshard.errors import OutputError, PlanError, ReshardError, os_error_message
 from reshard.pause_points import pause_point
@@ -193,3 +193,14 @@ def staged_output(src: str, dst: str, overwrite: bool):
             lock.release()
     except OSError as exc:
         raise OutputError(os_error_message(exc, f"converting {src} into {dst}")) from exc
+
+
+@contextmanager
+def scratch_in(files, staging: str):
+    """Source files that keep a scratch folder (``scratch_in(folder)``: maxtext's unstack pass) keep it inside
+    ``staging`` while the block runs; each removes it when the block ends, before the output is published."""
+    with ExitStack() as stack:
+        for f in files:
+            if hasattr(f, "scratch_in"):
+                stack.enter_context(f.scratch_in(staging))
+        yield

@@ -237,3 +237,48 @@ def test_nnx_post_training_tree(llama, tmp_path):
     step = write_checkpoint(str(tmp_path / "sft"), leaves, scan=False, item="model_params",
                             custom={"reshard": {"maxtext_model": "llama2-7b"}})
     assert same_state(convert_hf(step, tmp_path / "out", tmp / "hf" / "config.json"), sd)
+
+
+def test_unstack_scratch_in_staging_folder(llama, tmp_path, monkeypatch):
+    """Spec 7.3: a conversion's unstack pass writes its scratch inside the output's staging folder (the output's
+    disk), not $RESHARD_SCRATCH; it is gone after a successful run (the output holds none of it) and after an
+    interrupted one (nothing of the output either); inspect / verify keep $RESHARD_SCRATCH."""
+    from reshard.layouts.maxtext_scratch import Scratch
+
+    tmp, cfg, sd = llama
+    step = scanned(llama, tmp_path, split=2)
+    elsewhere = tmp_path / "scratch-env"
+    elsewhere.mkdir()
+    monkeypatch.setenv("RESHARD_SCRATCH", str(elsewhere))
+    seen = []
+    unstack = Scratch.unstack
+
+    def spy(self, item, leaf, stacked=True):
+        seen.append((self.folder, sorted(os.listdir(self.folder))))
+        return unstack(self, item, leaf, stacked)
+
+    monkeypatch.setattr(Scratch, "unstack", spy)
+    got = convert_hf(step, tmp_path / "out", tmp / "hf" / "config.json")
+    assert same(got["model.layers.1.mlp.up_proj.weight"], sd["model.layers.1.mlp.up_proj.weight"])
+    folders = {os.path.dirname(f) for f, _ in seen}
+    assert len(folders) == 1 and os.path.basename(folders.pop()).startswith(".out.reshard-partial-")
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
+    assert not any(os.path.exists(f) for f, _ in seen) and os.listdir(elsewhere) == []
+
+    def interrupted(self, item, leaf, stacked=True):
+        seen.append((self.folder, None))
+        unstack(self, item, leaf, stacked)
+        raise KeyboardInterrupt  # Ctrl-C in the middle of the pass, a scratch file written
+
+    monkeypatch.setattr(Scratch, "unstack", interrupted)
+    seen.clear()
+    with pytest.raises(KeyboardInterrupt):
+        reshard.convert(step, str(tmp_path / "out2"), to="hf", config=str(tmp / "hf" / "config.json"))
+    assert seen and not os.path.exists(seen[0][0]) and not (tmp_path / "out2").exists()
+    assert [n for n in os.listdir(tmp_path) if "reshard" in n] == []  # no staging folder, no lock left
+
+    monkeypatch.setattr(Scratch, "unstack", spy)
+    seen.clear()
+    reshard.verify(step, str(tmp_path / "out"), config=str(tmp / "hf" / "config.json"))
+    assert seen and all(os.path.dirname(f) == str(elsewhere) for f, _ in seen)
+    assert os.listdir(elsewhere) == []

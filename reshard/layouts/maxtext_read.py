@@ -111,6 +111,11 @@ class MaxTextFile(TensorFile):
         self.scratch.close()
         self._last = None
 
+    def scratch_in(self, staging: str):
+        """A context manager: the unstack pass's scratch inside ``staging`` (the output's staging folder, section
+        7.3) while a conversion writes; removed when it ends."""
+        return self.scratch.placed_in(staging)
+
     def extents(self, name: str) -> list[tuple[int, int, int]]:
         return []  # TensorStore reads; no read-ahead advice
 

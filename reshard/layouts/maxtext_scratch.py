@@ -2,9 +2,11 @@
 
 A stacked leaf whose chunks span several layers is decoded once, chunk box by chunk box (memory: one decoded
 chunk), into one file per leaf: the layers one after another, each in C order, in the stored dtype; a leaf outside
-the stack whose chunks are not row bands is laid out in C order the same way. The folder (under
-``$RESHARD_SCRATCH`` or the system temp folder; free space = those leaves) is created on first use, locked per leaf,
-and removed when the opening process closes the source.
+the stack whose chunks are not row bands is laid out in C order the same way. The folder (free space = those
+leaves) is created on first use and locked per leaf. While a conversion writes (:meth:`Scratch.placed_in`) it is
+inside the output's staging folder — on the output's disk, removed when the writing ends however it ends, and with
+the staging folder by the next run if the process is killed; otherwise (inspect, verify, digests) under
+``$RESHARD_SCRATCH`` or the system temp folder, removed when the opening process closes the source.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import math
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -60,12 +63,27 @@ class Scratch:
 
     def __init__(self):
         self.owner = os.getpid()
-        base = os.environ.get("RESHARD_SCRATCH") or tempfile.gettempdir()
-        name = f"reshard-maxtext-{os.getpid()}-{next(tempfile._get_candidate_names())}"
-        self.folder: str | None = os.path.join(base, name)  # created on the first unstack
+        self.folder: str | None = self._new_folder(None)  # created on the first unstack
         self.fds: dict[str, int] = {}
         self.files: dict[str, TensorFile] = {}
         self.pid = os.getpid()
+
+    @staticmethod
+    def _new_folder(base: str | None) -> str:
+        base = base or os.environ.get("RESHARD_SCRATCH") or tempfile.gettempdir()
+        return os.path.join(base, f"reshard-maxtext-{os.getpid()}-{next(tempfile._get_candidate_names())}")
+
+    @contextmanager
+    def placed_in(self, base: str):
+        """The scratch folder under ``base`` (a conversion's staging folder) while the block runs, removed when it
+        ends — returning, raising or interrupted — so that the published output never holds it; afterwards a
+        fresh one under ``$RESHARD_SCRATCH`` / the temp folder."""
+        self.close()
+        self.folder = self._new_folder(base)
+        try:
+            yield self.folder
+        finally:
+            self.close()
 
     def _path(self, leaf: str, ext: str) -> str:
         return os.path.join(self.folder, leaf + ext)
@@ -79,7 +97,7 @@ class Scratch:
         self.fds, self.files, self.pid = {}, {}, os.getpid()
         if self.folder and os.getpid() == self.owner:
             shutil.rmtree(self.folder, ignore_errors=True)
-            self.folder = None
+            self.folder = self._new_folder(None)  # a later read (verify after the conversion) starts afresh
 
     def ensure(self, item: Item, leaf: str, stacked: bool = True) -> None:
         """Unstack ``leaf`` (``stacked`` False: lay it out in C order) unless this or another process already has."""
