@@ -144,3 +144,38 @@ def test_vllm_back_to_hf_is_the_main_model_bit_exact(src, chain):
     assert sorted(back) == sorted(source)
     assert all(torch.equal(back[k], source[k]) for k in source)
     assert config_of(out["hf_v"])["num_nextn_predict_layers"] == 0
+
+
+@pytest.mark.slow
+def test_megatron_core_builds_this_mtp_block_and_loads_it_strictly(src, chain, tmp_path):
+    """megatron-core 0.16.1 (tests/mcore_qwen3_next_mtp_harness.py: the Qwen3-Next CPU build plus its own
+    get_gpt_mtp_block_spec for the args' mtp_num_layers) loads reshard's torch_dist strictly at tp2 ep2 etp1; each
+    rank's mtp.* parameters have the names and shapes of reshard's Megatron rank files (the local spec's
+    transformer_layer.input_layernorm is the TE spec's linear_qkv.layer_norm_weight) and their values; the experts,
+    whole at etp1, are HF's [gate; up] and down of the rank's experts."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'reshard[test]')")
+    from test_mcore_dist_fixtures import run_harness
+
+    out, _ = chain
+    torch.save(torch.tensor([[1, 2, 3]]), tmp_path / "ids.pt")
+    harness = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mcore_qwen3_next_mtp_harness.py")
+    run_harness(harness, "load", "--ids", tmp_path / "ids.pt", "--tp", 2, "--ep", 2, "--etp", 1,
+                out["torch_dist"], tmp_path / "mc.pt", timeout=300)
+    hf, p = hf_state(src), "mtp.layers.0.transformer_layer."
+    experts = f"{p}mlp.experts.local_experts."
+    for r in range(TP):
+        mc = torch.load(tmp_path / f"mc.pt.rank{r}", weights_only=True)
+        mc = {k.replace(p + "input_layernorm.weight", p + "self_attention.linear_qkv.layer_norm_weight"): v
+              for k, v in mc.items()}
+        ours = {k: v for k, v in _rank(out, r)["model"].items()
+                if k.startswith("mtp.") and isinstance(v, torch.Tensor)}
+        assert sorted(mc) == sorted(ours) and len(mc) == 18
+        for k in mc:
+            if k.startswith(experts):
+                local, fc = int(k[len(experts):].split(".")[0]), k.rsplit(".", 2)[1]
+                e = f"mtp.layers.0.mlp.experts.{2 * r + local}."
+                want = hf[e + "down_proj.weight"] if fc == "linear_fc2" else \
+                    torch.cat([hf[e + "gate_proj.weight"], hf[e + "up_proj.weight"]])
+                assert torch.equal(mc[k], want), (r, k)
+            else:
+                assert mc[k].shape == ours[k].shape and torch.equal(mc[k], ours[k]), (r, k)
