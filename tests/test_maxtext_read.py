@@ -57,6 +57,15 @@ def test_storage_variants_read_bit_exact(llama, tmp_path, ocdbt, zarr3, scan, sp
     info = reshard.inspect(step, config=str(tmp / "hf" / "config.json"))
     unstack = info["maxtext"]["unstack_pass"]
     assert unstack.startswith("yes") == bool(scan and layer_chunk != 1)
+    listed = info["maxtext"]["leaves"]  # spec 7.2: each leaf's chunk shape (as written above)
+    assert sorted(listed) == sorted(n[len(P):] for n in leaves)
+    for name, x in leaves.items():
+        chunks = list(x.shape)
+        if chunks and split > 1 and chunks[0] % split == 0:
+            chunks[0] //= split
+        if layer_chunk and scan and "decoder.layers." in name and len(chunks) > 1:
+            chunks[1] = layer_chunk
+        assert f" {list(x.shape)} chunks {chunks} " in listed[name[len(P):]], (name, listed[name[len(P):]])
 
 
 def test_llama31_rope_and_inexact_scale(tmp_path):

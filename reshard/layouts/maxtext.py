@@ -48,7 +48,7 @@ class MaxTextLayout(Layout):
         finalize(out, source, plan, state)
 
     def describe(self, source: Source) -> dict:
-        from reshard.layouts.maxtext_source import unstack_leaves
+        from reshard.layouts.maxtext_source import leaf_chunks, unstack_leaves
 
         info = dict(source.info.get("maxtext", {}))
         if source.info.get("dropped"):
@@ -57,6 +57,7 @@ class MaxTextLayout(Layout):
             leaves = unstack_leaves(source)
             info["unstack_pass"] = (f"yes: the chunks of {len(leaves)} stacked leaves span several layers "
                                     "(decoded once into a scratch file)") if leaves else "no"
+            info["leaves"] = leaf_chunks(source.files[0].item)
         items = info.get("items")
         on_disk = sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(items) for n in names) \
             if items else None

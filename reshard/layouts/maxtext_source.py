@@ -160,3 +160,13 @@ def unstack_leaves(source: Source) -> list[str]:
     f = source.files[0]
     return sorted({r.leaf for r in f.recipes.values() if r.layer is not None and f.needs_unstack(r.leaf)})
 
+
+
+def leaf_chunks(item: Item) -> dict[str, str]:
+    """Each parameter leaf (``params.params.`` dropped) as ``DTYPE [shape] chunks [chunk shape] CODEC`` (section
+    7.2: what a layer read decodes)."""
+    out = {}
+    for name in sorted(n for n in item.paths if n.startswith(PREFIX)):
+        leaf = item.leaf(name)
+        out[name[len(PREFIX):]] = f"{leaf.dtype} {list(leaf.shape)} chunks {list(leaf.chunks)} {leaf.codec}"
+    return out
