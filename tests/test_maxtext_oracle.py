@@ -12,7 +12,10 @@ exact): argmax equal (MaxText's own ``to_maxtext`` output misses token 7) and at
 (``attend_on_embedding``, maxtext/layers/embeddings.py, 0.2.5), so ``E * sqrt(32)`` rounds there while the input
 lookup uses reshard's exact float32 value; hence the 2e-3 bound against plain transformers, and a second reference,
 transformers with its lm_head set to ``bf16(E * sqrt(H)) / sqrt(H)`` (untied, the input embedding left exact), which
-MaxText must match to 2e-5 (measured 4e-7). And MaxText's trainer runs 2 steps from reshard's
+MaxText must match to 2e-5 (measured 4e-7). MaxText runs with each fixture's own vocab_size (Gemma 2: 320 for HF's
+256; reshard pads with zero rows, ``--maxtext-vocab-size``, whose logits must be 0). ``--dtype fp32`` (float64 q
+leaves, Gemma's float64 norms and embedding): MaxText loads them; measured 8.9e-8 (Llama-3.1), 1.66e-3 (Gemma 2,
+the bf16 tied logits). And MaxText's trainer runs 2 steps from reshard's
 Llama-3.1 output (``train.py load_parameters_path=<out>/0/items``, fp32, synthetic data): exit 0, finite losses near
 ln(V), and its step-0 loss equals transformers' cross-entropy on the trainer's own synthetic batch (so the trainer
 started from the converted weights, not from a random initialisation).
@@ -74,16 +77,18 @@ def fixture(case: str) -> tuple[str, dict]:
 
 
 def overrides(path: str, meta: dict) -> list[str]:
-    """The fixture's MaxText overrides, with vocab_size = the HF one: reshard does not add MaxText's vocabulary
-    padding (Gemma 2's fixture pads 256 to 320), so MaxText's vocab_size is set to the model's own (docs/maxtext.md)."""
-    with open(os.path.join(path, "hf", "config.json")) as f:
-        vocab = json.load(f)["vocab_size"]
-    return [o for o in meta["maxtext_overrides"] if not o.startswith("vocab_size=")] + [f"vocab_size={vocab}"]
+    """The fixture's MaxText overrides as MaxText was run with them, its vocab_size included (Gemma 2's fixture:
+    320 for HF's 256; reshard writes that many rows, ``--maxtext-vocab-size``)."""
+    return list(meta["maxtext_overrides"])
+
+
+def mt_vocab(meta: dict) -> int | None:
+    return next((int(o.split("=", 1)[1]) for o in meta["maxtext_overrides"] if o.startswith("vocab_size=")), None)
 
 
 def convert(path: str, meta: dict, out: str, scan: bool) -> str:
     reshard.convert(os.path.join(path, "hf"), out, to="maxtext", maxtext_model=meta["maxtext_model_name"],
-                    scan_layers=scan)
+                    scan_layers=scan, maxtext_vocab_size=mt_vocab(meta))
     return os.path.join(out, "0", "items")
 
 
@@ -117,7 +122,9 @@ def test_maxtext_forward_on_reshard_output(case, scan, mt_python, tmp_path):
     want = ref["transformers"]
     assert ref["input_ids"].tolist() == [meta["forward"]["tokens"]]  # the ids the MaxText side feeds
     got = np.load(tmp_path / "logits.npy")
-    assert got.shape == want.shape
+    assert got.shape[:-1] == want.shape[:-1] and got.shape[-1] == (mt_vocab(meta) or want.shape[-1])
+    assert not got[..., want.shape[-1]:].any()  # the zero rows reshard pads MaxText's vocab with: logits 0
+    got = got[..., :want.shape[-1]]
     diff = float(np.abs(got - want).max())
     own = float(np.abs(ref[f"maxtext_{'scan' if scan else 'unscan'}"][:, :want.shape[1]] - want).max())
     print(f"\n{case} {'scan' if scan else 'unscan'}: max |MaxText forward on reshard's output - transformers| = "
@@ -129,6 +136,35 @@ def test_maxtext_forward_on_reshard_output(case, scan, mt_python, tmp_path):
         tied = float(np.abs(got - gemma_bf16_logits_head(path, ref["input_ids"])).max())
         print(f"gemma2: vs transformers with the lm_head MaxText's bf16 logits projection sees: {tied:.3g}")
         assert tied <= 2e-5
+
+
+@pytest.mark.parametrize("case", ["llama31", "gemma2"])
+def test_maxtext_forward_on_float32_output(case, mt_python, tmp_path):
+    """``--dtype fp32``: the leaves whose MaxText value float32 would round (q pre-scaled by 1/sqrt(12); Gemma's
+    1 + w norms and E * sqrt(H)) are written as float64; MaxText 0.2.5 loads them (cast to its fp32 weight_dtype)
+    and its forward matches transformers' fp32 logits as the bf16 output does (Llama-3.1 <= 2e-5; Gemma 2 within
+    the bf16 tied-logits bound, module docstring)."""
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from reshard.io.orbax_store import Item
+
+    path, meta = fixture(case)
+    out = tmp_path / "mt"
+    reshard.convert(os.path.join(path, "hf"), str(out), to="maxtext", maxtext_model=meta["maxtext_model_name"],
+                    maxtext_vocab_size=mt_vocab(meta), dtype="fp32")
+    item = Item(str(out / "0" / "items"))
+    kinds = {item.leaf(n).dtype for n in item.paths if n.startswith("params.")}
+    assert kinds == {"F32", "F64"}, kinds
+    run_mt(mt_python, "forward", str(tmp_path / "forward.log"), items=str(out / "0" / "items"),
+           model_name=meta["maxtext_model_name"], overrides=overrides(path, meta), scan=True,
+           scratch=str(tmp_path / "scratch"), save=str(tmp_path / "logits.npy"))
+    want = load_file(os.path.join(path, "logits.safetensors"))["transformers"]
+    got = np.load(tmp_path / "logits.npy")[..., :want.shape[-1]]
+    diff = float(np.abs(got - want).max())
+    print(f"\n{case} fp32 (float64 leaves): max |MaxText forward - transformers| = {diff:.3g}")
+    assert diff <= TOLERANCE[case]
+    assert (got.argmax(-1) == want.argmax(-1)).all()
 
 
 def gemma_bf16_logits_head(path: str, input_ids):
@@ -161,7 +197,7 @@ def test_maxtext_trains_from_reshard_output(mt_python, tmp_path):
                  tokens=str(tmp_path / "tokens.npy"))
     losses = {int(s): float(v) for s, v in re.findall(r"completed step: (\d+),.*? loss: ([-+\w.]+),", log)}
     assert sorted(losses) == list(range(TRAIN_STEPS)), log[-3000:]
-    vocab = int(ov[-1].split("=")[1])
+    vocab = mt_vocab(meta)
     tokens = torch.from_numpy(np.load(tmp_path / "tokens.npy")).long()
     assert tokens.shape == (1, TRAIN_SEQ + 1)
     model = transformers.LlamaForCausalLM.from_pretrained(os.path.join(path, "hf"), dtype=torch.float32).eval()
