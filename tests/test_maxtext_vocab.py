@@ -89,3 +89,20 @@ def test_untied_padding_and_lossy_truncation(tmp_path):
     reshard.convert(str(tmp_path / "g2"), str(tmp_path / "g2hf"), to="hf")
     got, want = _load(str(tmp_path / "g2hf")), _load(g2)
     assert got["model.embed_tokens.weight"].equal(want["model.embed_tokens.weight"][:200])
+
+
+@pytest.mark.slow
+def test_maxtext_to_maxtext_keeps_the_vocab(tmp_path):
+    """A MaxText source's vocab_size (to_maxtext's Gemma 2 fixture: 320 rows) is the default of the MaxText it is
+    written to: the zero rows stay, the provenance records 320, and the HF rows equal the source's."""
+    from reshard.io.orbax_store import Item
+    from reshard.layouts.maxtext_folders import locate
+
+    path = os.path.join(FIXTURES, "gemma2")
+    src = os.path.join(path, "maxtext_scan")
+    reshard.convert(src, str(tmp_path / "mt"), to="maxtext", config=os.path.join(path, "hf", "config.json"),
+                    maxtext_model="gemma2-2b", maxtext_match_converter=True)
+    leaf = "params.params.token_embedder.embedding"
+    ours, theirs = Item(str(tmp_path / "mt" / "0" / "items")).read(leaf), Item(os.path.join(src, "0", "items")).read(leaf)
+    assert ours.shape == theirs.shape == (320, 32) and ours.tobytes() == theirs.tobytes()
+    assert locate(str(tmp_path / "mt"), None).custom["reshard"]["maxtext_vocab_size"] == 320

@@ -150,8 +150,10 @@ def open_source(root: str, opts: Options) -> Source:
     source.layout = NAME
     source.root = root
     source.info["notes"] = notes + source.info.get("notes", [])
+    rows = [item.leaf(recipes[n].leaf).shape[0] for n, t in model.tensors.items() if t.spec.role == "embedding"]
     source.info["maxtext"] = {"items": loc.items, "step": loc.step, "scan_layers": scan,
-                              "model": conv.model, "ocdbt": item.ocdbt, "zarr3": item.zarr3}
+                              "model": conv.model, "ocdbt": item.ocdbt, "zarr3": item.zarr3,
+                              "vocab_size": rows[0] if rows else None}  # MaxText's (padding included)
     source.info["read_options"] = ("config", "tag")
     return source
 

@@ -159,7 +159,8 @@ def targets(source: Source, opts: Options, dtype: str) -> TargetPlan:
     name = opts.maxtext_model or source.info.get("maxtext", {}).get("model") or None
     conv = table.conventions(model.meaning.architecture, name, "--to maxtext")
     config, notes = planned_config(model, dtype, opts, "MaxText")
-    vocab = maxtext_vocab(conv, model.vocab_size, opts.maxtext_vocab_size, "vocab" in opts.allow_lossy_config)
+    requested = opts.maxtext_vocab_size or source.info.get("maxtext", {}).get("vocab_size")  # MaxText -> MaxText
+    vocab = maxtext_vocab(conv, model.vocab_size, requested, "vocab" in opts.allow_lossy_config)
     leaves = plan_leaves(model, table, conv, config, opts.scan_layers,
                          lambda n: stored_dtype(model, model.tensors[n].whole(), opts, dtype),
                          opts.maxtext_match_converter, vocab)
