@@ -179,3 +179,34 @@ def test_megatron_core_builds_this_mtp_block_and_loads_it_strictly(src, chain, t
                 assert torch.equal(mc[k], want), (r, k)
             else:
                 assert mc[k].shape == ours[k].shape and torch.equal(mc[k], ours[k]), (r, k)
+
+
+def _with_config(src, folder, **changes) -> str:
+    import shutil
+
+    shutil.copytree(src, folder)
+    config = {**config_of(folder), **changes}
+    config = {k: v for k, v in config.items() if v is not None}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    return str(folder)
+
+
+def test_without_the_config_key_the_head_is_dropped_with_a_note_naming_it(src, tmp_path, capsys):
+    from helpers import run_cli
+
+    folder = _with_config(src, tmp_path / "nokey", num_nextn_predict_layers=None)
+    code, out, err = run_cli(capsys, "convert", folder, tmp_path / "m", "--to", "megatron", "--tp", 2, "--dry-run")
+    text = out + err
+    assert code == 0 and "dropped 29 tensors under 'mtp.'" in text and "declares num_nextn_predict_layers" in text, \
+        text
+
+
+def test_two_mtp_layers_are_refused_in_one_line(src, tmp_path, capsys):
+    """Qwen3-Next's head has one fc / norm set for all its MTP layers; Megatron's MTP layers each have their own."""
+    from helpers import run_cli
+
+    folder = _with_config(src, tmp_path / "two", num_nextn_predict_layers=2)
+    code, _, err = run_cli(capsys, "convert", folder, tmp_path / "m", "--to", "megatron", "--tp", 2)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "num_nextn_predict_layers = 2" in err, err
+    assert not os.path.exists(tmp_path / "m")

@@ -169,7 +169,7 @@ def build_source(path: str, config: dict, files: list[TensorFile], opts: Options
     ernie_rules.read_views(family, files, where, file_names, matched)  # hf_shape: the canonical shape
     if dropped:
         notes.append(f"dropped {len(dropped)} tensors under '{family.hf_drop_prefix}' (e.g. {dropped[0]}): mapping "
-                     f"'{family.name}' does not carry them")
+                     f"'{family.name}' does not carry them{qwen3_next_mtp.drop_hint(family)}")
         where = {n: i for n, i in where.items() if n not in set(dropped)}
     check_counts(family, config, {layer for _, layer in matched.values()},  # before anything per layer is built
                  {n: files[where[n]].tensors[file_names.get(n, n)].shape for n in matched},

@@ -21,6 +21,7 @@ from reshard.layouts import phi3_rope
 from reshard.layouts import cohere_rules
 from reshard.layouts import llama4_rules
 from reshard.layouts import ernie_rules
+from reshard.layouts import qwen3_next_mtp
 from reshard.mapping import ACTIVATIONS, BIAS_GROUPS, Family, with_defaults
 from reshard.mapping.schema import MULTIPLIER_KEYS
 
@@ -308,7 +309,7 @@ def write_config(meaning: ModelConfig, base: dict | None, family: Family, loss: 
     _write_window(c, meaning, spelling.window, loss)
     gpt_oss_rules.write_hf(c, meaning, loss)
     write_moe(c, meaning, family, loss)
-    if family.mtp:
+    if family.mtp and not qwen3_next_mtp.unstated(family, base, meaning.mtp_layers):
         c[family.mtp["layers"]] = meaning.mtp_layers
     elif meaning.mtp_layers:
         loss.cannot("mtp_layers", meaning.mtp_layers, f"{meaning.architecture} has no multi-token-prediction layers")

@@ -72,6 +72,19 @@ def read_names(family, config: dict, where: dict[str, int]) -> dict[str, str]:
     return renamed
 
 
+def unstated(family, base: dict | None, mtp_layers: int) -> bool:
+    """Whether the HF writer leaves the MTP count out: Qwen3NextConfig has no such key, so a source config.json
+    without one and no MTP layers is written without it (kept verbatim)."""
+    return family.name == FAMILY and not mtp_layers and family.mtp["layers"] not in (base or {})
+
+
+def drop_hint(family) -> str:
+    """What the note on a dropped ``mtp.*`` head adds: the config key that carries it."""
+    if family.name != FAMILY or not family.mtp:
+        return ""
+    return f" unless config.json declares {family.mtp['layers']} (then they are carried as MTP layers)"
+
+
 def write_names(model, tensors: list) -> list:
     """``tensors`` (HF stored tensors) with the MTP layers' ones under their released ``mtp.*`` names."""
     if model.family.name != FAMILY or not model.mtp_layers:
