@@ -210,3 +210,24 @@ def test_two_mtp_layers_are_refused_in_one_line(src, tmp_path, capsys):
     code, _, err = run_cli(capsys, "convert", folder, tmp_path / "m", "--to", "megatron", "--tp", 2)
     assert code == 2 and len(err.strip().splitlines()) == 1 and "num_nextn_predict_layers = 2" in err, err
     assert not os.path.exists(tmp_path / "m")
+
+
+def test_load_rank_and_live_plan_carry_the_head(src):
+    """load_rank to Megatron holds the MTP block (eh_proj = mtp.fc's rows); live.plan megatron tp2 ep2 -> megatron
+    tp1 moves it, megatron -> vllm leaves it out with a note."""
+    import reshard
+    from reshard import live
+
+    hf = hf_state(src)
+    rank = reshard.load_rank(src, "megatron", tp=2, ep=2, rank=1, ep_rank=1)
+    assert torch.equal(rank["mtp.layers.0.eh_proj.weight"], hf["mtp.fc.weight"][H // 2:])
+    assert torch.equal(rank["mtp.layers.0.transformer_layer.mlp.experts.local_experts.1.linear_fc2.weight"],
+                       hf["mtp.layers.0.mlp.experts.3.down_proj.weight"][:, 16:])
+    plan = live.plan(src, source={"layout": "megatron", "tp": 2, "ep": 2}, target={"layout": "megatron", "tp": 1},
+                     source_ranks=range(4), target_ranks=range(4, 5))
+    names = {t.name for rank in plan.targets for t in rank}
+    assert {"mtp.layers.0.enorm.weight", "mtp.layers.0.transformer_layer.self_attention.linear_qkv.weight"} <= names
+    plan = live.plan(src, source={"layout": "megatron", "tp": 2, "ep": 2}, target={"layout": "vllm", "tp": 2},
+                     source_ranks=range(4), target_ranks=range(4, 6))
+    assert not any(t.name.startswith("mtp.") for rank in plan.targets for t in rank)
+    assert any("left out 1 MTP" in n for n in plan.notes), plan.notes
