@@ -159,7 +159,8 @@ def targets(source: Source, opts: Options, dtype: str) -> TargetPlan:
     name = opts.maxtext_model or source.info.get("maxtext", {}).get("model") or None
     conv = table.conventions(model.meaning.architecture, name, "--to maxtext")
     config, notes = planned_config(model, dtype, opts, "MaxText")
-    requested = opts.maxtext_vocab_size or source.info.get("maxtext", {}).get("vocab_size")  # MaxText -> MaxText
+    requested = opts.maxtext_vocab_size if opts.maxtext_vocab_size is not None else \
+        source.info.get("maxtext", {}).get("vocab_size")  # MaxText -> MaxText: the source's
     vocab = maxtext_vocab(conv, model.vocab_size, requested, "vocab" in opts.allow_lossy_config)
     leaves = plan_leaves(model, table, conv, config, opts.scan_layers,
                          lambda n: stored_dtype(model, model.tensors[n].whole(), opts, dtype),
