@@ -24,21 +24,7 @@ with GQA (local q head j reads local KV head ``j // (local q heads / local KV he
 window; final norm; vocab-parallel head whose logits are all-gathered over the padded vocab. Row-parallel biases are
 added once, after the all-reduce. Everything is computed in ``compute_dtype`` (fp32 by default). Weights that the
 features need must be present and weights no feature uses must be absent (:func:`.layer_checks.check_features`).
-
-Multi-head latent attention (DeepSeek-V2 / V3, ``kv_lora_rank > 0``), computed naively as transformers does (not
-absorbed)::
-
-    q = q_b(rms(q_a(x)))  or  q(x)                 per local head [q_nope(dn) | q_rope(dr)]
-    [latent(rkv) | k_rope(dr)] = kv_a(x);  latent = rms(latent)
-    kv_b(latent)                                   per local head [k_nope(dn) | v(dv)]
-    attention([q_nope | rope(q_rope)], [k_nope | rope(k_rope)], v) * (dn + dr) ** -0.5 * m ** 2;  o; all-reduce
-
-RoPE there rotates interleaved pairs (2i, 2i+1) of the dr dims (one k_rope shared by every head), the MLA norms
-use eps 1e-6 (transformers' ``DeepseekV3RMSNorm`` default, whatever ``rms_norm_eps``), and yarn's ``mscale_all_dim``
-gives ``m`` (1 otherwise). q_a / kv_a held as row blocks (Megatron's local spec) are applied per rank and their
-outputs all-gathered. Routing (:func:`route`): softmax or sigmoid scores in fp32, a selection bias added for the
-choice only, group-limited top-k, the chosen unbiased scores renormalised when the family does, times
-``router_scaling``; shared experts are added unscaled (gated only with ``shared_expert_gate``).
+Multi-head latent attention: :mod:`.mla`; Mixture-of-Experts routing and experts: :mod:`.moe`.
 """
 
 from __future__ import annotations
@@ -47,35 +33,19 @@ import functools
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from reshard.errors import ReshardError
 from reshard.verification.forward import cohere_ops, llama4_layer, ministral3_ops
-from reshard.verification.forward import gpt_oss_ops
 from reshard.verification.forward import gated_deltanet, mamba2
+from reshard.verification.forward import gpt_oss_ops
 from reshard.verification.forward.layer_checks import ACTIVATION_FUNCTIONS, check_features
+from reshard.verification.forward.mla import MLA_NORM_EPS, mla_attention, mla_down  # noqa: F401 (re-exported)
+from reshard.verification.forward.moe import moe, route  # noqa: F401 (re-exported)
+from reshard.verification.forward.norms import layer_norm, norm, projection_rms_norm, rms_norm  # noqa: F401
 from reshard.verification.forward.rank_weights import DecoderConfig, LayerWeights, RankWeights
-from reshard.verification.forward.rope import apply_rope, mla_softmax_scale, rope_cos_sin, rotate_pairs
-
-
-class TPGroup:
-    """The tensor-parallel group a decoder runs over; ``size == 1`` needs no process group at all."""
-
-    def __init__(self, size: int = 1, group=None):
-        self.size, self.group = size, group
-
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
-        return t
-
-    def gather_last_dim(self, t: torch.Tensor) -> torch.Tensor:
-        if self.size == 1:
-            return t
-        parts = [torch.empty_like(t) for _ in range(self.size)]
-        dist.all_gather(parts, t.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
+from reshard.verification.forward.rope import apply_rope, rope_cos_sin, rotate_pairs
+from reshard.verification.forward.tp_group import TPGroup
 
 
 @dataclass
@@ -84,47 +54,6 @@ class ForwardOutput:
 
     logits: torch.Tensor  # [batch, seq, padded vocab]
     states: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # (block name, hidden [b, s, H])
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
-    """HF's RMSNorm: ``weight * normed(x)`` in x's dtype; ``offset`` (Gemma): ``normed(x) * (1 + weight)`` in fp32,
-    then cast."""
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    if offset:
-        return (h * (1.0 + weight.float())).to(dtype)
-    return weight * h.to(dtype)
-
-
-def projection_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, tp: TPGroup) -> torch.Tensor:
-    """OLMo 2 / 3's q / k RMSNorm over the whole projection (all heads together, before the head split), weight
-    multiplied in fp32 before the cast (``Olmo2RMSNorm``). ``weight`` is the whole ``[heads * head_dim]`` norm (vLLM
-    keeps it whole on every rank); a rank holding a block of the heads takes its slice of the weight and the sum of
-    squares is all-reduced over the group, so the mean is over the whole projection."""
-    dtype, width, total = x.dtype, x.shape[-1], weight.numel()
-    h = x.to(torch.float32)
-    if width == total:
-        return (weight.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))).to(dtype)
-    if tp.size * width != total:
-        raise ReshardError(f"a whole-projection q/k norm of {total} over {tp.size} ranks holding {width} each")
-    rank = dist.get_rank(group=tp.group)
-    square_sum = tp.all_reduce(h.pow(2).sum(-1, keepdim=True))
-    h = h * torch.rsqrt(square_sum / total + eps)
-    return (weight[rank * width:(rank + 1) * width].float() * h).to(dtype)
-
-
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
-               offset: bool = False) -> torch.Tensor:
-    """LayerNorm; ``offset`` (Nemotron's LayerNorm1P): the weight applied as ``1 + w``."""
-    return F.layer_norm(x, (x.shape[-1],), weight + 1.0 if offset else weight, bias, eps)
-
-
-def norm(config: DecoderConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The family's norm (``config.norm``) of ``x``."""
-    if config.norm == "rms":
-        return rms_norm(x, weight, config.eps, config.norm_offset)
-    return layer_norm(x, weight, bias, config.eps, config.norm_offset)
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -139,50 +68,6 @@ def attention_mask(seq_len: int, window: int | None, device) -> torch.Tensor:
     if window:
         allowed &= j > i - window
     return allowed
-
-
-#: transformers' DeepSeek q_a_layernorm / kv_a_layernorm are built without the config's eps.
-MLA_NORM_EPS = 1e-6
-
-
-def mla_down(x: torch.Tensor, w: torch.Tensor, rows: int, what: str, tp: TPGroup) -> torch.Tensor:
-    """``x`` through an MLA down projection of ``rows`` outputs, held whole or as this rank's row block (Megatron's
-    local spec: a column-parallel linear whose outputs are all-gathered)."""
-    out = _linear(x, w)
-    if w.shape[0] == rows:
-        return out
-    if w.shape[0] * tp.size != rows:
-        raise ReshardError(f"{what} holds {w.shape[0]} rows on a rank of {tp.size}: neither all {rows} nor a "
-                           f"1/{tp.size} row block; the checkpoint does not match its config")
-    return tp.gather_last_dim(out)
-
-
-def mla_attention(x: torch.Tensor, w: LayerWeights, config: DecoderConfig, cos, sin, mask,
-                  tp: TPGroup) -> torch.Tensor:
-    """Multi-head latent attention over this rank's heads (module docstring); one all-reduce after o."""
-    b, s, _ = x.shape
-    dn, dr, dv, rkv = config.head_dim, config.rope_head_dim, config.v_head_dim, config.kv_lora_rank
-    if w.q_a is not None:
-        q = _linear(rms_norm(mla_down(x, w.q_a, config.q_lora_rank, "q_a", tp), w.q_a_norm, MLA_NORM_EPS), w.q_b)
-    else:
-        q = _linear(x, w.q)
-    q = q.view(b, s, -1, dn + dr).transpose(1, 2)
-    q_nope, q_rope = torch.split(q, [dn, dr], dim=-1)
-    latent, k_rope = torch.split(mla_down(x, w.kv_a, rkv + dr, "kv_a", tp), [rkv, dr], dim=-1)
-    latent = rms_norm(latent, w.kv_a_norm, MLA_NORM_EPS)
-    k_rope = rotate_pairs(k_rope.view(b, 1, s, dr), cos, sin)
-    kv = _linear(latent, w.kv_b).view(b, s, -1, dn + dv).transpose(1, 2)
-    heads = q.shape[1]
-    if kv.shape[1] != heads:
-        raise ReshardError(f"rank holds {heads} query heads but kv_b gives {kv.shape[1]}: not one head split")
-    k_nope, v = torch.split(kv, [dn, dv], dim=-1)
-    q = torch.cat((q_nope, rotate_pairs(q_rope, cos, sin)), dim=-1)
-    k = torch.cat((k_nope, k_rope.expand(-1, heads, -1, -1)), dim=-1)
-    scores = torch.matmul(q, k.transpose(2, 3)) * mla_softmax_scale(config)
-    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out = torch.matmul(probs, v).transpose(1, 2).reshape(b, s, heads * dv)
-    return tp.all_reduce(_linear(out, w.o))
 
 
 def attention(x: torch.Tensor, w: LayerWeights, config: DecoderConfig, cos, sin, mask, tp: TPGroup) -> torch.Tensor:
@@ -224,67 +109,6 @@ def attention(x: torch.Tensor, w: LayerWeights, config: DecoderConfig, cos, sin,
     out = torch.matmul(probs, v).transpose(1, 2).reshape(b, s, local_q * d)
     out = tp.all_reduce(_linear(out, w.o))
     return out + w.o_bias if w.o_bias is not None else out
-
-
-def route(x: torch.Tensor, router: torch.Tensor, config: DecoderConfig,
-          bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights, experts) ``[tokens, k]`` each. Router logits in fp32 (at least), scored by softmax over every
-    expert or sigmoid; the choice ranks ``scores + bias`` (the selection bias, if any); with ``router_groups > 1``
-    only the ``router_group_topk`` groups with the best group score compete (``topN_sum``: the sum of a group's N
-    best choice scores, ``max``: its best); the weights are the chosen experts' unbiased scores, renormalised to
-    sum to 1 when the family does (+ 1e-20 for sigmoid, as transformers), times ``router_scaling``; cast to x's
-    dtype."""
-    dtype = torch.promote_types(x.dtype, torch.float32)
-    logits = F.linear(x.to(dtype), router.to(dtype))
-    scores = torch.softmax(logits, dim=-1) if config.router_score == "softmax" else logits.sigmoid()
-    choice = scores if bias is None else scores + bias.to(dtype)
-    if config.router_groups > 1:
-        tokens, experts = choice.shape
-        grouped = choice.view(tokens, config.router_groups, experts // config.router_groups)
-        if config.router_group_score == "max":
-            group_scores = grouped.max(dim=-1).values
-        else:
-            best = int(config.router_group_score.removeprefix("top").removesuffix("_sum"))
-            group_scores = grouped.topk(best, dim=-1)[0].sum(dim=-1)
-        kept = torch.topk(group_scores, k=config.router_group_topk, dim=-1, sorted=False)[1]
-        allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
-        allowed = allowed.unsqueeze(-1).expand_as(grouped).reshape(tokens, experts)
-        choice = choice.masked_fill(~allowed, float("-inf"))
-    chosen = torch.topk(choice, config.experts_per_token, dim=-1, sorted=False)[1]
-    weights = scores.gather(1, chosen)
-    if config.router_groups > 1:  # more experts asked for than the kept groups hold: the others weigh nothing
-        weights = weights.masked_fill(choice.gather(1, chosen) == float("-inf"), 0.0)
-    if config.router_renormalize:
-        eps = 1e-20 if config.router_score == "sigmoid" else 0.0
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
-    if config.router_scaling != 1.0:
-        weights = weights * config.router_scaling
-    return weights.to(x.dtype), chosen
-
-
-def moe(x: torch.Tensor, w: LayerWeights, config: DecoderConfig, tp: TPGroup) -> torch.Tensor:
-    """A Mixture-of-Experts MLP: each token's top-k experts (SwiGLU), weighted by the router, plus the shared
-    expert (times ``sigmoid(x @ shared_expert_gate)`` when it has a gate); this rank's partial sums, all-reduced
-    once."""
-    if config.llama4:  # the routing weight on the expert input
-        return llama4_layer.moe(x, w, config, tp)
-    if config.gpt_oss:  # router and expert biases, clamped SwiGLU
-        return gpt_oss_ops.moe(x, w, config, tp)
-    act = ACTIVATION_FUNCTIONS[config.activation]
-    flat = x.reshape(-1, x.shape[-1])
-    weights, chosen = route(flat, w.router, config, w.router_bias)
-    out = torch.zeros_like(flat)
-    for expert, (gate, up, down) in w.experts.items():
-        token, slot = torch.nonzero(chosen == expert, as_tuple=True)
-        if token.numel():
-            h = act(_linear(flat[token], gate)) * _linear(flat[token], up)
-            out.index_add_(0, token, _linear(h, down) * weights[token, slot, None])
-    if w.shared_up is not None:
-        shared = _linear(act(_linear(flat, w.shared_gate)) * _linear(flat, w.shared_up), w.shared_down)
-        if w.shared_expert_gate is not None:
-            shared = shared * torch.sigmoid(_linear(flat, w.shared_expert_gate))
-        out = out + shared
-    return tp.all_reduce(out).reshape(x.shape)
 
 
 def mlp(x: torch.Tensor, w: LayerWeights, config: DecoderConfig, tp: TPGroup) -> torch.Tensor:
