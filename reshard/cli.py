@@ -1,4 +1,7 @@
-"""The ``reshard`` command line: thin typer commands over the Python API, one error handler."""
+"""The ``reshard`` command line: thin typer commands over the Python API, one error handler. The app and its
+``convert``, ``plan``, ``verify``, ``inspect`` and ``demo`` commands live here, registered in help order with
+``pull`` / ``push`` (:mod:`.cli_hub`) and the ``mappings`` sub-app (:mod:`.cli_mappings`); shared options:
+:mod:`.cli_options`; printing: :mod:`.cli_output`; error lines and exit: :mod:`.cli_errors`."""
 
 from __future__ import annotations
 
@@ -6,12 +9,20 @@ import inspect as inspect_module
 import json
 import os
 import sys
-from enum import Enum
 from typing import Optional
 
 import typer
 import typer.core
 
+from reshard.cli_errors import _error_line, _remove_multiprocessing_temp_folder, _terminated, _usage_error
+from reshard.cli_hub import pull, push
+from reshard.cli_mappings import (mappings_app, mappings_check, mappings_list, mappings_new,  # noqa: F401
+                                  mappings_show)
+from reshard.cli_options import (ArchOpt, ConfigOpt, JsonOpt, MappingOpt, MasterOpt, MaxtextModelOpt,  # noqa: F401
+                                 Spec, TagOpt, TargetOpt, VocabOpt, _plain_usage_name, _refresh_layout_help,
+                                 _target_layout)
+from reshard.cli_output import (_describe_download, _describe_plan, _format_estimate, _plan_json,  # noqa: F401
+                                _print_digest_report, _report_push)
 from reshard.errors import ReshardError
 
 EXIT_CODES = ("Exit codes: 0 ok; 1 verification found differences (or an internal error); 2 bad input or "
@@ -22,80 +33,10 @@ EXIT_CODES = ("Exit codes: 0 ok; 1 verification found differences (or an interna
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Reshard and convert LLM checkpoints (Hugging Face, Megatron-Core, vLLM) at any TP/PP degree.",
                   epilog=EXIT_CODES)
-mappings_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
-                           help="List, show, check and start architecture mapping files.")
 app.add_typer(mappings_app, name="mappings")
 
 
-def _plain_usage_name(argument) -> str:
-    """An argument in the usage line as ``SRC`` (optional: ``[SRC]``), not typer's ``{SRC}``."""
-    name = argument.display_name_raw if argument.required else f"[{argument.display_name_raw}]"
-    return name + ("..." if argument.nargs != 1 else "")
-
-
-if hasattr(typer.core.TyperArgument, "_usage_display_name"):  # typer >= 0.2x; older versions print SRC already
-    typer.core.TyperArgument._usage_display_name = _plain_usage_name
-
-
-def _target_layout(value: str) -> str:
-    """``--to``: a layout the registry can write (built-in or plug-in)."""
-    from reshard.layouts.registry import layout_names
-
-    names = layout_names(writes=True)
-    if value not in names:
-        raise typer.BadParameter(f"'{value}' is not a layout reshard writes; choose one of {', '.join(names)}")
-    return value
-
-
-def _refresh_layout_help() -> None:
-    """Name the registered layouts in ``--to``'s help (the registry may have grown since import: plug-ins)."""
-    from reshard.layouts.registry import layout_names
-
-    TargetOpt.help = f"Target layout, one of: {', '.join(layout_names(writes=True))}."
-
-
-class Spec(str, Enum):
-    te = "te"
-    local = "local"
-
-
 from reshard.api import parse_size  # noqa: E402,F401 - one definition, shared with the Python API
-
-
-VocabOpt = typer.Option(None, "--vocab-size", help="True (unpadded) vocab size, if the Megatron source lacks it.")
-ArchOpt = typer.Option(None, "--architecture", help="HF architecture for a source that records none, such as a "
-                       "Megatron run without hf_config (default: the checkpoint's own; naming another needs "
-                       "--allow-lossy-config architecture).")
-MappingOpt = typer.Option(None, "--mapping", help="A mapping TOML file for your own architecture family.")
-ConfigOpt = typer.Option(None, "--config", help="The model's config.json, for a source that saves none "
-                         "(torchtitan; DeepSpeed without a config.json beside 'latest'; an HF folder of weights "
-                         "without one).")
-MaxtextModelOpt = typer.Option(None, "--maxtext-model", help="MaxText: the model name (e.g. llama3.1-8b), "
-                                "for its RoPE order and query scaling.")
-TagOpt = typer.Option(None, "--tag", help="DeepSpeed: the checkpoint tag (folder) to read instead of the one "
-                      "'latest' names.")
-MasterOpt = typer.Option(False, "--master-weights", help="DeepSpeed: read the fp32 master weights from the "
-                         "optimizer partitions (output fp32) instead of the training-dtype weights.")
-JsonOpt = typer.Option(False, "--json", help="Print a JSON report.")
-TargetOpt = typer.Option(..., "--to", help="Target layout.", callback=_target_layout)
-
-
-def _describe_plan(plan, out=None) -> None:
-    from reshard.results import describe_plan
-
-    print(describe_plan(plan), file=out or sys.stdout)
-
-
-def _describe_download(download: dict, out=None) -> None:
-    from reshard.results import download_line
-
-    print(download_line(download), file=out or sys.stdout)
-
-
-def _plan_json(plan) -> dict:
-    from reshard.results import plan_json
-
-    return plan_json(plan)
 
 
 @app.command()
@@ -301,29 +242,6 @@ def verify(
         raise typer.Exit(1)
 
 
-def _print_digest_report(report, a: str, b: str, as_json: bool) -> None:
-    from reshard.verification.digest import format_report
-
-    print(json.dumps(report.to_dict(), indent=2) if as_json else format_report(report))
-
-
-def _format_estimate(estimate: dict) -> str:
-    """``verify --dry-run`` (digest or forward): what is read how, then one line per process (bytes read from A
-    and B, peak memory estimate)."""
-    from reshard.progress import binary_size
-
-    lines = [f"A {estimate['layout_a']} {estimate['a']}", f"B {estimate['layout_b']} {estimate['b']}"]
-    if "tensors" in estimate:  # the digest check
-        lines.append(f"{estimate['tensors']} canonical tensors and {estimate['replica_checks']} stored replicas, read "
-                     f"in blocks of at most {binary_size(estimate['block_bytes'])} a side, by "
-                     f"{len(estimate['processes'])} process{'es' if len(estimate['processes']) > 1 else ''}:")
-    lines += estimate.get("lines", [])
-    for i, p in enumerate(estimate["processes"]):
-        lines.append(f"  process {i}: reads {binary_size(p['read_a'])} of A and {binary_size(p['read_b'])} of B, "
-                     f"peak memory about {binary_size(p['peak_estimate'])}")
-    return "\n".join(lines)
-
-
 def _print_version(asked: bool) -> None:
     if asked:
         from reshard.version import __version__
@@ -354,105 +272,8 @@ def inspect(path: str = typer.Argument(...), vocab_size: Optional[int] = VocabOp
     print(json.dumps(info, indent=2) if as_json else format_inspection(info, every_file=files))
 
 
-@app.command()
-def pull(
-    repo_id: str = typer.Argument(..., help="ORG/NAME or hf://ORG/NAME[@REV]."),
-    revision: Optional[str] = typer.Option(None, "--revision", help="Branch, tag or commit (default: main)."),
-    local_dir: Optional[str] = typer.Option(None, "--local-dir", help="Download into this folder, not the cache."),
-    include: Optional[list[str]] = typer.Option(None, "--include", help="Also download files matching this glob."),
-):
-    """Download what a conversion needs (safetensors + index, config, tokenizer) through the HF cache."""
-    from reshard.hub import parse_repo_id
-    from reshard.hub.download import pull as run_pull
-
-    ref = parse_repo_id(repo_id, revision)
-    pulled = run_pull(ref, local_dir=local_dir, include=tuple(include or ()))
-    print(f"pulled {ref} (commit {pulled.commit[:12]}): {len(pulled.files)} files, "
-          f"{pulled.nbytes / 2**20:.1f} MiB", file=sys.stderr)
-    print(pulled.path)
-
-
-@app.command()
-def push(
-    folder: str = typer.Argument(..., help="A finished reshard output folder."),
-    repo_id: str = typer.Argument(..., help="ORG/NAME (created when missing)."),
-    revision: Optional[str] = typer.Option(None, "--revision", help="Branch to push to (created when missing)."),
-    private: bool = typer.Option(False, "--private", help="Create the repo private."),
-    create_pr: bool = typer.Option(False, "--create-pr", help="Open a pull request instead of committing."),
-    commit_message: Optional[str] = typer.Option(None, "--commit-message", help="Commit message."),
-    replace: bool = typer.Option(False, "--replace", help="Delete files on an existing branch that are not part of "
-                                 "this checkpoint (a branch the push creates is always cleaned)."),
-):
-    """Upload a converted checkpoint with a reshard.json manifest and a model-card section."""
-    from reshard.hub.push import push as run_push
-
-    _report_push(folder, run_push(folder, repo_id, revision=revision, private=private, create_pr=create_pr,
-                                  commit_message=commit_message, replace=replace))
-
-
-def _report_push(folder: str, pushed) -> None:
-    if pushed.others:
-        print(f"warning: {len(pushed.others)} file(s) on {pushed.repo_id}@{pushed.revision} are not part of this "
-              f"checkpoint (e.g. {pushed.others[0]}); pass --replace to delete them", file=sys.stderr)
-    if not pushed.changed:
-        print(f"{pushed.repo_id}@{pushed.revision} already has these files: nothing to commit")
-    else:
-        print(f"pushed {folder} to {pushed.repo_id}@{pushed.revision}: {pushed.pr_url or pushed.url}")
-
-
-@mappings_app.command("list")
-def mappings_list():
-    """List the shipped mapping files and their architectures."""
-    from reshard.mapping import load_shipped, shipped_mapping_names
-    from reshard.mapping_vlm import vlm_templates
-
-    vlms = {t.name: t for t in vlm_templates()}
-    for name in sorted(shipped_mapping_names() + list(vlms)):
-        if name in vlms:
-            print(f"{name}: {', '.join(vlms[name].architectures)} (vision-language)")
-        else:
-            print(f"{name}: {', '.join(load_shipped(name).architectures)}")
-
-
-@mappings_app.command("show")
-def mappings_show(name: str = typer.Argument(..., help="A shipped mapping name (see `mappings list`).")):
-    """Print a shipped mapping file."""
-    from reshard.mapping import shipped_mapping_text
-
-    print(shipped_mapping_text(name), end="")
-
-
-@mappings_app.command("check")
-def mappings_check(path: str = typer.Argument(..., help="A mapping TOML file.")):
-    """Validate a mapping file against the schema; warn where a copied file still names a shipped family."""
-    from pathlib import Path
-
-    from reshard.mapping import load_family_file
-    from reshard.mapping_skeleton import copied_name_warnings
-
-    fam = load_family_file(path)
-    for warning in copied_name_warnings(fam, Path(path).read_text()):
-        print(f"warning: {path}: {warning}", file=sys.stderr)
-    print(f"ok: {path}: family '{fam.name}', {len(fam.weights)} weights, architectures {', '.join(fam.architectures)}")
-
-
-@mappings_app.command("new")
-def mappings_new(
-    name: str = typer.Argument(..., help="Your family's name (e.g. acme)."),
-    source: str = typer.Option(..., "--from", help="The shipped mapping (or one of its architectures) to copy, "
-                               "e.g. llama or Qwen2ForCausalLM (see `mappings list`)."),
-    output: Optional[str] = typer.Option(None, "--output", "-o", help="File to write (default: NAME.toml)."),
-    architecture: Optional[str] = typer.Option(None, "--architecture", help="Your config.json's "
-                                               "\"architectures\" entry (default: <Name>ForCausalLM)."),
-    model_type: Optional[str] = typer.Option(None, "--model-type", help="Your config.json's \"model_type\" "
-                                             "(default: NAME)."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing file."),
-):
-    """Write a commented mapping file for a new family: a shipped mapping's weights under your own names."""
-    from reshard.mapping_skeleton import write_skeleton
-
-    path = write_skeleton(output or f"{name}.toml", name, source, architecture, model_type, overwrite)
-    print(f"wrote {path}: edit it as its comments say, then `reshard mappings check {path}`")
+app.command()(pull)
+app.command()(push)
 
 
 @app.command()
@@ -469,10 +290,6 @@ def demo(workdir: Optional[str] = typer.Option(None, "--workdir", help="Write th
 
     if not run_demo(workdir, keep, None if backend == "auto" else backend):
         raise typer.Exit(1)
-
-
-def _terminated(signum, frame):
-    raise KeyboardInterrupt  # SIGTERM cleans up like Ctrl-C: the staging folder is removed, nothing published
 
 
 def run() -> None:
@@ -500,38 +317,6 @@ def run() -> None:
         sys.modules["reshard.verification.forward.launch"].stop_worker_server()
     _remove_multiprocessing_temp_folder()
     os._exit(code)
-
-
-def _remove_multiprocessing_temp_folder() -> None:
-    """Delete the ``pymp-*`` folder multiprocessing made in the system temp folder for this process (where a
-    forkserver's socket lives): its exit hook would, but ``os._exit`` skips it."""
-    import shutil
-
-    process = sys.modules.get("multiprocessing.process")
-    folder = process.current_process()._config.get("tempdir") if process else None
-    if folder:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def _error_line(text: str) -> None:
-    """``error: TEXT`` on stderr in one write (ranks of a torchrun world share the stream), prefixed by the rank
-    there."""
-    from reshard.distributed import log_prefix
-
-    sys.stderr.write(f"{log_prefix()}error: {text}\n")
-    sys.stderr.flush()
-
-
-def _usage_error(exc) -> None:
-    """A command-line usage error as one line naming the option and the fix, exit code 2 (help when asked)."""
-    if type(exc).__name__ == "NoArgsIsHelpError":  # `reshard` or `reshard mappings` alone: the help text
-        exc.show()
-        sys.exit(0)
-    ctx = getattr(exc, "ctx", None)
-    where = ctx.command_path if ctx is not None else "reshard"
-    message = " ".join(exc.format_message().split())
-    _error_line(f"{message} (see '{where} --help')")
-    sys.exit(getattr(exc, "exit_code", 2) or 2)
 
 
 def main() -> None:
