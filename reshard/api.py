@@ -198,7 +198,7 @@ def plan(src: str, *, to: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int |
          make_vocab_size_divisible_by: int | None = None, architecture: str | None = None, mapping: str | None = None,
          config: str | None = None, tag: str | None = None, master_weights: bool = False,
          maxtext_model: str | None = None, scan_layers: bool = True, maxtext_match_converter: bool = False,
-         allow_replica_mismatch: bool = False, workers: int | None = None,
+         maxtext_vocab_size: int | None = None, allow_replica_mismatch: bool = False, workers: int | None = None,
          allow_lossy_config: tuple[str, ...] | list[str] = (), allow_cast_overflow: bool = False,
          follow_symlinks: bool = False, keep_fp8: bool = False, drop_mtp: bool = False,
          torchtitan_names: Literal["current", "v0.2"] = "current", hf_spelling: Literal["hub", "v5"] = "hub",
