@@ -8,9 +8,9 @@ scale (``ministral3_plain``: beta 0):
   - vLLM rank files per section 13 (Llama's 23 keys);
   - the verifier's tp1 logits equal transformers' (1e-5), and only with the scale (without it: off);
   - ``verify --forward`` passes at vllm tp2 and fails naming layer 0 on a perturbed weight;
-  - Megatron refused (section 17, as Llama 4's temperature tuning) unless --max-seq <= 8, then for yarn (reshard's
-    Megatron args spell yarn only for latent attention), and with beta 0 for the RoPE keys transformers needs; one
-    line, exit 2, nothing written;
+  - Megatron refused (section 17, as Llama 4's temperature tuning) unless --max-seq <= 8 (then converted: yarn's
+    round trip and megatron-core's logits in tests/test_yarn_megatron.py), and with beta 0 for the RoPE keys
+    transformers needs; one line, exit 2, nothing written;
   - inspect, plan and load_rank;
   - Ministral (2410, ``MinistralForCausalLM``: typed sliding window) through vllm tp2 and megatron tp2 and back.
 """
@@ -144,14 +144,6 @@ def test_megatron_refused_past_the_original_length(ministral, capsys, tmp_path, 
     code, _, err = run_cli(capsys, "convert", ministral.src, out, "--to", to, "--tp", 2, *extra)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert REFUSAL in err, err
-    assert not out.exists()
-
-
-def test_megatron_within_the_original_length_still_needs_gqa_yarn(ministral, capsys, tmp_path):
-    """--max-seq 8 accepts the scale; reshard's Megatron args do not spell yarn for GQA attention yet: one line."""
-    out = tmp_path / "out"
-    code, _, err = run_cli(capsys, "convert", ministral.src, out, "--to", "megatron", "--tp", 2, "--max-seq", 8)
-    assert code == 2 and len(err.strip().splitlines()) == 1 and "'yarn' RoPE scaling" in err, err
     assert not out.exists()
 
 

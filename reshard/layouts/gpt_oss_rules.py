@@ -18,11 +18,10 @@ from argparse import Namespace
 from typing import Any
 
 from reshard.errors import PlanError
+from reshard.layouts import megatron_yarn
 
 ARCHITECTURE = "GptOssForCausalLM"
 ALPHA, LIMIT, VLLM_EPS = 1.702, 7.0, 1e-5
-YARN_ARGS = {"factor": "yarn_rotary_scaling_factor", "original_max_position_embeddings":
-             "yarn_original_max_position_embeddings", "beta_fast": "yarn_beta_fast", "beta_slow": "yarn_beta_slow"}
 
 
 def meaning_fields(config: dict, architecture: str) -> dict[str, Any]:
@@ -57,31 +56,19 @@ def megatron_args(meaning) -> dict[str, Any]:
     if not meaning.gpt_oss:
         return {}
     _alpha(meaning)
-    scaling = meaning.scaling
-    values: dict[str, Any] = dict(swiglu=False, quick_geglu=True, glu_linear_offset=1.0,
-                                  activation_func_clamp_value=dict(meaning.gpt_oss)["swiglu_limit"],
-                                  softmax_type="learnable")
-    if scaling.get("rope_type") == "yarn":
-        values.update(position_embedding_type="yarn", yarn_mscale=None, yarn_mscale_all_dim=None,
-                      yarn_correction_range_round_to_int=bool(scaling.get("truncate", True)),
-                      **{arg: scaling[key] for key, arg in YARN_ARGS.items() if key in scaling})
-    return values
+    # its yarn RoPE: megatron_yarn.megatron_args, as for every standard-attention model
+    return dict(swiglu=False, quick_geglu=True, glu_linear_offset=1.0,
+                activation_func_clamp_value=dict(meaning.gpt_oss)["swiglu_limit"], softmax_type="learnable")
 
 
 def args_view(args) -> tuple[Any, dict[str, Any]]:
     """A gpt-oss run's ``args`` as the shared reader knows them (SiLU-gated, plain RoPE, none of the gpt-oss args),
     and the meaning fields those args carried; other runs unchanged and ``{}``."""
+    args, fields = megatron_yarn.args_view(args)  # any standard-attention yarn RoPE (its rope_scaling field)
     get = lambda key, default=None: getattr(args, key, default)  # noqa: E731
     if get("softmax_type") != "learnable" or not get("quick_geglu", False):
-        return args, {}
-    fields: dict[str, Any] = {"gpt_oss": (("swiglu_alpha", ALPHA),
-                                          ("swiglu_limit", float(get("activation_func_clamp_value") or LIMIT)))}
-    if get("position_embedding_type") == "yarn":
-        scaling = {"rope_type": "yarn", "truncate": bool(get("yarn_correction_range_round_to_int", True)),
-                   **{key: get(arg) for key, arg in YARN_ARGS.items() if get(arg) is not None}}
-        scaling = {k: int(v) if k == "original_max_position_embeddings" else
-                   v if isinstance(v, (bool, str)) else float(v) for k, v in scaling.items()}
-        fields["rope_scaling"] = tuple(sorted(scaling.items()))
+        return args, fields
+    fields["gpt_oss"] = (("swiglu_alpha", ALPHA), ("swiglu_limit", float(get("activation_func_clamp_value") or LIMIT)))
     view = Namespace(**vars(args))
     view.__dict__.update(swiglu=True, quick_geglu=False, glu_linear_offset=0.0, activation_func_clamp_value=None,
                          softmax_type="vanilla", position_embedding_type="rope")

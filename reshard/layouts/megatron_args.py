@@ -19,7 +19,7 @@ from typing import Any
 
 from reshard.core.model_config import ConfigLoss, ModelConfig
 from reshard.errors import CheckpointError, PlanError
-from reshard.layouts import cohere_rules, gpt_oss_rules
+from reshard.layouts import cohere_rules, gpt_oss_rules, megatron_yarn
 
 #: megatron-core's RotaryEmbedding._apply_scaling parameters other than the factor (not settable from args).
 LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -42,7 +42,7 @@ MLA_ROPE_DEFAULTS = {"rotary_scaling_factor": 40.0, "original_max_position_embed
 
 def meaning_from_args(args, vocab: int, architecture: str | None, where: str) -> ModelConfig:
     """The meaning of a Megatron run's ``args`` (``architecture``: recorded or given, else derived)."""
-    args, gpt_oss = gpt_oss_rules.args_view(args)  # gpt-oss's quick_geglu, sinks and yarn args
+    args, gpt_oss = gpt_oss_rules.args_view(args)  # gpt-oss's quick_geglu and sinks, any yarn args
     get = lambda key, default=None: getattr(args, key, default)  # noqa: E731
     position = get("position_embedding_type", "learned_absolute")
     mrope = position == "mrope" and get("mrope_section") is not None  # Qwen-VL's multimodal RoPE: 1-D on text
@@ -368,8 +368,8 @@ def args_from_meaning(meaning: ModelConfig, loss: ConfigLoss) -> dict[str, Any]:
         values.update(use_rope_scaling=True, rope_scaling_factor=float(scaling.get("factor", 8.0)))
     elif kind == "linear":
         values["rotary_seq_len_interpolation_factor"] = float(scaling["factor"])
-    elif kind == "yarn" and m.gpt_oss:  # gpt_oss_rules.megatron_args spells it
-        pass
+    elif kind == "yarn" and not m.mla:  # standard attention: megatron-core's YarnRotaryEmbedding
+        values.update(megatron_yarn.megatron_args(m, loss))
     elif kind == "yarn" and m.mla:
         values.update(_yarn_args(scaling, loss))
     elif kind != "default":

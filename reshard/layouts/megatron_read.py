@@ -19,6 +19,7 @@ from reshard.io.torch_format import TorchFile
 from reshard.layouts.base import Options, Source, check_shape, chosen_architecture
 from reshard.layouts.hf_config import read_meaning, without_dropped_settings, write_config as write_hf_config
 from reshard.layouts.megatron_folders import _RANK_DIR, _iteration_dir, side_folders, true_vocab_size
+from reshard.layouts import megatron_yarn
 from reshard.layouts.megatron_args import RECORD_ONLY, meaning_from_args
 from reshard.layouts.vision import megatron_vision, tower_views, unused_tower_tensor
 from reshard.layouts.megatron_ranks import (GROUPED, LEGACY_GROUPED, NAME, RANK_FILE, _LAYER, ExpertGrid, rank_dir,
@@ -60,7 +61,8 @@ def _with_record_only(meaning: ModelConfig, family: Family, recorded: dict | Non
         dims = family.resolve_dims(recorded)
         spelled = read_meaning(recorded, family, meaning.architecture, dims, set(), meaning.tied, where)
         fields = {f: getattr(spelled, f) for f in RECORD_ONLY}
-        if "mrope_section" in spelled.scaling:  # the args spell the sections; Qwen3-VL's interleaving is recorded
+        if "mrope_section" in spelled.scaling or megatron_yarn.same_yarn(spelled.scaling, meaning):
+            # the args spell the sections (Qwen3-VL's interleaving is recorded) / yarn (its spelling is recorded)
             fields["rope_scaling"] = spelled.rope_scaling
         if spelled.gated_mlp and spelled.activation != "silu":
             fields.update(gated_mlp=True, activation=spelled.activation)
