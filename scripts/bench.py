@@ -48,6 +48,13 @@ repeats and operations).  Its siblings in scripts/:
   writes them); the MaxText rows (tensorstore) are named with ``--ops``::
 
     python scripts/bench.py --sizes 1 2 --repeat 2 --ops cp hf_to_maxtext maxtext_to_hf --out bench-out
+
+- ``bench_maxtext_converter.py``: MaxText's own converter (``to_maxtext`` / ``to_huggingface``) on the same model, the
+  rows ``maxtext_converter_to_maxtext`` / ``maxtext_converter_to_hf``, run by the MaxText interpreter named in
+  ``RESHARD_MAXTEXT_PYTHON`` (without it they fail with a one-line message)::
+
+    RESHARD_MAXTEXT_PYTHON=/work/venvs/maxtext/bin/python python scripts/bench.py --sizes 1 --repeat 1 --ops cp \
+        hf_to_maxtext maxtext_to_hf maxtext_converter_to_maxtext maxtext_converter_to_hf --out bench-out
 """
 
 from __future__ import annotations

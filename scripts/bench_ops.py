@@ -61,6 +61,9 @@ OPS: dict[str, tuple[str, list[str] | None]] = {
     "hf_to_maxtext": ("hf", ["--to", "maxtext", "--maxtext-model", "llama3-8b"]),
     "maxtext_prepare": ("hf", None),  # makes the maxtext_converter source (scripts/bench_maxtext.py)
     "maxtext_to_hf": ("maxtext_converter", ["--to", "hf"]),
+    # MaxText's own converter on the same model (scripts/bench_maxtext_converter.py; needs RESHARD_MAXTEXT_PYTHON)
+    "maxtext_converter_to_maxtext": ("hf", None),
+    "maxtext_converter_to_hf": ("maxtext_converter", None),
 }
 #: operations for Mixture-of-Experts sources only (the default for --model mixtral, with cp)
 MOE_OPS = ("hf_to_megatron_tp2_ep4", "megatron_tp2_ep4_to_hf")
@@ -80,7 +83,7 @@ DERIVED_SOURCES = {"megatron_tp8": "hf_to_megatron_tp8", "torch_dist": "hf_to_to
 #: operations that only prepare a source: left out of the default set
 PREPARE_ONLY = ("fp8_quantize", "maxtext_prepare")
 #: the MaxText rows (need tensorstore): named with --ops, not in the default set
-MAXTEXT_OPS = ("hf_to_maxtext", "maxtext_to_hf")
+MAXTEXT_OPS = ("hf_to_maxtext", "maxtext_to_hf", "maxtext_converter_to_maxtext", "maxtext_converter_to_hf")
 #: gpt-oss as released (a generated MXFP4 checkpoint whose bf16 output is the model's size) to bf16 HF: named with
 #: --ops, not in the default set
 MXFP4_OPS = ("hf_mxfp4_to_bf16_hf",)
@@ -230,6 +233,10 @@ def build_cmd(op: str, src: Path, dst: Path, workers: int | None, reshard: list[
         return [sys.executable, str(Path(__file__).resolve().parent / "bench_mxfp4.py"), str(src), str(dst)]
     if op == "maxtext_prepare":
         return [sys.executable, str(Path(__file__).resolve().parent / "bench_maxtext.py"), str(src), str(dst)]
+    if op.startswith("maxtext_converter_"):
+        from bench_maxtext_converter import command
+
+        return command(op, src, dst)
     cmd = [*(reshard or default_reshard()), "convert", str(src), str(dst), *OPS[op][1], *source_args(op, src),
            "--overwrite"]
     if workers is not None:
