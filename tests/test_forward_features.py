@@ -38,8 +38,8 @@ PHI3_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # Phi3Config's 
 LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.3, 1.6], "long_factor": [2.0, 3.0, 4.0]}  # copy it:
 # transformers' config classes fill the rope_scaling dict they are given in place
 
-#: name: (config class, settings, layouts converted to at tp 2 (megatron-core has no longrope, yarn for GQA or
-#: dynamic RoPE: reshard refuses those for Megatron), the decoder changes that drop the feature).
+#: name: (config class, settings, layouts converted to at tp 2 (megatron-core has no longrope or dynamic RoPE:
+#: reshard refuses those for Megatron), the decoder changes that drop the feature).
 CASES = {
     "phi3_partial_0.75": ("Phi3Config", dict(num_key_value_heads=2, partial_rotary_factor=0.75, **PHI3_IDS),
                           ("megatron",), dict(rotary_fraction=1.0)),  # vllm: phi4_mini_longrope
