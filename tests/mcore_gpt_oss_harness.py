@@ -30,15 +30,8 @@ from mcore_cpu import prepare_cpu  # noqa: E402
 
 os.environ["TORCHDYNAMO_DISABLE"] = "1"
 torch = prepare_cpu()
-from mcore_dist_harness import (  # noqa: E402
-    _cpu_shims,
-    _die_with_parent,
-    _reap_strays,
-    init_expert_parallel,
-    read_common,
-    spawn_and_join,
-)
-from mcore_mla_harness import forward, iteration_dir, padded_vocab  # noqa: E402
+import mcore_glm_harness as glm_harness  # noqa: E402
+from mcore_mla_harness import padded_vocab  # noqa: E402
 
 #: Args a gpt-oss run records that change the model (megatron-core's defaults would apply to a missing one).
 REQUIRED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
@@ -67,6 +60,7 @@ def _sliding_window_mask_on_cpu() -> None:
 
 
 def build_model(args: argparse.Namespace, tp: int, ep: int, etp: int):
+    _sliding_window_mask_on_cpu()
     from megatron.core.fusions.fused_bias_geglu import quick_gelu
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -118,87 +112,5 @@ def check_built(model, args) -> None:
     assert model.config.glu_linear_offset == 1.0 and model.config.softmax_type == "learnable"
 
 
-def load_one(cli, ckpt: str, out: str, input_ids: torch.Tensor) -> None:
-    import torch.distributed as dist
-    from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as ps
-    from megatron.core.dist_checkpointing.validation import StrictHandling
-
-    folder = iteration_dir(ckpt)
-    common = read_common(folder)
-    args = common["args"]
-    model = build_model(args, cli.tp, cli.ep, cli.etp)
-    metadata = dict(common.get("content_metadata") or {})
-    metadata["dp_cp_group"] = ps.get_data_parallel_group(with_context_parallel=True)
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict(metadata=metadata)}, folder,
-                                     strict=StrictHandling.ASSUME_OK_UNEXPECTED)["model"]
-    result = model.load_state_dict(loaded, strict=True)
-    assert not result.missing_keys and not result.unexpected_keys, result
-    check_built(model, args)
-    args.mtp_num_layers = None
-    logits = forward(model, args, input_ids)
-    if dist.get_rank() == 0:
-        torch.save(logits, out)
-    dist.barrier()
-
-
-def worker(local_rank: int, cli, init_method: str) -> None:
-    import torch.distributed as dist
-
-    _die_with_parent()
-    _cpu_shims()
-    _sliding_window_mask_on_cpu()
-    dist.init_process_group(backend="gloo", init_method=init_method, rank=local_rank, world_size=cli.world)
-    try:
-        from megatron.core import parallel_state
-
-        init_expert_parallel(cli.tp, cli.ep, cli.etp)
-        input_ids = torch.load(cli.ids, map_location="cpu", weights_only=True).long()
-        for ckpt, out in zip(cli.pairs[::2], cli.pairs[1::2]):
-            load_one(cli, ckpt, out, input_ids)
-        parallel_state.destroy_model_parallel()
-    finally:
-        dist.destroy_process_group()
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    load = sub.add_parser("load", help="load torch_dist checkpoints strictly and write their logits")
-    load.add_argument("--ids", required=True, help="a torch file holding a LongTensor [batch, seq]")
-    load.add_argument("pairs", nargs="+", help="CKPT OUT.pt pairs")
-    load.add_argument("--tp", type=int, default=1)
-    load.add_argument("--ep", type=int, default=1)
-    load.add_argument("--etp", type=int, default=None, help="expert tensor parallel (default: tp)")
-    cli = parser.parse_args()
-    cli.etp = cli.tp if cli.etp is None else cli.etp
-    cli.world = max(cli.tp, cli.ep * cli.etp)
-    if cli.world % cli.tp or cli.world % (cli.ep * cli.etp) or cli.world > 2 or len(cli.pairs) % 2:
-        parser.error("need max(tp, ep*etp) <= 2 divisible by both, and CKPT OUT.pt pairs")
-    cli.ids = os.path.abspath(cli.ids)
-    cli.pairs = [os.path.abspath(p) for p in cli.pairs]
-    try:  # orphans below this process re-parent to it, so _reap_strays finds them
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
-    except (OSError, AttributeError):
-        pass
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    try:
-        with tempfile.TemporaryDirectory(prefix="mcore_gpt_oss_harness_") as tmp:
-            spawn_and_join(mp, worker, (cli, "file://" + os.path.join(tmp, "store")), cli.world)
-    finally:
-        from multiprocessing import resource_tracker
-
-        tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
-        strays = _reap_strays({tracker} if tracker else set())
-        if strays:
-            print(f"mcore_gpt_oss_harness: killed stray processes {strays}", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # mcore_glm_harness's command line, spawning, workers and reaping, this model
+    sys.exit(glm_harness.main(build_model, check_built, __doc__))
