@@ -25,7 +25,7 @@ import functools
 from dataclasses import dataclass
 
 from reshard.errors import CheckpointError
-from reshard.io.tensorfile import TensorFile, TensorLocation, WrappedFile
+from reshard.io.tensorfile import BlockWrappedFile, TensorFile, TensorLocation
 
 BLOCKS_SUFFIX = "_blocks"
 SCALES_SUFFIX = "_scales"
@@ -199,12 +199,10 @@ def hf_form(blocks, scales, dtype=None):
     return out
 
 
-class Mxfp4File(WrappedFile):
+class Mxfp4File(BlockWrappedFile):
     """A source file whose MXFP4 tensors read under their own names (``<name>``, ``BF16`` ``[E, C, R]``) as their
     dequantised Hugging Face form, one expert at a time; its other tensors are the file's own. The ``_blocks`` /
     ``_scales`` may live in any of the source's ``files``."""
-
-    direct_bytes = False  # the read names have no bytes of their own
 
     def __init__(self, base: TensorFile, packed: dict[str, Packed], files: list[TensorFile], dtype: str = "BF16"):
         tensors = {n: t for n, t in base.tensors.items()}
@@ -223,42 +221,17 @@ class Mxfp4File(WrappedFile):
         return [e for n, i in ((p.blocks, p.blocks_file), (p.scales, p.scales_file))
                 for e in whole_extents(self.files[i], n)]
 
-    def expert(self, name: str, index: int):
-        """Expert ``index`` of MXFP4 tensor ``name`` in the HF form ``[C, R]``, dequantised (the last one kept: a
-        fused gate / up expert is read once per slot)."""
+    def transforms(self, name: str) -> bool:
+        return name in self.packed
+
+    def make_block(self, name: str, index: int):
+        """Expert ``index`` of MXFP4 tensor ``name`` in the HF form ``[C, R]``, dequantised."""
         from reshard.io import dtypes
 
-        last = getattr(self, "_last", None)
-        if last is not None and last[0] == (name, index):
-            return last[1]
         p = self.packed[name]
         blocks = self.files[p.blocks_file].read_block(p.blocks, index)
         scales = self.files[p.scales_file].read_block(p.scales, index)
-        out = dequantize(blocks, scales, dtypes.to_torch(self.dtype)).t()  # [R, C] contiguous, read as [C, R]
-        self._last = ((name, index), out)
-        return out
-
-    def read(self, name: str, axis: int = 0, start: int = 0, length: int | None = None,
-             rows: tuple[int, int] | None = None):
-        if name not in self.packed:
-            return self.base.read(name, axis, start, length, rows)
-        import torch
-
-        shape = self.packed[name].shape
-        if length is None:
-            length = shape[axis] - start
-        first, stop = (start, start + length) if axis == 0 else (rows or (0, shape[0]))
-        parts = [self.expert(name, e) for e in range(first, stop)]
-        whole = torch.stack(parts) if parts else torch.empty((0, *shape[1:]), dtype=torch.bfloat16)
-        return whole if axis == 0 else whole.narrow(axis, start, length).contiguous()
-
-    def read_block(self, name: str, index: int, axis: int = 0, start: int = 0, length: int | None = None,
-                   rows: tuple[int, int] | None = None):
-        if name not in self.packed:
-            return self.base.read_block(name, index, axis, start, length, rows)
-        data = self.expert(name, index)  # a view: the readers copy it where it goes
-        data = data[rows[0]:rows[1]] if rows else data
-        return data.narrow(axis, start, data.shape[axis] - start if length is None else length)
+        return dequantize(blocks, scales, dtypes.to_torch(self.dtype)).t()  # [R, C] contiguous, read as [C, R]
 
 
 def wrap(files: list[TensorFile], view: Mxfp4View) -> list[TensorFile]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from reshard.core.pieces import StoredTensor
-from reshard.io.tensorfile import TensorFile, WrappedFile
+from reshard.io.tensorfile import BlockWrappedFile, TensorFile
 
 
 def interleave(data, axis: int, unit: int):
@@ -32,11 +32,10 @@ def deinterleave(data, axis: int, unit: int):
     return data.unflatten(axis, (n // unit, unit // 2, 2)).transpose(axis + 1, axis + 2).flatten(axis, axis + 2)
 
 
-class PairFile(WrappedFile):
+class PairFile(BlockWrappedFile):
     """A source file whose alternating tensors (name -> (axis within a block of dim 0, unit)) read end to end; its
-    other tensors are the base file's own. Reads go through torch (``direct_bytes`` False), a block at a time."""
-
-    direct_bytes = False
+    other tensors are the base file's own. Reads go through torch (``direct_bytes`` False), a block at a time (the
+    gate and up slots read one block after the other: reordered once)."""
 
     def __init__(self, base: TensorFile, paired: dict[str, tuple[int, int]]):
         super().__init__(base, dict(base.tensors))
@@ -46,35 +45,16 @@ class PairFile(WrappedFile):
         """Read-ahead extents of ``name``: the base file's bytes of it, whole."""
         return whole_extents(self.base, name)
 
-    def read_block(self, name: str, index: int, axis: int = 0, start: int = 0, length: int | None = None,
-                   rows: tuple[int, int] | None = None):
-        if name not in self.paired:
-            return self.base.read_block(name, index, axis, start, length, rows)
+    def transforms(self, name: str) -> bool:
+        return name in self.paired
+
+    def make_block(self, name: str, index: int):
+        """Block ``index`` of alternating tensor ``name``, its rows in end-to-end order."""
         inner, unit = self.paired[name]
-        last = getattr(self, "_last", None)  # the gate and up slots read one block after the other: reorder once
-        if last is None or last[0] != (name, index):
-            block = self.base.read_block(name, index)
-            if block.dim() == 2 and inner == 1 and block.t().is_contiguous():  # an [R, C] buffer read as [C, R]
-                block = deinterleave(block.t(), 0, unit).t()  # reorder whole rows of the buffer
-            else:
-                block = deinterleave(block, inner, unit)
-            last = self._last = ((name, index), block)
-        data = last[1]
-        data = data[rows[0]:rows[1]] if rows else data
-        return data.narrow(axis, start, data.shape[axis] - start if length is None else length)
-
-    def read(self, name: str, axis: int = 0, start: int = 0, length: int | None = None,
-             rows: tuple[int, int] | None = None):
-        if name not in self.paired:
-            return self.base.read(name, axis, start, length, rows)
-        import torch
-
-        shape = self.tensors[name].shape
-        if length is None:
-            length = shape[axis] - start
-        first, stop = (start, start + length) if axis == 0 else (rows or (0, shape[0]))
-        whole = torch.stack([self.read_block(name, e) for e in range(first, stop)])
-        return whole if axis == 0 else whole.narrow(axis, start, length).contiguous()
+        block = self.base.read_block(name, index)
+        if block.dim() == 2 and inner == 1 and block.t().is_contiguous():  # an [R, C] buffer read as [C, R]
+            return deinterleave(block.t(), 0, unit).t()  # reorder whole rows of the buffer
+        return deinterleave(block, inner, unit)
 
 
 def assemble_paired(tensor, files: list[TensorFile], allow_overflow: bool, assemble):

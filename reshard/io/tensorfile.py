@@ -193,3 +193,46 @@ class WrappedFile(TensorFile):
         if name == "base":  # not set yet (unpickling, a half-built object): no recursion
             raise AttributeError(name)
         return getattr(self.base, name)
+
+
+class BlockWrappedFile(WrappedFile):
+    """A :class:`WrappedFile` whose transformed tensors (:meth:`transforms`) are made one block (index along dim 0:
+    one expert) at a time by :meth:`make_block`, the last block kept (a fused gate / up block is read once per
+    slot); its other tensors are ``base``'s."""
+
+    direct_bytes = False
+
+    def transforms(self, name: str) -> bool:
+        raise NotImplementedError
+
+    def make_block(self, name: str, index: int):
+        raise NotImplementedError
+
+    def block(self, name: str, index: int):
+        """Block ``index`` of transformed tensor ``name``, made once for consecutive reads."""
+        last = getattr(self, "_last", None)
+        if last is None or last[0] != (name, index):
+            last = self._last = ((name, index), self.make_block(name, index))
+        return last[1]
+
+    def read_block(self, name: str, index: int, axis: int = 0, start: int = 0, length: int | None = None,
+                   rows: tuple[int, int] | None = None):
+        if not self.transforms(name):
+            return self.base.read_block(name, index, axis, start, length, rows)
+        data = self.block(name, index)  # a view: the readers copy it where it goes
+        data = data[rows[0]:rows[1]] if rows else data
+        return data.narrow(axis, start, data.shape[axis] - start if length is None else length)
+
+    def read(self, name: str, axis: int = 0, start: int = 0, length: int | None = None,
+             rows: tuple[int, int] | None = None):
+        if not self.transforms(name):
+            return self.base.read(name, axis, start, length, rows)
+        import torch
+
+        loc = self.tensors[name]
+        if length is None:
+            length = loc.shape[axis] - start
+        first, stop = (start, start + length) if axis == 0 else (rows or (0, loc.shape[0]))
+        parts = [self.block(name, e) for e in range(first, stop)]
+        whole = torch.stack(parts) if parts else torch.empty((0, *loc.shape[1:]), dtype=dtypes.to_torch(loc.dtype))
+        return whole if axis == 0 else whole.narrow(axis, start, length).contiguous()
