@@ -4,8 +4,8 @@ releases it (families-2.md section 2.2), sized so that its bf16 output is about 
 SRC (whose bytes only set the size; the tensors are generated, streaming).
 
 gpt-oss-120b's shape, narrower: hidden H = I (2880 in the release; here the largest of ``HIDDEN`` that leaves at
-least ``MIN_LAYERS`` layers), head dim 64, 8 KV heads, H/64 query heads, 32 experts (top 4), vocab 32000; every
-layer's expert matrices ``<name>_blocks`` U8 ``[E, R, C/32, 16]`` (random codes) with ``<name>_scales`` U8
+least ``MIN_LAYERS`` layers), head dim 64, 8 KV heads (fewer where H/64 is), H/64 query heads, 32 experts
+(top 4), vocab 32000; every layer's expert matrices ``<name>_blocks`` U8 ``[E, R, C/32, 16]`` (random codes) with ``<name>_scales`` U8
 ``[E, R, C/32]`` (exponents 118..129) as the release stores them, everything else bf16; config.json with
 ``quantization_config = {"quant_method": "mxfp4", ...}``. One safetensors shard per layer plus one for the
 embedding / norm / head, and the index.
@@ -30,16 +30,21 @@ EXPERTS, TOP_K, VOCAB, HEAD_DIM, KV_HEADS = 32, 4, 32000, 64, 8
 CHUNK = 8 << 20  # bytes generated at once
 
 
+def kv_heads(h: int) -> int:
+    """``KV_HEADS``, or every query head where a narrow model has fewer."""
+    return min(KV_HEADS, h // HEAD_DIM)
+
+
 def layer_specs(i: int, h: int) -> list[tuple[str, str, tuple[int, ...]]]:
     """Layer ``i``'s tensors as released: (name, dtype, shape)."""
     nh, p, e = h // HEAD_DIM, f"model.layers.{i}.", EXPERTS
     x = p + "mlp.experts."
     return [(p + "input_layernorm.weight", "BF16", (h,)), (p + "post_attention_layernorm.weight", "BF16", (h,)),
             (p + "self_attn.q_proj.weight", "BF16", (nh * HEAD_DIM, h)), (p + "self_attn.q_proj.bias", "BF16", (nh * HEAD_DIM,)),
-            (p + "self_attn.k_proj.weight", "BF16", (KV_HEADS * HEAD_DIM, h)),
-            (p + "self_attn.k_proj.bias", "BF16", (KV_HEADS * HEAD_DIM,)),
-            (p + "self_attn.v_proj.weight", "BF16", (KV_HEADS * HEAD_DIM, h)),
-            (p + "self_attn.v_proj.bias", "BF16", (KV_HEADS * HEAD_DIM,)),
+            (p + "self_attn.k_proj.weight", "BF16", (kv_heads(h) * HEAD_DIM, h)),
+            (p + "self_attn.k_proj.bias", "BF16", (kv_heads(h) * HEAD_DIM,)),
+            (p + "self_attn.v_proj.weight", "BF16", (kv_heads(h) * HEAD_DIM, h)),
+            (p + "self_attn.v_proj.bias", "BF16", (kv_heads(h) * HEAD_DIM,)),
             (p + "self_attn.o_proj.weight", "BF16", (h, nh * HEAD_DIM)), (p + "self_attn.o_proj.bias", "BF16", (h,)),
             (p + "self_attn.sinks", "BF16", (nh,)), (p + "mlp.router.weight", "BF16", (e, h)),
             (p + "mlp.router.bias", "BF16", (e,)),
@@ -116,7 +121,7 @@ def make(src: Path, dst: Path) -> None:
         total += (dst / shard).stat().st_size
     config = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": h,
               "intermediate_size": h, "num_hidden_layers": layers, "num_attention_heads": h // HEAD_DIM,
-              "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "vocab_size": VOCAB,
+              "num_key_value_heads": kv_heads(h), "head_dim": HEAD_DIM, "vocab_size": VOCAB,
               "num_local_experts": EXPERTS, "num_experts_per_tok": TOP_K, "sliding_window": 128,
               "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
               "rms_norm_eps": 1e-05, "hidden_act": "silu", "attention_bias": True, "swiglu_limit": 7.0,
