@@ -155,6 +155,19 @@ def init_expert_parallel(tp: int, ep: int, etp: int) -> None:
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True)
 
 
+def cpu_eval_fields(tp: int, ep: int, etp: int, **extra) -> dict:
+    """TransformerConfig fields of a CPU evaluation run at these degrees (no fusions, no dropout, parameters from the
+    checkpoint, the allgather MoE dispatcher), then ``extra``."""
+    return dict(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp, sequence_parallel=False, context_parallel_size=1,
+        use_cpu_initialization=True, perform_initialization=False, attention_dropout=0.0, hidden_dropout=0.0,
+        masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        moe_token_dispatcher_type="allgather", moe_permute_fusion=False, moe_aux_loss_coeff=0.0,
+        moe_grouped_gemm=False, **extra)
+
+
 def _cpu_shims() -> None:
     if torch.cuda.is_available():
         return

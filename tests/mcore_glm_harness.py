@@ -33,6 +33,7 @@ from mcore_dist_harness import (  # noqa: E402
     _cpu_shims,
     _die_with_parent,
     _reap_strays,
+    cpu_eval_fields,
     init_expert_parallel,
     read_common,
     spawn_and_join,
@@ -63,14 +64,7 @@ def build_model(args: argparse.Namespace, tp: int, ep: int, etp: int):
         num_moe_experts=args.num_experts, num_query_groups=args.num_query_groups,
         activation_func=F.silu, gated_linear_unit=bool(args.swiglu), pipeline_dtype=torch.float32,
         params_dtype=torch.float32, bf16=False, fp16=False, mtp_num_layers=None)
-    fields.update(  # CPU / eval plumbing and the degrees this run loads at
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp, sequence_parallel=False, context_parallel_size=1,
-        use_cpu_initialization=True, perform_initialization=False, attention_dropout=0.0, hidden_dropout=0.0,
-        masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        moe_token_dispatcher_type="allgather", moe_permute_fusion=False, moe_aux_loss_coeff=0.0,
-        moe_grouped_gemm=False)
+    fields.update(cpu_eval_fields(tp, ep, etp))  # CPU / eval plumbing and the degrees this run loads at
     config = TransformerConfig(**fields)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization)
     model = GPTModel(

@@ -31,6 +31,7 @@ from mcore_cpu import prepare_cpu  # noqa: E402
 os.environ["TORCHDYNAMO_DISABLE"] = "1"
 torch = prepare_cpu()
 import mcore_glm_harness as glm_harness  # noqa: E402
+from mcore_dist_harness import cpu_eval_fields  # noqa: E402
 from mcore_mla_harness import padded_vocab  # noqa: E402
 
 #: Args a gpt-oss run records that change the model (megatron-core's defaults would apply to a missing one).
@@ -77,15 +78,8 @@ def build_model(args: argparse.Namespace, tp: int, ep: int, etp: int):
         layernorm_epsilon=args.norm_epsilon, num_moe_experts=args.num_experts, num_query_groups=args.num_query_groups,
         activation_func=quick_gelu, gated_linear_unit=True, window_size=tuple(args.window_size),
         pipeline_dtype=torch.float32, params_dtype=torch.float32, bf16=False, fp16=False, mtp_num_layers=None)
-    fields.update(  # CPU / eval plumbing and the degrees this run loads at
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp, sequence_parallel=False, context_parallel_size=1,
-        use_cpu_initialization=True, perform_initialization=False, attention_dropout=0.0, hidden_dropout=0.0,
-        masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        attention_softmax_in_fp32=True, moe_token_dispatcher_type="allgather", moe_permute_fusion=False,
-        moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none", moe_grouped_gemm=False,
-        moe_router_dtype="fp32")
+    fields.update(cpu_eval_fields(  # CPU / eval plumbing and the degrees this run loads at
+        tp, ep, etp, attention_softmax_in_fp32=True, moe_router_load_balancing_type="none", moe_router_dtype="fp32"))
     config = TransformerConfig(**fields)
     for key in ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
                 "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "yarn_correction_range_round_to_int"):

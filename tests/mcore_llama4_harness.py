@@ -33,6 +33,7 @@ os.environ["TORCHDYNAMO_DISABLE"] = "1"
 torch = prepare_cpu()
 import torch.nn.functional as F  # noqa: E402
 import mcore_glm_harness as glm_harness  # noqa: E402
+from mcore_dist_harness import cpu_eval_fields  # noqa: E402
 from mcore_mla_harness import padded_vocab  # noqa: E402
 
 #: Args a Llama 4 run records that change the model (megatron-core's defaults would apply to a missing one).
@@ -81,14 +82,7 @@ def build_model(args: argparse.Namespace, tp: int, ep: int, etp: int):
         activation_func=F.silu, gated_linear_unit=bool(args.swiglu), pipeline_dtype=torch.float32,
         params_dtype=torch.float32, bf16=False, fp16=False, mtp_num_layers=None,
         no_rope_freq=[1 - int(x) for x in record["no_rope_layers"]])  # Megatron-LM's --no-rope-freq, as a list
-    fields.update(  # CPU / eval plumbing and the degrees this run loads at
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp, sequence_parallel=False, context_parallel_size=1,
-        use_cpu_initialization=True, perform_initialization=False, attention_dropout=0.0, hidden_dropout=0.0,
-        masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        moe_token_dispatcher_type="allgather", moe_permute_fusion=False, moe_aux_loss_coeff=0.0,
-        moe_grouped_gemm=False)
+    fields.update(cpu_eval_fields(tp, ep, etp))  # CPU / eval plumbing and the degrees this run loads at
     config = TransformerConfig(**fields)
     model = GPTModel(
         config=config, transformer_layer_spec=layer_spec(config, record),

@@ -31,7 +31,7 @@ from mcore_cpu import prepare_cpu  # noqa: E402
 os.environ["TORCHDYNAMO_DISABLE"] = "1"
 torch = prepare_cpu()
 import torch.nn.functional as F  # noqa: E402
-from mcore_dist_harness import read_common  # noqa: E402
+from mcore_dist_harness import cpu_eval_fields, read_common  # noqa: E402
 import mcore_glm_harness  # noqa: E402
 from mcore_mla_harness import forward, iteration_dir, padded_vocab  # noqa: E402
 
@@ -71,14 +71,7 @@ def build_model(args, tp: int, ep: int, etp: int):
         activation_func=F.silu, gated_linear_unit=bool(args.swiglu), pipeline_dtype=torch.float32,
         params_dtype=torch.float32, bf16=False, fp16=False, mtp_num_layers=None, normalization="RMSNorm",
         transformer_impl="local")
-    fields.update(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp, sequence_parallel=False, context_parallel_size=1,
-        use_cpu_initialization=True, perform_initialization=False, attention_dropout=0.0, hidden_dropout=0.0,
-        masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        moe_token_dispatcher_type="allgather", moe_permute_fusion=False, moe_aux_loss_coeff=0.0,
-        moe_grouped_gemm=False, moe_router_dtype="fp32")
+    fields.update(cpu_eval_fields(tp, ep, etp, moe_router_dtype="fp32"))
     config = TransformerConfig(**fields)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     specs = []
